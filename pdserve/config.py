@@ -1,0 +1,267 @@
+"""Frozen configuration dataclasses, validated in ``__post_init__``.
+
+One dataclass per layer: :class:`ModelConfig` (architecture facts read from a Hugging Face
+``config.json``; torch-free so the simulator can use it), :class:`CacheConfig` (KV block pool),
+:class:`SchedulerConfig` (iteration scheduler of one instance) and :class:`EngineConfig` (one
+model instance = the three above plus device/dtype/seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+Role = Literal["colocated", "prefill", "decode"]
+ROLES: tuple[str, ...] = ("colocated", "prefill", "decode")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "OPTForCausalLM": "opt",
+}
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer, as far as serving needs it.
+
+    ``family`` is one of ``llama`` (Llama 2/3, Mistral), ``qwen2`` (Llama + QKV bias) or ``opt``.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    name: str = ""
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _require(self.family in ("llama", "qwen2", "opt"), f"unsupported model family {self.family!r}")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "max_position_embeddings"):
+            _require(getattr(self, f) > 0, f"{f} must be > 0, got {getattr(self, f)}")
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim == 0:
+            _require(self.hidden_size % self.num_heads == 0,
+                     f"hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    # ---- derived sizes (used by the simulator and the memory planner) ----
+    def kv_bytes_per_token(self, dtype: str = "float16") -> int:
+        """Bytes of K and V for one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included)."""
+        h, i, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.family == "opt":
+            mlp = 2 * h * i
+            extra = self.max_position_embeddings * h
+        else:
+            mlp = 3 * h * i
+            extra = 0
+        head = 0 if self.tie_word_embeddings else v * h
+        return n * (attn + mlp) + v * h + head + extra
+
+    # ---- loading ----
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> ModelConfig:
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else ""
+        family = SUPPORTED_ARCHITECTURES.get(arch)
+        if family is None:
+            mt = d.get("model_type", "")
+            family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "opt": "opt"}.get(mt)
+        if family is None:
+            raise ValueError(
+                f"unsupported architecture {arch or d.get('model_type')!r}; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if family == "opt":
+            return cls(
+                family="opt",
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["ffn_dim"],
+                num_layers=d["num_hidden_layers"],
+                num_heads=d["num_attention_heads"],
+                num_kv_heads=d["num_attention_heads"],
+                max_position_embeddings=d["max_position_embeddings"],
+                norm_eps=1e-5,
+                tie_word_embeddings=d.get("tie_word_embeddings", True),
+                attention_bias=d.get("enable_bias", True),
+                eos_token_ids=eos_ids,
+                bos_token_id=d.get("bos_token_id"),
+                name=name,
+                hf_config=d,
+            )
+        return cls(
+            family=family,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=d["num_attention_heads"],
+            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            head_dim=d.get("head_dim") or 0,
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=d.get("rope_scaling"),
+            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=d.get("bos_token_id"),
+            name=name,
+            hf_config=d,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model directory {str(path)!r} has no config.json")
+        with open(cfg_path) as f:
+            d = json.load(f)
+        return cls.from_hf_dict(d, name=os.path.basename(os.path.normpath(path)))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``num_kv_blocks`` blocks of ``block_size`` tokens.
+
+    ``num_kv_blocks=None`` sizes the pool from available memory: on CUDA a share
+    ``memory_utilization`` of the free device memory after the weights, on CPU ``cpu_kv_gib``.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    memory_utilization: float = 0.9
+    cpu_kv_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+                 f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        _require(0.0 < self.memory_utilization <= 1.0,
+                 f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        _require(self.cpu_kv_gib > 0, f"cpu_kv_gib must be > 0, got {self.cpu_kv_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduler of one instance.
+
+    ``role``: ``colocated`` runs both phases; ``prefill`` stops each request after its first token
+    and holds its KV for a decode instance to pull; ``decode`` admits only requests whose KV was
+    imported. ``prefill_token_target`` is DistServe's L_m (section 4.3): a prefill instance batches
+    whole prompts up to this many tokens, a longer prompt runs alone. ``None`` = the token budget.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    role: Role = "colocated"
+    prefill_token_target: int | None = None
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _require(self.prefill_token_target is None or self.prefill_token_target >= 1,
+                 f"prefill_token_target must be >= 1, got {self.prefill_token_target}")
+        if not self.enable_chunked_prefill and self.role != "prefill":
+            _require(self.max_num_batched_tokens >= self.max_model_len,
+                     "without chunked prefill max_num_batched_tokens "
+                     f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                     f"({self.max_model_len}) so that every prompt fits one step")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One model instance: model directory, device, dtype, cache and scheduler."""
+
+    model: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device == "cpu" or self.device.startswith("cuda"),
+                 f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    # Keyword arguments accepted by ``LLM(model, **kwargs)`` and the CLI engine flags.
+    KWARGS = (
+        "device", "dtype", "seed", "block_size", "num_kv_blocks", "enable_prefix_caching",
+        "memory_utilization", "cpu_kv_gib", "max_num_batched_tokens", "max_num_seqs",
+        "max_model_len", "enable_chunked_prefill", "role", "prefill_token_target", "policy",
+    )
+
+    @classmethod
+    def from_kwargs(cls, model: str, model_max_len: int | None = None, **kw: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM`` / CLI). Unknown names raise ``TypeError``.
+
+        ``max_model_len=None`` takes the model's ``max_position_embeddings`` (``model_max_len``);
+        ``max_num_batched_tokens=None`` picks vLLM's defaults (2048 with chunked prefill,
+        ``max_model_len`` without).
+        """
+        unknown = set(kw) - set(cls.KWARGS)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
+        kw = {k: v for k, v in kw.items() if v is not None or k == "num_kv_blocks"}
+        cache_names = {f.name for f in fields(CacheConfig)}
+        sched_names = {f.name for f in fields(SchedulerConfig)}
+        cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_names})
+        sk = {k: v for k, v in kw.items() if k in sched_names}
+        max_len = sk.get("max_model_len") or model_max_len or SchedulerConfig.max_model_len
+        if model_max_len is not None and max_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                f"({model_max_len})"
+            )
+        sk["max_model_len"] = max_len
+        chunked = sk.get("enable_chunked_prefill", SchedulerConfig.enable_chunked_prefill)
+        if "max_num_batched_tokens" not in sk:
+            sk["max_num_batched_tokens"] = 2048 if chunked else max(2048, max_len)
+        sched = SchedulerConfig(**sk)
+        top = {k: v for k, v in kw.items() if k in ("device", "dtype", "seed")}
+        return cls(model=model, cache=cache, scheduler=sched, **top)
+
+    def with_role(self, role: Role) -> EngineConfig:
+        return replace(self, scheduler=replace(self.scheduler, role=role))

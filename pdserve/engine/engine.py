@@ -1,0 +1,230 @@
+"""Engine: one model instance as a synchronous state machine.
+
+``step(now)`` = ``scheduler.schedule(now)`` → ``executor.execute(batch)`` →
+``scheduler.update(batch, result, now + result.elapsed)``. The engine never reads a clock or
+sleeps: the driver passes ``now`` in, and token times are ``now`` plus the executor's reported
+duration (measured by a real executor, modelled by the simulator's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.batch import ScheduledBatch
+from pdserve.engine.executor import Executor
+from pdserve.engine.scheduler import Scheduler
+from pdserve.request import Request, RequestOutput, RequestStatus, SamplingParams
+from pdserve.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class StepResult:
+    """What one step did: the batch, its duration, and one output delta per request that got a
+    token or finished. ``held`` lists prefill-role requests whose KV now awaits a pull."""
+
+    batch: ScheduledBatch
+    elapsed: float
+    outputs: list[RequestOutput] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int
+    num_pending_kv: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    num_steps: int
+
+
+@dataclass
+class KVPayload:
+    """The KV of blocks ``[first_block, first_block + num_blocks)`` of a request (all layers)."""
+
+    request_id: str
+    first_block: int
+    num_blocks: int
+    data: Any
+
+
+class Engine:
+    """One model instance. ``executor=None`` builds the torch :class:`ModelExecutor`."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 tokenizer: Any = None, eos_token_ids: tuple[int, ...] | None = None,
+                 record_events: bool = False) -> None:
+        self.config = config
+        if executor is None:
+            from pdserve.engine.model_executor import ModelExecutor
+
+            executor = ModelExecutor(config)
+        self.executor = executor
+        if eos_token_ids is None:
+            eos_token_ids = tuple(getattr(executor, "eos_token_ids", ()))
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_kv_blocks,
+                                   eos_token_ids, record_events)
+        self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = getattr(getattr(executor, "model_config", None), "vocab_size", None)
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the bad value if this request cannot be served."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty (0 tokens); give at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        if self.vocab_size is not None:
+            bad = [t for t in prompt_token_ids
+                   if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    now: float = 0.0, arrival_time: float | None = None) -> Request:
+        """Queue a request (colocated/prefill roles). Raises ``ValueError`` on bad input."""
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params,
+                      now if arrival_time is None else arrival_time, self.max_model_len)
+        self._attach_detokenizer(req)
+        self.scheduler.add_request(req, now)
+        return req
+
+    def add_transfer_request(self, request_id: str, prompt_token_ids: list[int],
+                             first_token: int, params: SamplingParams, now: float = 0.0,
+                             arrival_time: float | None = None) -> Request:
+        """Decode role: accept a request whose prompt was computed elsewhere and whose first
+        token is ``first_token``; its KV is pulled once :meth:`reserve_pulls` finds room."""
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params,
+                      now if arrival_time is None else arrival_time, self.max_model_len)
+        self._attach_detokenizer(req)
+        req.append_token(first_token)
+        if req.detok is not None:
+            req.detok.add(first_token)
+        self.scheduler.add_request(req, now)
+        return req
+
+    def _attach_detokenizer(self, req: Request) -> None:
+        if self.tokenizer is not None:
+            p = req.params
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                               p.skip_special_tokens, p.stop,
+                                               p.include_stop_str_in_output)
+
+    def abort(self, request_id: str, now: float = 0.0) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id, now)
+        return None if req is None else self._output(req, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        """Whether :meth:`step` would compute anything now."""
+        s = self.scheduler
+        return bool(s.running or s.waiting)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, now: float = 0.0) -> StepResult:
+        sched = self.scheduler
+        batch = sched.schedule(now)
+        if batch.empty:
+            return StepResult(batch, 0.0)
+        result = self.executor.execute(batch)
+        self.num_steps += 1
+        end = now + result.elapsed
+        got, done = sched.update(batch, result, end)
+        finished = {r.request_id for r in done}
+        out = StepResult(batch, result.elapsed)
+        for req in got:
+            tok = req.output_token_ids[-1]
+            text = ""
+            if req.detok is not None:
+                text, stop = req.detok.add(tok)
+                if stop is not None and req.request_id not in finished:
+                    req.stop_reason = stop
+                    sched.finish(req, RequestStatus.FINISHED_STOPPED, end)
+                    finished.add(req.request_id)
+            out.outputs.append(self._output(req, [tok], text))
+            if req.status == RequestStatus.HELD:
+                out.held.append(req.request_id)
+        return out
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=req.detok.text if req.detok is not None else "",
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            logprobs=req.logprobs,
+            timeline=req.timeline,
+        )
+
+    # ------------------------------------------------------------------ KV hand-off
+    def export_kv(self, request_id: str, first_block: int = 0) -> KVPayload:
+        """Prefill role: the prompt KV of a held request from block ``first_block`` on."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not held on this instance")
+        n_blocks = self.scheduler.kv.blocks_for(req.num_prompt_tokens)
+        ids = req.block_ids[first_block:n_blocks]
+        return KVPayload(request_id, first_block, len(ids),
+                         self.executor.export_kv(ids) if ids else None)
+
+    def release(self, request_id: str, now: float = 0.0) -> None:
+        """Prefill role: the decode side confirmed the transfer; free this copy."""
+        self.scheduler.release(request_id, now)
+
+    def reserve_pulls(self, now: float = 0.0,
+                      limit: int | None = None) -> list[tuple[str, int]]:
+        """Decode role: reserve blocks for pending requests; ``(request_id, first block to
+        pull)`` for each that now has room."""
+        return [(r.request_id, k) for r, k in self.scheduler.reserve_pulls(now, limit)]
+
+    def import_kv(self, payload: KVPayload, now: float = 0.0) -> None:
+        """Decode role: write a pulled payload into the reserved blocks; the request becomes
+        runnable."""
+        req = self.scheduler.pulling.get(payload.request_id)
+        if req is None:
+            raise KeyError(f"request {payload.request_id!r} has no reserved blocks here")
+        ids = req.block_ids[payload.first_block : payload.first_block + payload.num_blocks]
+        if len(ids) != payload.num_blocks:
+            raise ValueError(f"payload of {payload.num_blocks} blocks does not fit the "
+                             f"{len(ids)} reserved from block {payload.first_block}")
+        if ids:
+            self.executor.import_kv(ids, payload.data)
+        self.scheduler.complete_pull(payload.request_id, now)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> EngineStats:
+        s, pool = self.scheduler, self.scheduler.pool
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
+            num_pending_kv=len(s.pending_kv) + len(s.pulling), num_kv_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks, num_used_blocks=pool.num_used_blocks,
+            kv_usage=pool.usage, prefix_queries=s.kv.prefix_queries,
+            prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

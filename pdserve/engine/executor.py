@@ -1,0 +1,30 @@
+"""The executor seam: the one thing the simulator swaps (torch-free protocol)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs scheduled batches against a paged KV cache of ``num_kv_blocks`` blocks.
+
+    Implementations: :class:`pdserve.engine.model_executor.ModelExecutor` (torch, CPU/CUDA) and
+    the simulator's latency-model executor.
+    """
+
+    num_kv_blocks: int
+
+    def execute(self, batch: ScheduledBatch) -> ExecuteResult:
+        """Compute every ``batch.seqs`` chunk, write its KV, and sample where ``seq.sample``."""
+        ...
+
+    def export_kv(self, block_ids: list[int]) -> Any:
+        """Copy the KV of ``block_ids`` (all layers) into a serializable payload."""
+        ...
+
+    def import_kv(self, block_ids: list[int], payload: Any) -> None:
+        """Write a payload made by :meth:`export_kv` into ``block_ids`` (same length, same order)."""
+        ...

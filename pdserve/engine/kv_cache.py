@@ -1,0 +1,225 @@
+"""Torch-free paged KV block pool with ref counts, chained-hash prefix reuse and O(1) LRU.
+
+A block holds ``block_size`` tokens of KV. A block is in exactly one of three states::
+
+    used    ref_cnt > 0                      (in some request's block table)
+    cached  ref_cnt == 0, has a hash         (in the free queue, revivable by a prefix hit)
+    free    ref_cnt == 0, no hash            (in the free queue)
+
+The free queue is an intrusive doubly linked list ordered by release time: allocation pops the
+head (least recently released), so cached blocks are evicted in LRU order, and a prefix hit
+unlinks a cached block from the middle in O(1). Full blocks are identified by a chained hash
+``hash((parent_hash, tokens))``; every hit also compares the stored tokens, so a hash collision
+can never serve wrong KV. Python's hash of int tuples is stable across processes, so hashes from
+different instances can be compared by a cluster-wide prefix index (fed by :attr:`events`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NO_PARENT = -1
+
+
+def hash_block(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    return hash((parent_hash, tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks with these chained hashes now hold KV (in chain order, after ``parent_hash``)."""
+
+    block_hashes: list[int]
+    parent_hash: int
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks with these hashes were evicted and no longer hold reusable KV."""
+
+    block_hashes: list[int]
+
+
+KVEvent = BlockStored | BlockRemoved
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks with O(1) append, popleft and remove."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.size = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next, block.prev, block.next, self._tail.prev = block, last, self._tail, block
+        self.size += 1
+
+    def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, f"{block} is not queued"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> Block:
+        block = self._head.next
+        assert block is not None and block is not self._tail, "free queue is empty"
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        b = self._head.next
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks of ``block_size`` tokens; see the module docstring."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 record_events: bool = False) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.record_events = record_events
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}
+        self.events: list[KVEvent] = []
+
+    # ---- queries ----
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + cached)."""
+        return self.free_queue.size
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.size
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> Block | None:
+        """The cached block with this hash *and* these tokens, or ``None``."""
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tokens:
+            return None
+        return block
+
+    # ---- transitions ----
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on blocks found by :meth:`lookup` (reviving cached free ones)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` blocks from the head of the free queue, evicting their cached KV."""
+        if n > self.free_queue.size:
+            raise ValueError(f"cannot allocate {n} blocks, only {self.free_queue.size} free")
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference from each block. Pass a request's table **tail first** so that its
+        last blocks (least likely to be shared) are evicted first."""
+        for b in blocks:
+            assert b.ref_cnt > 0, f"double free of {b}"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def cache(self, block: Block, block_hash: int, tokens: tuple[int, ...],
+              parent_hash: int) -> bool:
+        """Register a used, fully computed block under ``block_hash``. Returns ``False`` (and
+        leaves the block uncached) when another block already holds this content."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self.cached:
+            return False
+        block.block_hash, block.token_ids = block_hash, tokens
+        self.cached[block_hash] = block
+        if self.record_events:
+            self.events.append(BlockStored([block_hash], parent_hash, list(tokens),
+                                           self.block_size))
+        return True
+
+    def _evict(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self.cached[block.block_hash]
+        if self.record_events:
+            self.events.append(BlockRemoved([block.block_hash]))
+        block.block_hash = block.token_ids = None
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached free block; returns how many were evicted."""
+        victims = [b for b in self.free_queue if b.block_hash is not None]
+        for b in victims:
+            self._evict(b)
+        return len(victims)
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    # ---- invariants ----
+    def check_integrity(self) -> None:
+        """Assert ``free + cached + used == total``, ref counts >= 0, every block in one place."""
+        queued = list(self.free_queue)
+        ids = [b.block_id for b in queued]
+        assert len(ids) == len(set(ids)) == self.free_queue.size, "free queue corrupt"
+        queued_set = set(ids)
+        n_free = n_cached = n_used = 0
+        for b in self.blocks:
+            assert b.ref_cnt >= 0, f"{b} has negative ref count"
+            if b.ref_cnt > 0:
+                assert b.block_id not in queued_set, f"{b} is used but in the free queue"
+                n_used += 1
+            else:
+                assert b.block_id in queued_set, f"{b} leaked: unreferenced and not free"
+                if b.block_hash is None:
+                    n_free += 1
+                else:
+                    n_cached += 1
+            if b.block_hash is not None:
+                assert self.cached.get(b.block_hash) is b, f"{b} hash not indexed"
+        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
+        assert n_free + n_cached + n_used == self.num_blocks

@@ -1,0 +1,96 @@
+"""Per-request view of the block pool: prefix matching, slot allocation, caching, freeing."""
+
+from __future__ import annotations
+
+from pdserve.engine.kv_cache import NO_PARENT, Block, BlockPool, hash_block
+from pdserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Keeps ``request.block_ids`` and ``request.block_hashes`` in step with the pool.
+
+    Counters ``prefix_queries``/``prefix_hits`` count prompt tokens looked up / found in the prefix
+    cache (vLLM's ``prefix_cache_queries``/``hits``).
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _hashes(self, req: Request) -> list[int]:
+        """Chained hashes of every full block of ``req.all_token_ids`` (extended lazily)."""
+        bs, toks, hashes = self.block_size, req.all_token_ids, req.block_hashes
+        parent = hashes[-1] if hashes else NO_PARENT
+        for i in range(len(hashes), len(toks) // bs):
+            parent = hash_block(parent, tuple(toks[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, req: Request) -> list[Block]:
+        """Longest run of cached blocks that prefixes ``req``'s tokens, leaving at least the last
+        token to compute (its logits are needed). Takes no references."""
+        if not self.pool.enable_caching:
+            return []
+        n_max = (req.num_tokens - 1) // self.block_size
+        self.prefix_queries += req.num_tokens
+        if n_max == 0:
+            return []
+        hashes = self._hashes(req)
+        bs, toks, hits = self.block_size, req.all_token_ids, []
+        for i in range(n_max):
+            b = self.pool.lookup(hashes[i], tuple(toks[i * bs : (i + 1) * bs]))
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_hits += len(hits) * bs
+        return hits
+
+    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
+        """Give ``req`` slots for ``num_new_tokens`` more tokens after its computed ones (plus the
+        prefix ``hits``, which must come from :meth:`match_prefix` on a request with no blocks).
+        Returns ``False`` and changes nothing when the pool is too small."""
+        hits = hits or []
+        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        n_new = self.blocks_for(total) - len(req.block_ids) - len(hits)
+        revive = sum(1 for b in hits if b.ref_cnt == 0)
+        if max(n_new, 0) + revive > self.pool.num_free_blocks:
+            return False
+        if hits:
+            self.pool.touch(hits)
+            req.block_ids.extend(b.block_id for b in hits)
+        if n_new > 0:
+            req.block_ids.extend(b.block_id for b in self.pool.allocate(n_new))
+        return True
+
+    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        total = req.num_computed_tokens + num_new_tokens
+        return self.blocks_for(total) - len(req.block_ids) <= self.pool.num_free_blocks
+
+    def cache_computed(self, req: Request, old_computed: int, new_computed: int) -> None:
+        """Register the blocks that became full and computed between the two counts."""
+        if not self.pool.enable_caching:
+            return
+        bs = self.block_size
+        first, last = old_computed // bs, new_computed // bs
+        if last <= first:
+            return
+        hashes, toks, blocks = self._hashes(req), req.all_token_ids, self.pool.blocks
+        for i in range(first, last):
+            parent = hashes[i - 1] if i else NO_PARENT
+            self.pool.cache(blocks[req.block_ids[i]], hashes[i],
+                            tuple(toks[i * bs : (i + 1) * bs]), parent)
+
+    def free(self, req: Request) -> None:
+        """Release all of ``req``'s blocks, tail first (so its last blocks are evicted first)."""
+        blocks = self.pool.blocks
+        self.pool.free([blocks[i] for i in reversed(req.block_ids)])
+        req.block_ids = []

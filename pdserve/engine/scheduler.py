@@ -1,0 +1,291 @@
+"""Torch-free iteration-level scheduler of one instance.
+
+There are no hard-coded phases: each request's ``num_computed_tokens`` chases ``num_tokens``
+(prompt + generated). One token-budget loop produces prefill chunks, decodes, prefix-cache hits and
+recomputation after preemption alike. Two modes:
+
+* **chunked** (``enable_chunked_prefill``, Sarathi-Serve / vLLM v1): running requests first
+  (decodes and unfinished chunks, in order), then waiting ones, each taking
+  ``min(remaining, budget)`` tokens — prefill chunks ride along with decodes.
+* **prefill-first** (vLLM v0, the colocated baseline in DistServe §6): if any waiting prompt fits,
+  the step is prefill-only (whole prompts up to the budget); otherwise it decodes every running
+  request.
+
+Roles (DESIGN.md "Engine step"): a ``prefill`` instance holds each request after its first token
+(its blocks stay allocated until a decode instance pulls them, DistServe §4.3) and batches whole
+prompts up to the token target ``L_m`` (a longer prompt runs alone); a ``decode`` instance reserves
+blocks for a request's prompt KV (matching its own prefix cache first), lets the driver pull the
+missing blocks, then continues it like any running request.
+
+Preemption is by recompute: the victim (the most recently admitted running request) frees its
+blocks and returns to the head of the waiting queue with ``num_computed_tokens = 0``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.engine.batch import ExecuteResult, ScheduledBatch, ScheduledSeq
+from pdserve.engine.kv_cache import BlockPool
+from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.request import Request, RequestStatus
+
+S = RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 eos_token_ids: Iterable[int] = (), record_events: bool = False) -> None:
+        if config.policy != "fcfs":
+            raise ValueError(f"unknown scheduling policy {config.policy!r}; available: ['fcfs']")
+        self.config = config
+        self.role = config.role
+        self.block_size = cache_config.block_size
+        self.pool = BlockPool(num_blocks, cache_config.block_size,
+                              cache_config.enable_prefix_caching, record_events)
+        self.kv = KVCacheManager(self.pool)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # prefill role: KV kept for a decode instance
+        self.pending_kv: deque[Request] = deque()  # decode role: waiting for blocks to pull into
+        self.pulling: dict[str, Request] = {}  # decode role: blocks reserved, transfer in flight
+        self.step_id = 0
+        self.num_preemptions = 0
+        if self.role == "prefill":
+            self.budget = config.prefill_token_target or config.max_num_batched_tokens
+        else:
+            self.budget = config.max_num_batched_tokens
+        # A decode instance always runs its admitted requests alongside the running ones.
+        self.chunked = config.enable_chunked_prefill or self.role == "decode"
+
+    # ------------------------------------------------------------------ admission
+    def add_request(self, req: Request, now: float) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        need = self.kv.blocks_for(min(req.num_prompt_tokens + req.params.max_tokens,
+                                      self.config.max_model_len))
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"request {req.request_id!r} may need {need} KV blocks but the pool has only "
+                f"{self.pool.num_blocks}; raise num_kv_blocks or lower max_model_len")
+        self.requests[req.request_id] = req
+        if self.role == "decode":
+            req.status = S.WAITING_KV
+            req.timeline.decode_queued = now
+            self.pending_kv.append(req)
+        else:
+            req.status = S.WAITING
+            req.timeline.prefill_queued = now
+            self.waiting.append(req)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, now: float) -> ScheduledBatch:
+        self.step_id += 1
+        batch = ScheduledBatch(self.step_id)
+        if self.chunked:
+            budget = self._schedule_running(batch, self.budget)
+            if not batch.preempted:
+                self._schedule_waiting(batch, budget, now)
+        else:
+            self._schedule_waiting(batch, self.budget, now)
+            if batch.empty:
+                self._schedule_running(batch, self.budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        running, i, bs = self.running, 0, self.block_size
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_computed_tokens + n > len(req.block_ids) * bs:  # needs a new block
+                while not self.kv.allocate(req, n):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    batch.preempted.append(victim.request_id)
+                    if victim is req:
+                        return budget
+            batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n,
+                                           req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, now: float) -> int:
+        waiting, kv = self.waiting, self.kv
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = waiting[0]
+            fresh = req.num_computed_tokens == 0 and not req.block_ids
+            hits = kv.match_prefix(req) if fresh else []
+            start = req.num_computed_tokens + len(hits) * self.block_size
+            n = req.num_tokens - start
+            if self.chunked:
+                n = min(n, budget)
+            elif n > budget and not (self.role == "prefill" and batch.empty):
+                break  # whole prompts only; on a prefill instance a long prompt runs alone
+            if not kv.allocate(req, n, hits):
+                break
+            waiting.popleft()
+            if fresh and req.num_cached_tokens < 0:
+                req.num_cached_tokens = start
+            req.num_computed_tokens = start
+            req.status = S.RUNNING
+            tl = req.timeline
+            if self.role == "decode":
+                if tl.decode_admitted is None:
+                    tl.decode_admitted = now
+            elif tl.prefill_start is None:
+                tl.prefill_start = now
+            self.running.append(req)
+            batch.seqs.append(ScheduledSeq(req, start, n, start + n == req.num_tokens))
+            budget -= n
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = S.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, batch: ScheduledBatch, result: ExecuteResult,
+               now: float) -> tuple[list[Request], list[Request]]:
+        """Advance computed counts, append sampled tokens (timestamped ``now``), apply the
+        token-level stop rules. Returns (requests that got a token, requests that finished)."""
+        got, done, k = [], [], 0
+        lps, bs = result.logprobs, self.block_size
+        for seq in batch.seqs:
+            req = seq.request
+            if seq.sample:
+                tok = result.sampled[k]
+                lp = lps[k] if lps is not None else None
+                k += 1
+            if req.status != S.RUNNING:
+                continue  # aborted while the step ran
+            old = req.num_computed_tokens
+            new = req.num_computed_tokens = old + seq.num_tokens
+            if old // bs != new // bs:
+                self.kv.cache_computed(req, old, new)
+            if not seq.sample:
+                continue
+            req.append_token(tok)
+            if req.logprobs is not None and lp is not None:
+                req.logprobs.append(lp)
+            req.timeline.token_times.append(now)
+            if req.num_output_tokens == 1 and self.role != "decode":
+                req.timeline.prefill_end = now
+            got.append(req)
+            status = self._stop_status(req, tok)
+            if status is not None:
+                self.finish(req, status, now)
+                done.append(req)
+            elif self.role == "prefill":
+                self.running.remove(req)
+                req.status = S.HELD
+                self.held[req.request_id] = req
+        return got, done
+
+    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return S.FINISHED_STOPPED
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return S.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return S.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------------ finish / abort
+    def finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        """End ``req`` wherever it is (running, waiting, held, pending or pulling) and free its
+        blocks. Idempotent for finished requests."""
+        if req.is_finished:
+            return
+        rid = req.request_id
+        if req.status == S.RUNNING:
+            self.running.remove(req)
+        elif req.status == S.WAITING:
+            self.waiting.remove(req)
+        elif req.status == S.HELD:
+            del self.held[rid]
+        elif req.status == S.WAITING_KV:
+            if rid in self.pulling:
+                del self.pulling[rid]
+            else:
+                self.pending_kv.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.timeline.finish = now
+        self.requests.pop(rid, None)
+
+    def abort(self, request_id: str, now: float) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, S.FINISHED_ABORTED, now)
+        return req
+
+    # ------------------------------------------------------------------ prefill role
+    def release(self, request_id: str, now: float) -> Request:
+        """A decode instance has the KV of this held request: free the prefill copy."""
+        req = self.held.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not held on this instance")
+        self.finish(req, S.FINISHED_STOPPED, now)
+        return req
+
+    # ------------------------------------------------------------------ decode role
+    def reserve_pulls(self, now: float, limit: int | None = None) -> list[tuple[Request, int]]:
+        """Reserve blocks for pending requests in FIFO order while they fit (head-of-line
+        blocking keeps arrival order). Returns ``(request, first block index to pull)``: blocks
+        before that index were found in this instance's own prefix cache."""
+        out: list[tuple[Request, int]] = []
+        while self.pending_kv and (limit is None or len(out) < limit):
+            req = self.pending_kv[0]
+            hits = self.kv.match_prefix(req)
+            n = req.num_prompt_tokens - len(hits) * self.block_size
+            if not self.kv.allocate(req, n, hits):
+                break
+            self.pending_kv.popleft()
+            req.num_cached_tokens = len(hits) * self.block_size
+            self.pulling[req.request_id] = req
+            out.append((req, len(hits)))
+        return out
+
+    def complete_pull(self, request_id: str, now: float) -> Request:
+        """The prompt KV of a reserved request is in place: it joins the waiting queue with its
+        prompt computed, and its imported blocks become prefix-cacheable here."""
+        req = self.pulling.pop(request_id)
+        cached = req.num_cached_tokens
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed(req, cached, req.num_prompt_tokens)
+        req.status = S.WAITING
+        self.waiting.append(req)
+        return req
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def check_integrity(self) -> None:
+        """Block pool invariants plus: every live request's blocks are referenced exactly as often
+        as tables name them, and tables cover the computed tokens."""
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for req in self.requests.values():
+            for b in req.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens, req
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block} referenced {refs.get(block.block_id, 0)} times by request tables")
+        queued = len(self.waiting) + len(self.running) + len(self.held) + len(
+            self.pending_kv) + len(self.pulling)
+        assert queued == len(self.requests), "request table and queues disagree"

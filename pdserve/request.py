@@ -1,0 +1,264 @@
+"""Requests, sampling parameters, per-request timelines and outputs (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _bad(name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{name} {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output (names follow vLLM/OpenAI).
+
+    ``temperature=0`` is greedy. ``top_k=0`` or ``-1`` disables top-k; ``top_p=1`` and ``min_p=0``
+    disable theirs. ``seed`` makes this request's sampling reproducible regardless of batching.
+    ``logprobs=N`` returns the sampled token's log-probability and the ``N`` most likely
+    alternatives at each step (``0`` = the sampled token only).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise _bad("max_tokens", self.max_tokens, "must be an integer")
+        if self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "must be >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise _bad("temperature", self.temperature, "must be >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise _bad("top_k", self.top_k, "must be -1, 0 (disabled) or a positive integer")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "must be >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise _bad("logprobs", self.logprobs, "must be a non-negative integer")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise _bad("seed", self.seed, "must be an integer")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _bad("stop", s, "entries must be non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise _bad("stop_token_ids", t, "entries must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued for (re)computation
+    RUNNING = 1
+    WAITING_KV = 2  # decode role: accepted, KV not imported yet
+    HELD = 3  # prefill role: first token done, KV kept until a decode instance pulls it
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+@dataclass
+class Timeline:
+    """Every moment of a request's life (seconds, same clock as the driver's ``now``).
+
+    Filled by the engine (queued, prefill start/end, decode admitted, tokens, finish) and by the
+    controller (arrival, routed, transfer start/end). ``None`` = did not happen (e.g. colocated
+    requests have no transfer).
+    """
+
+    arrival: float | None = None
+    routed: float | None = None
+    prefill_queued: float | None = None
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    transfer_start: float | None = None
+    transfer_end: float | None = None
+    decode_queued: float | None = None
+    decode_admitted: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish: float | None = None
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.arrival is None or not self.token_times:
+            return None
+        return self.token_times[0] - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """(last − first token) / (n − 1); ``None`` for one-token outputs (DESIGN.md)."""
+        n = len(self.token_times)
+        if n < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    def merge(self, other: Timeline) -> None:
+        """Take every field ``other`` has set and this one has not (token times are appended)."""
+        for name in ("arrival", "routed", "prefill_queued", "prefill_start", "prefill_end",
+                     "transfer_start", "transfer_end", "decode_queued", "decode_admitted",
+                     "finish"):
+            if getattr(self, name) is None and getattr(other, name) is not None:
+                setattr(self, name, getattr(other, name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arrival": self.arrival, "routed": self.routed,
+            "prefill_queued": self.prefill_queued, "prefill_start": self.prefill_start,
+            "prefill_end": self.prefill_end, "transfer_start": self.transfer_start,
+            "transfer_end": self.transfer_end, "decode_queued": self.decode_queued,
+            "decode_admitted": self.decode_admitted, "token_times": list(self.token_times),
+            "finish": self.finish,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Timeline:
+        return cls(**{k: (list(v) if k == "token_times" else v) for k, v in d.items()})
+
+
+class Request:
+    """One request inside an engine.
+
+    ``num_computed_tokens`` chases ``num_tokens`` (prompt + generated so far): a prefill chunk and
+    a decode step are both "compute these many tokens". ``block_ids`` is the request's block
+    table; ``block_hashes`` the chained hashes of its full blocks (filled lazily).
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
+        "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes",
+        "timeline", "logprobs", "max_model_len", "num_preemptions", "stop_reason", "detok",
+        "arrival_order", "priority", "expected_output_len",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float = 0.0,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set at first scheduling (prefix-cache hit length)
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.timeline = Timeline(arrival=arrival_time)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.max_model_len = max_model_len
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.detok: Any = None  # incremental detokenizer state (engine-owned)
+        self.arrival_order = 0
+        self.priority = 0.0
+        self.expected_output_len: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
+
+
+@dataclass
+class RequestOutput:
+    """The result (or a streamed delta) of one request.
+
+    ``token_ids`` and ``text`` are the generated output so far (cumulative); ``new_token_ids`` and
+    ``new_text`` what this step added. ``finish_reason`` is ``'stop'`` or ``'length'`` once
+    finished (``'abort'``/``'error'`` for requests that were cancelled or failed), else ``None``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    prompt: str | None = None
+    timeline: Timeline = field(default_factory=Timeline)
+    error: str | None = None
+
+    @property
+    def token_times(self) -> list[float]:
+        return self.timeline.token_times
+
+    @property
+    def arrival_time(self) -> float | None:
+        return self.timeline.arrival
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.timeline.first_token

@@ -1,0 +1,96 @@
+"""Block pool: exact block ids, ref counts and eviction order in hand-worked cases."""
+
+import pytest
+
+from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored, hash_block
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def test_allocate_free_lru_order_and_revival():
+    pool = BlockPool(4, block_size=2, record_events=True)
+    a = pool.allocate(2)
+    assert ids(a) == [0, 1] and [b.ref_cnt for b in a] == [1, 1]
+    assert ids(pool.free_queue) == [2, 3]
+    h0 = hash_block(NO_PARENT, (1, 2))
+    h1 = hash_block(h0, (3, 4))
+    assert pool.cache(a[0], h0, (1, 2), NO_PARENT)
+    assert pool.cache(a[1], h1, (3, 4), h0)
+    pool.check_integrity()
+    pool.free(list(reversed(a)))  # tail first
+    assert ids(pool.free_queue) == [2, 3, 1, 0]
+    assert pool.num_free_blocks == 4 and pool.num_used_blocks == 0
+    pool.check_integrity()
+    # plain free blocks go first (LRU), cached ones survive
+    assert ids(pool.allocate(1)) == [2]
+    assert ids(pool.allocate(1)) == [3]
+    # a prefix hit revives block 0 out of the middle of the queue in O(1)
+    hit = pool.lookup(h0, (1, 2))
+    assert hit is pool.blocks[0]
+    pool.touch([hit])
+    assert hit.ref_cnt == 1 and ids(pool.free_queue) == [1]
+    pool.check_integrity()
+    # the next allocation evicts block 1 (least recently freed cached block)
+    assert ids(pool.allocate(1)) == [1]
+    assert pool.lookup(h1, (3, 4)) is None
+    events = pool.take_events()
+    assert events == [BlockStored([h0], NO_PARENT, [1, 2], 2), BlockStored([h1], h0, [3, 4], 2),
+                      BlockRemoved([h1])]
+    assert pool.take_events() == []
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="only 0 free"):
+        pool.allocate(1)
+
+
+def test_token_check_on_hash_hit():
+    pool = BlockPool(2, block_size=2)
+    b = pool.allocate(1)[0]
+    h = hash_block(NO_PARENT, (5, 6))
+    pool.cache(b, h, (5, 6), NO_PARENT)
+    assert pool.lookup(h, (5, 6)) is b
+    assert pool.lookup(h, (5, 7)) is None  # same hash, other tokens: never served
+
+
+def test_shared_block_ref_counts_and_duplicate_content():
+    pool = BlockPool(3, block_size=2)
+    b = pool.allocate(1)[0]
+    h = hash_block(NO_PARENT, (1, 1))
+    pool.cache(b, h, (1, 1), NO_PARENT)
+    pool.touch([b])
+    assert b.ref_cnt == 2
+    pool.free([b])
+    assert b.ref_cnt == 1 and pool.num_used_blocks == 1
+    # another block with the same content is not indexed twice
+    other = pool.allocate(1)[0]
+    assert not pool.cache(other, h, (1, 1), NO_PARENT)
+    assert other.block_hash is None
+    pool.free([b, other])
+    pool.check_integrity()
+    assert ids(pool.free_queue) == [2, 0, 1]
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free([b])
+
+
+def test_integrity_detects_leak_and_corruption():
+    pool = BlockPool(2, block_size=2)
+    b = pool.allocate(1)[0]
+    b.ref_cnt = 0  # lost without going back to the free queue
+    with pytest.raises(AssertionError, match="leaked"):
+        pool.check_integrity()
+
+
+def test_reset_prefix_cache():
+    pool = BlockPool(2, block_size=1, record_events=True)
+    b = pool.allocate(1)[0]
+    pool.cache(b, 123, (9,), NO_PARENT)
+    pool.free([b])
+    assert pool.reset_prefix_cache() == 1
+    assert pool.lookup(123, (9,)) is None
+    pool.check_integrity()
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0, 16)
