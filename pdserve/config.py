@@ -58,12 +58,14 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _require(self.family in ("llama", "qwen2", "opt"), f"unsupported model family {self.family!r}")
+        _require(self.family in ("llama", "qwen2", "opt"),
+                 f"unsupported model family {self.family!r}")
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "max_position_embeddings"):
             _require(getattr(self, f) > 0, f"{f} must be > 0, got {getattr(self, f)}")
         _require(self.num_heads % self.num_kv_heads == 0,
-                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+                 f"num_heads={self.num_heads} is not a multiple of "
+                 f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim == 0:
             _require(self.hidden_size % self.num_heads == 0,
                      f"hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
@@ -265,3 +267,66 @@ class EngineConfig:
 
     def with_role(self, role: Role) -> EngineConfig:
         return replace(self, scheduler=replace(self.scheduler, role=role))
+
+
+STRATEGIES: tuple[str, ...] = ("colocated", "disaggregated")
+BACKENDS: tuple[str, ...] = ("inproc", "ray")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A deployment: strategy, instance counts, routers, KV links and where instances run.
+
+    ``colocated``: ``num_instances`` instances run both phases (vLLM-style). ``disaggregated``
+    (DistServe): ``num_prefill`` prefill instances batch whole prompts up to
+    ``prefill_token_target`` tokens (L_m, §4.3) and hold the KV until one of ``num_decode`` decode
+    instances pulls it. ``link_bandwidth_gbps``/``link_latency_ms`` emulate the KV link (a transfer
+    takes at least bytes / bandwidth + latency, as TetriInfer's evaluation did); ``None`` = as fast
+    as the transport goes. ``max_waiting_requests`` bounds requests accepted but not yet started.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    strategy: str = "colocated"
+    num_instances: int = 1
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill_router: str = "shortest_queue"
+    decode_router: str = "least_load"
+    prefill_token_target: int | None = None
+    backend: str = "inproc"
+    ray_address: str | None = None
+    link_bandwidth_gbps: float | None = None
+    link_latency_ms: float = 0.0
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        _require(self.strategy in STRATEGIES,
+                 f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got "
+                 f"{self.backend!r}")
+        for name in ("num_instances", "num_prefill", "num_decode", "max_waiting_requests"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.link_bandwidth_gbps is None or self.link_bandwidth_gbps > 0,
+                 f"link_bandwidth_gbps must be > 0, got {self.link_bandwidth_gbps}")
+        _require(self.link_latency_ms >= 0,
+                 f"link_latency_ms must be >= 0, got {self.link_latency_ms}")
+        _require(self.prefill_token_target is None or self.prefill_token_target >= 1,
+                 f"prefill_token_target must be >= 1, got {self.prefill_token_target}")
+
+    def instance_configs(self) -> list[tuple[str, EngineConfig]]:
+        """``(instance_id, engine config)`` for every instance, roles applied."""
+        if self.strategy == "colocated":
+            return [(f"colocated-{i}", self.engine) for i in range(self.num_instances)]
+        sched = self.engine.scheduler
+        pre = replace(self.engine, scheduler=replace(
+            sched, role="prefill", enable_chunked_prefill=False,
+            prefill_token_target=self.prefill_token_target or sched.prefill_token_target))
+        dec = self.engine.with_role("decode")
+        return ([(f"prefill-{i}", pre) for i in range(self.num_prefill)]
+                + [(f"decode-{i}", dec) for i in range(self.num_decode)])
+
+    @property
+    def num_gpus(self) -> int:
+        if self.strategy == "colocated":
+            return self.num_instances
+        return self.num_prefill + self.num_decode

@@ -59,7 +59,7 @@ class LLM:
         engine = self.engine
         start = time.perf_counter()
         ids = []
-        for i, (toks, sp) in enumerate(zip(token_lists, plist)):
+        for toks, sp in zip(token_lists, plist):
             rid = f"offline-{next(self._ids)}"
             engine.add_request(rid, toks, sp, now=time.perf_counter() - start)
             ids.append(rid)

@@ -72,6 +72,22 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int,
+                    vocab_size: int | None = None) -> None:
+    """Raise ``ValueError`` naming the problem if a prompt cannot be served."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt is empty (0 tokens); give at least one token")
+    if n >= max_model_len:
+        raise ValueError(f"prompt has {n} tokens, which leaves no room to generate within "
+                         f"max_model_len={max_model_len}")
+    if vocab_size is not None:
+        for t in prompt_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued for (re)computation
     RUNNING = 1
@@ -250,6 +266,7 @@ class RequestOutput:
     prompt: str | None = None
     timeline: Timeline = field(default_factory=Timeline)
     error: str | None = None
+    instance_id: str | None = None  # the instance that produced this delta
 
     @property
     def token_times(self) -> list[float]:

@@ -75,7 +75,7 @@ class ScheduledBatch:
 
     @property
     def prefill_contexts(self) -> list[tuple[int, int]]:
-        """(start, num_tokens) of each prefill entry; the latency model charges attention on both."""
+        """(start, num_tokens) of each prefill entry (attention covers start + num_tokens)."""
         return [(s.start, s.num_tokens) for s in self.seqs if not s.is_decode]
 
     @property

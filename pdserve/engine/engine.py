@@ -15,7 +15,13 @@ from pdserve.config import EngineConfig
 from pdserve.engine.batch import ScheduledBatch
 from pdserve.engine.executor import Executor
 from pdserve.engine.scheduler import Scheduler
-from pdserve.request import Request, RequestOutput, RequestStatus, SamplingParams
+from pdserve.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    validate_prompt,
+)
 from pdserve.tokenizer import IncrementalDetokenizer
 
 
@@ -80,42 +86,42 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the bad value if this request cannot be served."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty (0 tokens); give at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, which leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        if self.vocab_size is not None:
-            bad = [t for t in prompt_token_ids
-                   if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    now: float = 0.0, arrival_time: float | None = None) -> Request:
-        """Queue a request (colocated/prefill roles). Raises ``ValueError`` on bad input."""
-        self.validate(prompt_token_ids, params)
-        req = Request(request_id, prompt_token_ids, params,
-                      now if arrival_time is None else arrival_time, self.max_model_len)
-        self._attach_detokenizer(req)
+                    now: float = 0.0, arrival_time: float | None = None,
+                    output_token_ids: list[int] | None = None) -> Request:
+        """Queue a request (colocated/prefill roles). ``output_token_ids`` resumes a request that
+        already generated these tokens elsewhere: they are recomputed, not re-sampled, and
+        generation continues after them. Raises ``ValueError`` on bad input."""
+        req = self._new_request(request_id, prompt_token_ids, params, now, arrival_time,
+                                output_token_ids or [])
         self.scheduler.add_request(req, now)
         return req
 
     def add_transfer_request(self, request_id: str, prompt_token_ids: list[int],
-                             first_token: int, params: SamplingParams, now: float = 0.0,
-                             arrival_time: float | None = None) -> Request:
-        """Decode role: accept a request whose prompt was computed elsewhere and whose first
-        token is ``first_token``; its KV is pulled once :meth:`reserve_pulls` finds room."""
+                             output_token_ids: list[int], params: SamplingParams,
+                             now: float = 0.0, arrival_time: float | None = None) -> Request:
+        """Decode role: accept a request whose KV up to its last token was computed elsewhere
+        (``output_token_ids`` holds at least the first token). The KV is pulled once
+        :meth:`reserve_pulls` finds room for it."""
+        if not output_token_ids:
+            raise ValueError("a transferred request needs its first output token")
+        req = self._new_request(request_id, prompt_token_ids, params, now, arrival_time,
+                                output_token_ids)
+        self.scheduler.add_request(req, now)
+        return req
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     now: float, arrival_time: float | None, outputs: list[int]) -> Request:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params,
                       now if arrival_time is None else arrival_time, self.max_model_len)
         self._attach_detokenizer(req)
-        req.append_token(first_token)
-        if req.detok is not None:
-            req.detok.add(first_token)
-        self.scheduler.add_request(req, now)
+        for tok in outputs:
+            req.append_token(tok)
+            if req.detok is not None:
+                req.detok.add(tok)
         return req
 
     def _attach_detokenizer(self, req: Request) -> None:
@@ -181,11 +187,12 @@ class Engine:
 
     # ------------------------------------------------------------------ KV hand-off
     def export_kv(self, request_id: str, first_block: int = 0) -> KVPayload:
-        """Prefill role: the prompt KV of a held request from block ``first_block`` on."""
+        """Prefill role: the KV of a held request (every token but the last, which has not been
+        computed) from block ``first_block`` on."""
         req = self.scheduler.held.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} is not held on this instance")
-        n_blocks = self.scheduler.kv.blocks_for(req.num_prompt_tokens)
+        n_blocks = self.scheduler.kv.blocks_for(req.num_computed_tokens)
         ids = req.block_ids[first_block:n_blocks]
         return KVPayload(request_id, first_block, len(ids),
                          self.executor.export_kv(ids) if ids else None)

@@ -26,5 +26,5 @@ class Executor(Protocol):
         ...
 
     def import_kv(self, block_ids: list[int], payload: Any) -> None:
-        """Write a payload made by :meth:`export_kv` into ``block_ids`` (same length, same order)."""
+        """Write a payload made by :meth:`export_kv` into ``block_ids`` (same length and order)."""
         ...

@@ -249,7 +249,7 @@ class Scheduler:
         while self.pending_kv and (limit is None or len(out) < limit):
             req = self.pending_kv[0]
             hits = self.kv.match_prefix(req)
-            n = req.num_prompt_tokens - len(hits) * self.block_size
+            n = req.num_tokens - 1 - len(hits) * self.block_size
             if not self.kv.allocate(req, n, hits):
                 break
             self.pending_kv.popleft()
@@ -259,12 +259,12 @@ class Scheduler:
         return out
 
     def complete_pull(self, request_id: str, now: float) -> Request:
-        """The prompt KV of a reserved request is in place: it joins the waiting queue with its
-        prompt computed, and its imported blocks become prefix-cacheable here."""
+        """The KV of a reserved request is in place: it joins the waiting queue with everything
+        but its last token computed, and its imported blocks become prefix-cacheable here."""
         req = self.pulling.pop(request_id)
         cached = req.num_cached_tokens
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_computed(req, cached, req.num_prompt_tokens)
+        req.num_computed_tokens = req.num_tokens - 1
+        self.kv.cache_computed(req, cached, req.num_computed_tokens)
         req.status = S.WAITING
         self.waiting.append(req)
         return req

@@ -171,7 +171,7 @@ def test_prefill_decode_handoff_matches_colocated():
     assert pre.scheduler.pool.num_used_blocks == 3 + 1 + 2  # held blocks are the queue buffer
     for rid, p in prompts.items():
         first = pre.scheduler.held[rid].output_token_ids[0]
-        dec.add_transfer_request(rid, p, first, greedy(4))
+        dec.add_transfer_request(rid, p, [first], greedy(4))
     for rid, k in dec.reserve_pulls():
         assert k == 0  # nothing cached on the decode side yet
         dec.import_kv(pre.export_kv(rid, k))
@@ -185,7 +185,7 @@ def test_prefill_decode_handoff_matches_colocated():
     p2 = list(range(1, 11)) + [42]
     pre.add_request("D", p2, greedy(2))
     pre.step(2)
-    dec.add_transfer_request("D", p2, pre.scheduler.held["D"].output_token_ids[0], greedy(2))
+    dec.add_transfer_request("D", p2, pre.scheduler.held["D"].output_token_ids[:1], greedy(2))
     [(rid, k)] = dec.reserve_pulls()
     assert k == 2  # blocks 0-1 (8 tokens) found in the decode instance's own prefix cache
     payload = pre.export_kv(rid, k)
@@ -197,8 +197,8 @@ def test_prefill_decode_handoff_matches_colocated():
 
 def test_decode_admission_waits_for_blocks():
     dec, _ = make_engine(num_blocks=4, block_size=4, role="decode")
-    dec.add_transfer_request("A", list(range(12)), 1, greedy(2))
-    dec.add_transfer_request("B", list(range(8)), 1, greedy(2))
+    dec.add_transfer_request("A", list(range(12)), [1], greedy(2))
+    dec.add_transfer_request("B", list(range(8)), [1], greedy(2))
     assert [r for r, _ in dec.reserve_pulls()] == ["A"]  # B must wait: A holds 3 of 4 blocks
     assert dec.reserve_pulls() == []
     dec.abort("A")
@@ -242,3 +242,33 @@ def test_randomized_runs_never_leak(chunked, seed):
             continue
         assert done[rid].token_ids == toks, rid
         assert done[rid].finish_reason == "length"
+
+
+def test_resume_with_generated_tokens_continues_identically():
+    """A request moved to another instance after generating tokens recomputes them (no
+    re-sampling) and continues exactly as if it had never moved."""
+    full = reference_generate([3, 1, 4, 1, 5], 6)
+    eng, ex = make_engine()
+    r = eng.add_request("A", [3, 1, 4, 1, 5], greedy(6), output_token_ids=full[:2])
+    eng.step(0)
+    assert ex.batches[-1] == [("A", 0, 7)]  # prompt + 2 earlier outputs recomputed in one chunk
+    assert run(eng)["A"].token_ids == full and r.num_output_tokens == 6
+
+
+def test_handoff_after_several_tokens():
+    """A prefill instance that resumes a request holds it after one more token; the decode
+    side pulls the KV of every computed token (prompt + earlier outputs)."""
+    full = reference_generate(list(range(1, 8)), 5)
+    pre, _ = make_engine(role="prefill", chunked=False)
+    dec, _ = make_engine(role="decode")
+    pre.add_request("A", list(range(1, 8)), greedy(5), output_token_ids=full[:2])
+    assert pre.step(0).held == ["A"]
+    held = pre.scheduler.held["A"]
+    assert held.output_token_ids == full[:3]
+    dec.add_transfer_request("A", list(range(1, 8)), held.output_token_ids, greedy(5))
+    [(rid, k)] = dec.reserve_pulls()
+    payload = pre.export_kv(rid, k)
+    assert payload.num_blocks == 3  # 9 computed tokens in blocks of 4
+    dec.import_kv(payload)
+    pre.release(rid)
+    assert run(dec)["A"].token_ids == full

@@ -1,0 +1,257 @@
+"""Sans-IO global scheduler: takes cluster events, returns actions.
+
+The controller owns the request table (with each request's canonical timeline) and the picture
+of every instance; it decides where requests go. Drivers (the asyncio runtime, the simulator)
+feed it events — arrivals, instance reports, KV pulls and imports, failures, aborts — and carry
+out the actions it returns: :class:`Send` a command to an instance, :class:`Transfer` KV between
+two instances, :class:`Fail` a request. It never does I/O or reads a clock.
+
+Disaggregated flow (DistServe §4.3): arrival → prefill router → prefill instance computes the
+prompt and the first token, then holds the KV → decode router picks a decode instance, which
+accepts the request and, once it has room, reports a pull → the driver moves the KV → on import
+the prefill copy is released. Failures recompute a request on a live instance of the right role
+from its prompt plus the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.cluster.routing import InstanceView, make_router
+from pdserve.cluster.worker import Abort, AddRequest, AddTransfer, Command, Release, TokenDelta
+from pdserve.engine.engine import EngineStats
+from pdserve.request import SamplingParams, Timeline
+
+
+@dataclass(slots=True)
+class Send:
+    instance_id: str
+    command: Command
+
+
+@dataclass(slots=True)
+class Transfer:
+    """Move the KV of ``request_id`` from block ``first_block`` on, ``src`` → ``dst``."""
+
+    request_id: str
+    src: str
+    dst: str
+    first_block: int
+    num_tokens: int  # tokens whose KV moves (for link-time accounting)
+
+
+@dataclass(slots=True)
+class Fail:
+    request_id: str
+    message: str
+    timeline: Timeline
+
+
+Action = Send | Transfer | Fail
+
+
+@dataclass
+class ClusterRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    timeline: Timeline
+    output_token_ids: list[int] = field(default_factory=list)
+    stage: str = "new"  # prefill | transfer | decode | done
+    instance: str | None = None  # the instance whose tokens we accept now
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    num_dispatches: int = 0
+    loads: dict[str, int] = field(default_factory=dict)  # tokens charged to each instance
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class Controller:
+    def __init__(self, instances: list[InstanceView], prefill_router: str = "shortest_queue",
+                 decode_router: str = "least_load") -> None:
+        if not instances:
+            raise ValueError("a cluster needs at least one instance")
+        roles = {i.role for i in instances}
+        if roles == {"colocated"}:
+            self.entry_role = "colocated"
+        elif roles == {"prefill", "decode"}:
+            self.entry_role = "prefill"
+        else:
+            raise ValueError(f"instances must be all colocated or prefill + decode, got {roles}")
+        self.instances = {i.instance_id: i for i in instances}
+        self.prefill_router = make_router(prefill_router)
+        self.decode_router = make_router(decode_router)
+        self.requests: dict[str, ClusterRequest] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _live(self, role: str) -> list[InstanceView]:
+        return [i for i in self.instances.values() if i.alive and i.role == role]
+
+    def _charge(self, req: ClusterRequest, inst: InstanceView, tokens: int) -> None:
+        inst.assigned_tokens += tokens
+        req.loads[inst.instance_id] = req.loads.get(inst.instance_id, 0) + tokens
+
+    def _detach(self, req: ClusterRequest, instance_id: str | None) -> None:
+        """Stop counting ``req`` against an instance."""
+        if instance_id is None or instance_id not in req.loads:
+            return
+        inst = self.instances[instance_id]
+        inst.assigned_tokens -= req.loads.pop(instance_id)
+        inst.active -= 1
+        if req.stage == "prefill" and req.instance == instance_id:
+            inst.queued -= 1
+
+    def _detach_all(self, req: ClusterRequest) -> None:
+        for iid in list(req.loads):
+            self._detach(req, iid)
+
+    def _aborts(self, req: ClusterRequest, skip: str | None = None) -> list[Action]:
+        return [Send(iid, Abort(req.request_id)) for iid in list(req.loads)
+                if iid != skip and self.instances[iid].alive]
+
+    # ------------------------------------------------------------------ events
+    def on_arrival(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                   now: float) -> list[Action]:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        req = ClusterRequest(request_id, list(prompt_token_ids), params, Timeline(arrival=now))
+        self.requests[request_id] = req
+        return self._dispatch(req, now)
+
+    def _dispatch(self, req: ClusterRequest, now: float) -> list[Action]:
+        cands = self._live(self.entry_role)
+        if not cands:
+            return self._fail(req, f"no live {self.entry_role} instance left")
+        inst = self.prefill_router.select(req, cands)
+        req.stage, req.instance, req.prefill_instance = "prefill", inst.instance_id, None
+        if self.entry_role == "prefill":
+            req.prefill_instance = inst.instance_id
+        req.decode_instance = None
+        req.num_dispatches += 1
+        inst.queued += 1
+        inst.active += 1
+        self._charge(req, inst, req.num_tokens)
+        if req.timeline.routed is None:
+            req.timeline.routed = now
+        return [Send(inst.instance_id, AddRequest(
+            req.request_id, req.prompt_token_ids, req.params, req.timeline.arrival or now,
+            list(req.output_token_ids)))]
+
+    def on_report_delta(self, instance_id: str, d: TokenDelta, now: float) -> list[Action]:
+        """A token delta from an instance's step report."""
+        req = self.requests.get(d.request_id)
+        if req is None or req.instance != instance_id:
+            return []  # stale: the request ended or moved away from this instance
+        inst = self.instances[instance_id]
+        if d.timeline is not None:
+            req.timeline.merge(d.timeline)
+        if d.token_ids:
+            if req.stage == "prefill":
+                inst.queued -= 1
+                req.stage = "decode"
+                req.num_cached_tokens = d.num_cached_tokens
+            req.output_token_ids.extend(d.token_ids)
+            req.timeline.token_times.extend(d.token_times)
+            self._charge(req, inst, len(d.token_ids))
+        if d.finished:
+            return self._finish(req, d.finish_reason, now)
+        if d.held:
+            return self._to_decode(req, now)
+        return []
+
+    def _to_decode(self, req: ClusterRequest, now: float) -> list[Action]:
+        cands = self._live("decode")
+        if not cands:
+            return self._fail(req, "no live decode instance left")
+        inst = self.decode_router.select(req, cands)
+        req.stage = "transfer"
+        req.instance = req.decode_instance = inst.instance_id
+        inst.active += 1
+        self._charge(req, inst, req.num_tokens)
+        return [Send(inst.instance_id, AddTransfer(
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.params,
+            req.timeline.arrival or now))]
+
+    def on_pull(self, instance_id: str, request_id: str, first_block: int,
+                now: float) -> list[Action]:
+        """A decode instance reserved blocks and asks for the KV from ``first_block`` on."""
+        req = self.requests.get(request_id)
+        if req is None or req.decode_instance != instance_id or req.prefill_instance is None:
+            return [Send(instance_id, Abort(request_id))]
+        req.timeline.transfer_start = now
+        bs = self.instances[instance_id].block_size
+        moved = max(req.num_tokens - 1 - first_block * bs, 0)
+        return [Transfer(request_id, req.prefill_instance, instance_id, first_block, moved)]
+
+    def on_imported(self, instance_id: str, request_id: str, now: float) -> list[Action]:
+        """The KV is in place on the decode instance: release the prefill copy."""
+        req = self.requests.get(request_id)
+        if req is None or req.decode_instance != instance_id:
+            return []
+        req.timeline.transfer_end = now
+        src = req.prefill_instance
+        self._detach(req, src)
+        req.stage = "decode"
+        alive = src is not None and self.instances[src].alive
+        return [Send(src, Release(request_id))] if alive else []
+
+    def on_error(self, instance_id: str, request_id: str, message: str,
+                 now: float) -> list[Action]:
+        req = self.requests.get(request_id)
+        if req is None or instance_id not in req.loads:
+            return []
+        return self._fail(req, message, skip=None)
+
+    def on_stats(self, instance_id: str, stats: EngineStats) -> None:
+        self.instances[instance_id].stats = stats
+
+    def on_abort(self, request_id: str, now: float) -> list[Action]:
+        """The client went away: abort everywhere the request lives."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        acts = self._aborts(req)
+        self._detach_all(req)
+        req.stage, req.finish_reason = "done", "abort"
+        req.timeline.finish = now
+        return acts
+
+    def on_instance_failed(self, instance_id: str, now: float) -> list[Action]:
+        """Recompute every request that depended on the dead instance elsewhere."""
+        inst = self.instances[instance_id]
+        if not inst.alive:
+            return []
+        inst.alive = False
+        acts: list[Action] = []
+        for req in list(self.requests.values()):
+            if instance_id not in req.loads:
+                continue
+            acts += self._aborts(req, skip=instance_id)
+            self._detach_all(req)
+            acts += self._dispatch(req, now)
+        inst.queued = inst.active = inst.assigned_tokens = 0
+        return acts
+
+    # ------------------------------------------------------------------ endings
+    def _finish(self, req: ClusterRequest, reason: str | None, now: float) -> list[Action]:
+        self._detach_all(req)
+        req.stage, req.finish_reason = "done", reason
+        if req.timeline.finish is None:
+            req.timeline.finish = now
+        self.requests.pop(req.request_id, None)
+        return []
+
+    def _fail(self, req: ClusterRequest, message: str, skip: str | None = None) -> list[Action]:
+        acts = self._aborts(req, skip)
+        self._detach_all(req)
+        req.stage, req.finish_reason = "done", "error"
+        self.requests.pop(req.request_id, None)
+        return acts + [Fail(req.request_id, message, req.timeline)]
+
+    def get(self, request_id: str) -> ClusterRequest | None:
+        return self.requests.get(request_id)

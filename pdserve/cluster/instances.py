@@ -1,0 +1,157 @@
+"""Instance clients: how the runtime reaches an instance (in-process thread or Ray actor).
+
+Both implement :class:`InstanceClient`; the runtime does not know which it holds. Calls to one
+instance are serialized (one thread per in-process instance; Ray actors run one method at a time),
+so a step and the commands applied around it never race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pdserve.cluster.worker import Command, InstanceWorker, StepReport
+from pdserve.config import EngineConfig
+
+
+class InstanceDeadError(RuntimeError):
+    """The instance stopped answering (its actor or thread died)."""
+
+
+class InstanceClient:
+    instance_id: str
+    role: str
+    num_kv_blocks: int
+    block_size: int
+
+    async def handle(self, commands: list[Command], now: float) -> StepReport:
+        raise NotImplementedError
+
+    async def export_kv(self, request_id: str, first_block: int) -> Any:
+        """A KV payload, or a reference the destination can pull it through."""
+        raise NotImplementedError
+
+    async def check_integrity(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+class InProcessInstance(InstanceClient):
+    """An :class:`InstanceWorker` in this process, stepped on its own thread."""
+
+    def __init__(self, worker: InstanceWorker) -> None:
+        self.worker = worker
+        self.instance_id = worker.instance_id
+        self.role = worker.role
+        self.num_kv_blocks = worker.num_kv_blocks
+        self.block_size = worker.engine.config.cache.block_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.instance_id}")
+        self.dead = False
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        if self.dead:
+            raise InstanceDeadError(f"instance {self.instance_id} is dead")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def handle(self, commands: list[Command], now: float) -> StepReport:
+        return await self._call(self.worker.handle, commands, now)
+
+    async def export_kv(self, request_id: str, first_block: int) -> Any:
+        return await self._call(self.worker.export_kv, request_id, first_block)
+
+    async def check_integrity(self) -> dict[str, int]:
+        return await self._call(self.worker.check_integrity)
+
+    def kill(self) -> None:
+        """Simulate a crash (tests)."""
+        self.dead = True
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _RayWorker(InstanceWorker):
+    """The actor body: one instance per actor process, one torch thread on CPU."""
+
+    def __init__(self, instance_id: str, config: EngineConfig) -> None:
+        if config.device == "cpu":
+            import torch
+
+            torch.set_num_threads(1)
+        super().__init__(instance_id, config)
+
+    def info(self) -> tuple[str, int, int]:
+        return self.role, self.num_kv_blocks, self.engine.config.cache.block_size
+
+    def export_kv_ref(self, request_id: str, first_block: int) -> Any:
+        return self.export_kv(request_id, first_block)
+
+
+class RayInstance(InstanceClient):
+    """An instance in its own Ray actor (the distributed engine). KV exports stay in the object
+    store; the destination actor pulls them by reference."""
+
+    def __init__(self, actor: Any, instance_id: str, info: tuple[str, int, int]) -> None:
+        self.actor = actor
+        self.instance_id = instance_id
+        self.role, self.num_kv_blocks, self.block_size = info
+
+    @classmethod
+    async def create(cls, instance_id: str, config: EngineConfig) -> RayInstance:
+        import ray
+
+        opts: dict[str, Any] = {"name": None, "max_restarts": 0, "num_cpus": 1}
+        if config.device.startswith("cuda"):
+            opts["num_gpus"] = 1
+        env = {"OMP_NUM_THREADS": "1"} if config.device == "cpu" else {}
+        actor_cls = ray.remote(_RayWorker)
+        actor = actor_cls.options(**opts, runtime_env={"env_vars": env}).remote(
+            instance_id, config)
+        info = await _await(actor.info.remote())
+        return cls(actor, instance_id, info)
+
+    async def handle(self, commands: list[Command], now: float) -> StepReport:
+        return await _await(self.actor.handle.remote(commands, now))
+
+    async def export_kv(self, request_id: str, first_block: int) -> Any:
+        # Not awaited: the ObjectRef is handed to the decode actor, which pulls the blocks.
+        return self.actor.export_kv_ref.remote(request_id, first_block)
+
+    async def check_integrity(self) -> dict[str, int]:
+        return await _await(self.actor.check_integrity.remote())
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.kill()
+
+
+async def _await(ref: Any) -> Any:
+    import ray
+
+    try:
+        return await ref
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+        raise InstanceDeadError(str(e)) from e
+
+
+def init_ray(address: str | None, num_instances: int) -> None:
+    """Join ``address`` or start a local Ray instance with room for every instance actor."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_instances), include_dashboard=False,
+                 ignore_reinit_error=True, log_to_driver=False)

@@ -1,0 +1,102 @@
+"""Routers: which instance gets a request. One small class each, registered by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.engine.engine import EngineStats
+
+if TYPE_CHECKING:
+    from pdserve.cluster.controller import ClusterRequest
+
+
+@dataclass
+class InstanceView:
+    """The controller's picture of one instance.
+
+    ``queued`` counts requests dispatched to it whose first token has not come back;
+    ``active`` requests assigned and unfinished; ``assigned_tokens`` the tokens (prompt + output
+    so far) of its active requests, i.e. the KV it holds or will hold.
+    """
+
+    instance_id: str
+    role: str
+    num_kv_blocks: int
+    block_size: int
+    alive: bool = True
+    stats: EngineStats | None = None
+    queued: int = 0
+    active: int = 0
+    assigned_tokens: int = 0
+
+    @property
+    def queue_len(self) -> int:
+        """DistServe's prefill "queue": requests not yet past prefill; on a colocated instance
+        every unfinished request competes for the same steps, so all count."""
+        return self.active if self.role == "colocated" else self.queued
+
+    @property
+    def kv_load(self) -> float:
+        return self.assigned_tokens / (self.num_kv_blocks * self.block_size)
+
+
+class Router:
+    """Picks one of ``candidates`` (live instances of the right role, in a fixed order)."""
+
+    name = ""
+
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        raise NotImplementedError
+
+
+ROUTERS: dict[str, type[Router]] = {}
+
+
+def register(cls: type[Router]) -> type[Router]:
+    ROUTERS[cls.name] = cls
+    return cls
+
+
+def make_router(name: str) -> Router:
+    try:
+        return ROUTERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown router {name!r}; available: {sorted(ROUTERS)}") from None
+
+
+@register
+class RoundRobin(Router):
+    """Cycle through the candidates in order."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        inst = candidates[self._next % len(candidates)]
+        self._next += 1
+        return inst
+
+
+@register
+class ShortestQueue(Router):
+    """DistServe §4.3: dispatch to the prefill instance with the shortest queue (ties: the
+    earliest in order)."""
+
+    name = "shortest_queue"
+
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        return min(candidates, key=lambda i: i.queue_len)
+
+
+@register
+class LeastLoad(Router):
+    """DistServe §4.3: the least loaded decoding instance, load = KV tokens held or promised
+    (prompt + output so far of its active requests) over its KV capacity."""
+
+    name = "least_load"
+
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        return min(candidates, key=lambda i: (i.kv_load, i.active))

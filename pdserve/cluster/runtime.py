@@ -1,0 +1,278 @@
+"""The live driver: a sans-IO :class:`Controller` plus instance clients, on asyncio.
+
+One task per instance loops ``handle(commands, now)`` while the instance has work, and sleeps
+until a command arrives otherwise. Reports feed the controller; its actions become commands,
+KV transfers and request failures. Each request's tokens stream to its caller through a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.cluster.controller import Action, Controller, Fail, Send, Transfer
+from pdserve.cluster.instances import (
+    InProcessInstance,
+    InstanceClient,
+    InstanceDeadError,
+    RayInstance,
+    init_ray,
+)
+from pdserve.cluster.protocol import InstanceStatus, QueueFullError
+from pdserve.cluster.routing import InstanceView
+from pdserve.cluster.transport import Link, kv_bytes
+from pdserve.cluster.worker import Command, ImportKV, InstanceWorker, StepReport
+from pdserve.config import ClusterConfig, ModelConfig
+from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
+
+log = logging.getLogger("pdserve.runtime")
+
+
+@dataclass
+class _Instance:
+    client: InstanceClient
+    view: InstanceView
+    commands: list[Command] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+@dataclass
+class _Stream:
+    prompt_token_ids: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    timeline: Timeline = field(default_factory=Timeline)
+
+
+class ClusterRuntime:
+    """Serves requests on a set of instances (implements ``ServingRuntime``)."""
+
+    def __init__(self, config: ClusterConfig, clients: list[InstanceClient], tokenizer: Any,
+                 model_config: ModelConfig, model_name: str | None = None,
+                 clock: Any = time.time) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.model_name = model_name or config.engine.model
+        self.max_model_len = config.engine.scheduler.max_model_len
+        self.vocab_size = model_config.vocab_size
+        self.num_gpus = config.num_gpus
+        self.clock = clock
+        self.link = Link(config.link_bandwidth_gbps, config.link_latency_ms / 1000.0)
+        self.instances = {
+            c.instance_id: _Instance(c, InstanceView(c.instance_id, c.role, c.num_kv_blocks,
+                                                     c.block_size))
+            for c in clients
+        }
+        self.controller = Controller([i.view for i in self.instances.values()],
+                                     config.prefill_router, config.decode_router)
+        self._streams: dict[str, _Stream] = {}
+        self._running = False
+        self._bg: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._running = True
+        for inst in self.instances.values():
+            inst.task = asyncio.create_task(self._loop(inst), name=inst.view.instance_id)
+
+    async def shutdown(self) -> None:
+        self._running = False
+        tasks = [i.task for i in self.instances.values() if i.task] + list(self._bg)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for rid in list(self._streams):
+            self._end_with_error(rid, "server shutting down")
+        for inst in self.instances.values():
+            await inst.client.close()
+
+    # ------------------------------------------------------------------ requests
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Validate and dispatch now (raising ``ValueError``/``QueueFullError`` at the call),
+        then stream outputs through the returned iterator; iterate it to the end or close it."""
+        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if self.num_waiting() >= self.config.max_waiting_requests:
+            raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit "
+                                 f"{self.config.max_waiting_requests}); retry later")
+        stream = _Stream(list(prompt_token_ids),
+                         logprobs=[] if params.logprobs is not None else None)
+        self._streams[request_id] = stream
+        acts = self.controller.on_arrival(request_id, prompt_token_ids, params, self.clock())
+        req = self.controller.get(request_id)
+        if req is not None:
+            stream.timeline = req.timeline
+        self._execute(acts)
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._execute(self.controller.on_abort(request_id, self.clock()))
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        self._execute(self.controller.on_abort(request_id, self.clock()))
+        if stream is not None:
+            stream.queue.put_nowait(self._final(request_id, stream, "abort", None))
+
+    def num_waiting(self) -> int:
+        """Accepted requests whose first token has not been produced yet."""
+        return sum(1 for r in self.controller.requests.values() if r.stage == "prefill")
+
+    def instance_status(self) -> list[InstanceStatus]:
+        return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive, i.view.stats)
+                for i in self.instances.values()]
+
+    async def check_integrity(self) -> dict[str, dict[str, int]]:
+        """Block-pool invariants on every live instance (raises on violation)."""
+        return {iid: await i.client.check_integrity()
+                for iid, i in self.instances.items() if i.view.alive}
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Wait until no request is in flight anywhere."""
+        deadline = time.monotonic() + timeout
+        while self.controller.requests or self._streams:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still in flight: {sorted(self.controller.requests)}")
+            await asyncio.sleep(0.01)
+
+    # ------------------------------------------------------------------ instance loops
+    async def _loop(self, inst: _Instance) -> None:
+        iid = inst.view.instance_id
+        busy = False
+        while self._running:
+            if not busy and not inst.commands:
+                await inst.wake.wait()
+            inst.wake.clear()
+            cmds, inst.commands = inst.commands, []
+            try:
+                rep = await inst.client.handle(cmds, self.clock())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the instance is gone: recompute its requests elsewhere
+                log.error("instance %s failed: %s", iid, e)
+                self._execute(self.controller.on_instance_failed(iid, self.clock()))
+                return
+            busy = bool(rep.batch)
+            try:
+                self._process(inst, rep)
+            except Exception:  # a bug in the driver must not silently stall the instance
+                log.exception("processing a report from %s failed", iid)
+
+    def _process(self, inst: _Instance, rep: StepReport) -> None:
+        ctl, iid = self.controller, inst.view.instance_id
+        now = self.clock()
+        if rep.stats is not None:
+            ctl.on_stats(iid, rep.stats)
+        for rid, msg in rep.errors:
+            self._execute(ctl.on_error(iid, rid, msg, now))
+        for d in rep.deltas:
+            req = ctl.get(d.request_id)
+            if req is None or req.instance != iid:
+                continue
+            acts = ctl.on_report_delta(iid, d, now)
+            stream = self._streams.get(d.request_id)
+            if stream is not None and (d.token_ids or d.finished):
+                stream.token_ids.extend(d.token_ids)
+                stream.text += d.text
+                if stream.logprobs is not None and d.logprobs:
+                    stream.logprobs.extend(d.logprobs)
+                stream.queue.put_nowait(RequestOutput(
+                    request_id=d.request_id, prompt_token_ids=stream.prompt_token_ids,
+                    token_ids=list(stream.token_ids), text=stream.text,
+                    new_token_ids=list(d.token_ids), new_text=d.text, finished=d.finished,
+                    finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens, logprobs=stream.logprobs,
+                    timeline=req.timeline, instance_id=iid))
+            self._execute(acts)
+        for rid, first_block in rep.pulls:
+            self._execute(ctl.on_pull(iid, rid, first_block, now))
+        for rid in rep.imported:  # imports are applied before the step, at ``rep.now``
+            self._execute(ctl.on_imported(iid, rid, rep.now))
+
+    # ------------------------------------------------------------------ actions
+    def _execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                inst = self.instances[a.instance_id]
+                inst.commands.append(a.command)
+                inst.wake.set()
+            elif isinstance(a, Transfer):
+                task = asyncio.create_task(self._transfer(a))
+                self._bg.add(task)
+                task.add_done_callback(self._bg.discard)
+            elif isinstance(a, Fail):
+                stream = self._streams.get(a.request_id)
+                if stream is not None:
+                    stream.timeline = a.timeline
+                self._end_with_error(a.request_id, a.message)
+
+    async def _transfer(self, t: Transfer) -> None:
+        src, dst = self.instances[t.src], self.instances[t.dst]
+        start = time.monotonic()
+        try:
+            payload = await src.client.export_kv(t.request_id, t.first_block)
+        except (KeyError, InstanceDeadError) as e:
+            log.info("KV export of %s from %s failed: %s", t.request_id, t.src, e)
+            return  # aborted meanwhile, or the source died (its failure handling recomputes)
+        if self.link.emulated:
+            blocks = -(-(t.num_tokens) // dst.view.block_size)
+            need = self.link.min_time(kv_bytes(self.model_config, self.config.engine.dtype,
+                                               blocks, dst.view.block_size))
+            wait = need - (time.monotonic() - start)
+            if wait > 0:
+                await asyncio.sleep(wait)
+        dst.commands.append(ImportKV(t.request_id, payload))
+        dst.wake.set()
+
+    def _final(self, rid: str, stream: _Stream, reason: str, error: str | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=rid, prompt_token_ids=stream.prompt_token_ids,
+            token_ids=list(stream.token_ids), text=stream.text, finished=True,
+            finish_reason=reason, error=error, timeline=stream.timeline)
+
+    def _end_with_error(self, rid: str, message: str) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.queue.put_nowait(self._final(rid, stream, "error", message))
+
+
+async def build_runtime(config: ClusterConfig, model_name: str | None = None) -> ClusterRuntime:
+    """Load the model on every instance (in-process or one Ray actor each) and start serving."""
+    from pdserve.tokenizer import load_tokenizer
+
+    model_config = ModelConfig.from_dir(config.engine.model)
+    tokenizer = load_tokenizer(config.engine.model)
+    specs = config.instance_configs()
+    clients: list[InstanceClient]
+    if config.backend == "ray":
+        init_ray(config.ray_address, len(specs))
+        clients = list(await asyncio.gather(*(RayInstance.create(iid, ec) for iid, ec in specs)))
+    else:
+        loop = asyncio.get_running_loop()
+        workers = [await loop.run_in_executor(None, lambda a=iid, c=ec: InstanceWorker(
+            a, c, tokenizer=tokenizer)) for iid, ec in specs]
+        clients = [InProcessInstance(w) for w in workers]
+    runtime = ClusterRuntime(config, clients, tokenizer, model_config, model_name)
+    await runtime.start()
+    return runtime

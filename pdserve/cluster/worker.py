@@ -1,0 +1,200 @@
+"""InstanceWorker: one engine behind a command/report interface (sans-IO).
+
+Every driver talks to an instance the same way: ``handle(commands, now)`` applies the commands
+(add, transfer, import, release, abort), reserves KV pulls on a decode instance, runs at most one
+engine step and returns a :class:`StepReport`. The live runtime calls it in a thread (in-process)
+or as a Ray actor method; the simulator calls it directly at virtual times. Messages are small
+serializable dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine, EngineStats, KVPayload
+from pdserve.engine.executor import Executor
+from pdserve.request import SamplingParams, Timeline
+
+
+# ---------------------------------------------------------------------------------- commands
+@dataclass(slots=True)
+class AddRequest:
+    """Compute a request (colocated/prefill). ``output_token_ids`` resumes it after these."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class AddTransfer:
+    """Decode role: continue a request whose KV (all but the last token) is on another instance."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class ImportKV:
+    request_id: str
+    payload: Any  # KVPayload, or a Ray ObjectRef to one
+
+
+@dataclass(slots=True)
+class Release:
+    request_id: str
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+
+
+Command = AddRequest | AddTransfer | ImportKV | Release | Abort
+
+
+# ---------------------------------------------------------------------------------- report
+@dataclass(slots=True)
+class TokenDelta:
+    """New tokens of one request from one step (``token_times`` aligned with ``token_ids``).
+
+    ``timeline`` (the instance-side timeline) is attached to a request's first token and when it
+    finishes or is held, so the controller can merge queue/prefill/decode times."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    token_times: list[float]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    held: bool = False
+    timeline: Timeline | None = None
+
+
+@dataclass
+class StepReport:
+    instance_id: str
+    role: str
+    now: float
+    elapsed: float = 0.0
+    deltas: list[TokenDelta] = field(default_factory=list)
+    pulls: list[tuple[str, int]] = field(default_factory=list)  # decode: (request, first block)
+    imported: list[str] = field(default_factory=list)  # decode: KV in place, prefill may release
+    errors: list[tuple[str, str]] = field(default_factory=list)  # (request, message)
+    batch: list[tuple[str, int, int]] = field(default_factory=list)  # (request, start, tokens)
+    stats: EngineStats | None = None
+    has_work: bool = False
+    has_unfinished: bool = False
+
+
+class InstanceWorker:
+    """An :class:`Engine` plus the command protocol. ``executor=None`` loads the real model."""
+
+    def __init__(self, instance_id: str, config: EngineConfig, executor: Executor | None = None,
+                 tokenizer: Any = None, load_tokenizer: bool = True,
+                 record_events: bool = False) -> None:
+        if tokenizer is None and load_tokenizer and config.model:
+            from pdserve.tokenizer import load_tokenizer as _load
+
+            tokenizer = _load(config.model)
+        self.instance_id = instance_id
+        self.role = config.scheduler.role
+        self.engine = Engine(config, executor=executor, tokenizer=tokenizer,
+                             record_events=record_events)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.scheduler.pool.num_blocks
+
+    def handle(self, commands: list[Command], now: float, step: bool = True) -> StepReport:
+        eng = self.engine
+        rep = StepReport(self.instance_id, self.role, now)
+        for cmd in commands:
+            self._apply(cmd, now, rep)
+        if self.role == "decode":
+            rep.pulls = eng.reserve_pulls(now)
+        if step and eng.has_work():
+            res = eng.step(now)
+            rep.elapsed = res.elapsed
+            rep.batch = [(s.request_id, s.start, s.num_tokens) for s in res.batch.seqs]
+            held = set(res.held)
+            for out in res.outputs:
+                tl = out.timeline
+                first = len(out.token_ids) == 1 and self.role != "decode"
+                is_held = out.request_id in held
+                n = len(out.new_token_ids)
+                rep.deltas.append(TokenDelta(
+                    request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
+                    token_times=tl.token_times[-n:] if n else [], finished=out.finished,
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    num_cached_tokens=out.num_cached_tokens,
+                    logprobs=out.logprobs[-n:] if out.logprobs is not None and n else None,
+                    held=is_held,
+                    timeline=tl if (first or out.finished or is_held) else None,
+                ))
+        if self.role == "decode":  # blocks freed by this step may admit pending transfers
+            rep.pulls += eng.reserve_pulls(now + rep.elapsed)
+        rep.stats = eng.stats()
+        rep.has_work = eng.has_work()
+        rep.has_unfinished = eng.has_unfinished()
+        return rep
+
+    def _apply(self, cmd: Command, now: float, rep: StepReport) -> None:
+        eng = self.engine
+        try:
+            if isinstance(cmd, AddRequest):
+                eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, now,
+                                cmd.arrival_time, cmd.output_token_ids)
+            elif isinstance(cmd, AddTransfer):
+                eng.add_transfer_request(cmd.request_id, cmd.prompt_token_ids,
+                                         cmd.output_token_ids, cmd.params, now, cmd.arrival_time)
+            elif isinstance(cmd, ImportKV):
+                self._import(cmd, now, rep)
+            elif isinstance(cmd, Release):
+                if cmd.request_id in eng.scheduler.held:
+                    eng.release(cmd.request_id, now)
+            elif isinstance(cmd, Abort):
+                eng.abort(cmd.request_id, now)
+            else:
+                raise TypeError(f"unknown command {cmd!r}")
+        except (ValueError, KeyError) as e:
+            rep.errors.append((cmd.request_id, str(e)))
+
+    def _import(self, cmd: ImportKV, now: float, rep: StepReport) -> None:
+        payload, rid = cmd.payload, cmd.request_id
+        if rid not in self.engine.scheduler.pulling:
+            return  # aborted while the transfer was in flight
+        if not isinstance(payload, KVPayload):  # a Ray ObjectRef: pull the blocks now
+            import ray
+
+            try:
+                payload = ray.get(payload)
+            except Exception as e:  # the source died or no longer holds the request
+                self.engine.abort(rid, now)
+                rep.errors.append((rid, f"KV transfer failed: {e}"))
+                return
+        self.engine.import_kv(payload, now)
+        rep.imported.append(rid)
+
+    def export_kv(self, request_id: str, first_block: int) -> KVPayload:
+        return self.engine.export_kv(request_id, first_block)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_integrity(self) -> dict[str, int]:
+        """Run the block-pool invariants; returns used/total blocks and live requests."""
+        self.engine.check_integrity()
+        s = self.engine.scheduler
+        return {"used_blocks": s.pool.num_used_blocks, "num_blocks": s.pool.num_blocks,
+                "num_requests": s.num_unfinished}
