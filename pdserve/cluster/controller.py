@@ -70,6 +70,11 @@ class ClusterRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def arrival(self) -> float:
+        assert self.timeline.arrival is not None
+        return self.timeline.arrival
+
 
 class Controller:
     def __init__(self, instances: list[InstanceView], prefill_router: str = "shortest_queue",
@@ -139,7 +144,7 @@ class Controller:
         if req.timeline.routed is None:
             req.timeline.routed = now
         return [Send(inst.instance_id, AddRequest(
-            req.request_id, req.prompt_token_ids, req.params, req.timeline.arrival or now,
+            req.request_id, req.prompt_token_ids, req.params, req.arrival,
             list(req.output_token_ids)))]
 
     def on_report_delta(self, instance_id: str, d: TokenDelta, now: float) -> list[Action]:
@@ -175,7 +180,7 @@ class Controller:
         self._charge(req, inst, req.num_tokens)
         return [Send(inst.instance_id, AddTransfer(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.params,
-            req.timeline.arrival or now))]
+            req.arrival))]
 
     def on_pull(self, instance_id: str, request_id: str, first_block: int,
                 now: float) -> list[Action]:

@@ -51,18 +51,22 @@ class InProcessInstance(InstanceClient):
         self.num_kv_blocks = worker.num_kv_blocks
         self.block_size = worker.engine.config.cache.block_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.instance_id}")
+        # Exports read only held blocks, which no step touches, so they need not wait for the
+        # step in flight (DistServe §4.3: the prefill instance keeps working while pulled from).
+        self._export_pool = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.instance_id}kv")
         self.dead = False
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
+    async def _call(self, fn: Any, *args: Any, pool: ThreadPoolExecutor | None = None) -> Any:
         if self.dead:
             raise InstanceDeadError(f"instance {self.instance_id} is dead")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
 
     async def handle(self, commands: list[Command], now: float) -> StepReport:
         return await self._call(self.worker.handle, commands, now)
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
-        return await self._call(self.worker.export_kv, request_id, first_block)
+        return await self._call(self.worker.export_kv, request_id, first_block,
+                                pool=self._export_pool)
 
     async def check_integrity(self) -> dict[str, int]:
         return await self._call(self.worker.check_integrity)
@@ -73,6 +77,7 @@ class InProcessInstance(InstanceClient):
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._export_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _RayWorker(InstanceWorker):
@@ -105,7 +110,9 @@ class RayInstance(InstanceClient):
     async def create(cls, instance_id: str, config: EngineConfig) -> RayInstance:
         import ray
 
-        opts: dict[str, Any] = {"name": None, "max_restarts": 0, "num_cpus": 1}
+        # max_concurrency=2: a KV export may run beside the step in flight (see
+        # InProcessInstance); the runtime never issues two handle() calls at once.
+        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 2}
         if config.device.startswith("cuda"):
             opts["num_gpus"] = 1
         env = {"OMP_NUM_THREADS": "1"} if config.device == "cpu" else {}

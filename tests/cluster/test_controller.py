@@ -1,0 +1,85 @@
+"""Controller and routers: hand-computed routing decisions and action sequences (no I/O)."""
+
+import pytest
+
+from pdserve.cluster.controller import Controller, Fail, Send, Transfer
+from pdserve.cluster.routing import InstanceView
+from pdserve.cluster.worker import Abort, AddRequest, AddTransfer, Release, TokenDelta
+from pdserve.request import SamplingParams, Timeline
+
+P = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def views(*spec):
+    return [InstanceView(iid, role, num_kv_blocks=10, block_size=4) for iid, role in spec]
+
+
+def delta(rid, toks, t, **kw):
+    return TokenDelta(rid, toks, "", [t] * len(toks), **kw)
+
+
+def test_disaggregated_flow_actions():
+    c = Controller(views(("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"),
+                         ("d1", "decode")))
+    [a] = c.on_arrival("r", [1, 2, 3, 4, 5], P, now=1.0)
+    assert a == Send("p0", AddRequest("r", [1, 2, 3, 4, 5], P, 1.0, []))
+    [b] = c.on_arrival("s", [9] * 30, P, now=1.1)
+    assert b.instance_id == "p1"  # shortest queue: p0 has one queued request
+    tl = Timeline(arrival=1.0, prefill_queued=1.0, prefill_start=1.2, prefill_end=1.5)
+    [a] = c.on_report_delta("p0", delta("r", [7], 1.5, held=True, timeline=tl), now=1.5)
+    assert a == Send("d0", AddTransfer("r", [1, 2, 3, 4, 5], [7], P, 1.0))
+    assert c.instances["p0"].queued == 0 and c.instances["d0"].assigned_tokens == 6
+    # least load: d0 holds 6 tokens, so s goes to d1
+    [b] = c.on_report_delta("p1", delta("s", [8], 1.6, held=True), now=1.6)
+    assert b.instance_id == "d1"
+    [t] = c.on_pull("d0", "r", 1, now=1.7)
+    assert t == Transfer("r", "p0", "d0", 1, 5 - 4)  # block 0 cached on d0: 1 token moves
+    assert c.on_imported("d0", "r", now=1.8) == [Send("p0", Release("r"))]
+    assert c.instances["p0"].active == 0 and c.instances["p0"].assigned_tokens == 0
+    assert c.on_report_delta("d0", delta("r", [1, 2], 1.9), now=1.9) == []
+    assert c.on_report_delta("d0", delta("r", [3], 2.0, finished=True, finish_reason="length"),
+                             now=2.0) == []
+    assert "r" not in c.requests and c.instances["d0"].assigned_tokens == 0
+    # stale deltas from an instance the request left are ignored
+    assert c.on_report_delta("p0", delta("s", [5], 2.1), now=2.1) == []
+
+
+def test_colocated_shortest_queue_and_round_robin():
+    c = Controller(views(("c0", "colocated"), ("c1", "colocated"), ("c2", "colocated")))
+    got = [c.on_arrival(f"r{i}", [1], P, now=i)[0].instance_id for i in range(4)]
+    assert got == ["c0", "c1", "c2", "c0"]  # every unfinished request counts on colocated
+    c.on_report_delta("c1", delta("r1", [5], 5, finished=True, finish_reason="length"), now=5)
+    assert c.on_arrival("r9", [1], P, now=6)[0].instance_id == "c1"
+    rr = Controller(views(("c0", "colocated"), ("c1", "colocated")), prefill_router="round_robin")
+    assert [rr.on_arrival(f"x{i}", [1], P, 0)[0].instance_id for i in range(3)] == ["c0", "c1",
+                                                                                     "c0"]
+
+
+def test_abort_reaches_every_instance_holding_the_request():
+    c = Controller(views(("p0", "prefill"), ("d0", "decode")))
+    c.on_arrival("r", [1, 2], P, 0)
+    c.on_report_delta("p0", delta("r", [3], 1, held=True), 1)
+    acts = c.on_abort("r", 2)
+    assert sorted(a.instance_id for a in acts) == ["d0", "p0"]
+    assert all(isinstance(a.command, Abort) for a in acts)
+    assert all(v.active == 0 and v.assigned_tokens == 0 for v in c.instances.values())
+
+
+def test_instance_failure_recomputes_with_generated_tokens():
+    c = Controller(views(("c0", "colocated"), ("c1", "colocated")))
+    c.on_arrival("r", [1, 2], P, 0)
+    c.on_report_delta("c0", delta("r", [3, 4], 1), 1)
+    [a] = c.on_instance_failed("c0", 2)
+    assert a == Send("c1", AddRequest("r", [1, 2], P, 0, [3, 4]))  # resumes after 2 tokens
+    assert c.on_instance_failed("c0", 3) == []
+    [f] = c.on_instance_failed("c1", 4)
+    assert isinstance(f, Fail) and "no live colocated" in f.message
+
+
+def test_bad_cluster_shapes():
+    with pytest.raises(ValueError, match="at least one"):
+        Controller([])
+    with pytest.raises(ValueError, match="all colocated or prefill"):
+        Controller(views(("p0", "prefill"), ("c0", "colocated")))
+    with pytest.raises(ValueError, match="unknown router 'nope'"):
+        Controller(views(("c0", "colocated")), prefill_router="nope")
