@@ -50,10 +50,11 @@ class InProcessInstance(InstanceClient):
         self.role = worker.role
         self.num_kv_blocks = worker.num_kv_blocks
         self.block_size = worker.engine.config.cache.block_size
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.instance_id}")
+        name = f"pdserve-{self.instance_id}"
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
         # Exports read only held blocks, which no step touches, so they need not wait for the
         # step in flight (DistServe §4.3: the prefill instance keeps working while pulled from).
-        self._export_pool = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.instance_id}kv")
+        self._export_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-kv")
         self.dead = False
 
     async def _call(self, fn: Any, *args: Any, pool: ThreadPoolExecutor | None = None) -> Any:
