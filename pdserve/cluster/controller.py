@@ -18,7 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.cluster.routing import InstanceView, make_router
-from pdserve.cluster.worker import Abort, AddRequest, AddTransfer, Command, Release, TokenDelta
+from pdserve.cluster.worker import (
+    Abort,
+    AddRequest,
+    AddTransfer,
+    Command,
+    Release,
+    StepReport,
+    TokenDelta,
+)
 from pdserve.engine.engine import EngineStats
 from pdserve.request import SamplingParams, Timeline
 
@@ -78,7 +86,7 @@ class ClusterRequest:
 
 class Controller:
     def __init__(self, instances: list[InstanceView], prefill_router: str = "shortest_queue",
-                 decode_router: str = "least_load") -> None:
+                 decode_router: str = "least_load", keep_history: bool = False) -> None:
         if not instances:
             raise ValueError("a cluster needs at least one instance")
         roles = {i.role for i in instances}
@@ -92,6 +100,8 @@ class Controller:
         self.prefill_router = make_router(prefill_router)
         self.decode_router = make_router(decode_router)
         self.requests: dict[str, ClusterRequest] = {}
+        # every request ever seen, finished ones included (the simulator reports from it)
+        self.history: dict[str, ClusterRequest] | None = {} if keep_history else None
 
     # ------------------------------------------------------------------ helpers
     def _live(self, role: str) -> list[InstanceView]:
@@ -126,6 +136,8 @@ class Controller:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = ClusterRequest(request_id, list(prompt_token_ids), params, Timeline(arrival=now))
         self.requests[request_id] = req
+        if self.history is not None:
+            self.history[request_id] = req
         return self._dispatch(req, now)
 
     def _dispatch(self, req: ClusterRequest, now: float) -> list[Action]:
@@ -146,6 +158,31 @@ class Controller:
         return [Send(inst.instance_id, AddRequest(
             req.request_id, req.prompt_token_ids, req.params, req.arrival,
             list(req.output_token_ids)))]
+
+    def on_report(self, rep: StepReport) -> tuple[list[Action], list[tuple[TokenDelta,
+                                                                            ClusterRequest]]]:
+        """Everything an instance's step report implies, in order: stats, errors, token deltas,
+        KV pulls, completed imports. Returns the actions and the deltas that were accepted (with
+        their request) so a driver can stream them. Times: imports and pulls happen at
+        ``rep.now``; the step's effects at ``rep.now + rep.elapsed``."""
+        iid, end = rep.instance_id, rep.now + rep.elapsed
+        acts: list[Action] = []
+        accepted: list[tuple[TokenDelta, ClusterRequest]] = []
+        if rep.stats is not None:
+            self.instances[iid].stats = rep.stats
+        for rid in rep.imported:
+            acts += self.on_imported(iid, rid, rep.now)
+        for rid, msg in rep.errors:
+            acts += self.on_error(iid, rid, msg, end)
+        for d in rep.deltas:
+            req = self.requests.get(d.request_id)
+            if req is None or req.instance != iid:
+                continue
+            acts += self.on_report_delta(iid, d, end)
+            accepted.append((d, req))
+        for rid, first_block in rep.pulls:
+            acts += self.on_pull(iid, rid, first_block, end)
+        return acts, accepted
 
     def on_report_delta(self, instance_id: str, d: TokenDelta, now: float) -> list[Action]:
         """A token delta from an instance's step report."""

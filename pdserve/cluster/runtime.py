@@ -74,6 +74,7 @@ class ClusterRuntime:
         self.controller = Controller([i.view for i in self.instances.values()],
                                      config.prefill_router, config.decode_router)
         self._streams: dict[str, _Stream] = {}
+        self.batch_log: list[tuple[str, list[tuple[str, int, int]]]] | None = None  # tests
         self._running = False
         self._bg: set[asyncio.Task] = set()
 
@@ -180,35 +181,25 @@ class ClusterRuntime:
                 log.exception("processing a report from %s failed", iid)
 
     def _process(self, inst: _Instance, rep: StepReport) -> None:
-        ctl, iid = self.controller, inst.view.instance_id
-        now = self.clock()
-        if rep.stats is not None:
-            ctl.on_stats(iid, rep.stats)
-        for rid, msg in rep.errors:
-            self._execute(ctl.on_error(iid, rid, msg, now))
-        for d in rep.deltas:
-            req = ctl.get(d.request_id)
-            if req is None or req.instance != iid:
-                continue
-            acts = ctl.on_report_delta(iid, d, now)
+        if self.batch_log is not None and rep.batch:
+            self.batch_log.append((rep.instance_id, rep.batch))
+        acts, accepted = self.controller.on_report(rep)
+        for d, req in accepted:
             stream = self._streams.get(d.request_id)
-            if stream is not None and (d.token_ids or d.finished):
-                stream.token_ids.extend(d.token_ids)
-                stream.text += d.text
-                if stream.logprobs is not None and d.logprobs:
-                    stream.logprobs.extend(d.logprobs)
-                stream.queue.put_nowait(RequestOutput(
-                    request_id=d.request_id, prompt_token_ids=stream.prompt_token_ids,
-                    token_ids=list(stream.token_ids), text=stream.text,
-                    new_token_ids=list(d.token_ids), new_text=d.text, finished=d.finished,
-                    finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens, logprobs=stream.logprobs,
-                    timeline=req.timeline, instance_id=iid))
-            self._execute(acts)
-        for rid, first_block in rep.pulls:
-            self._execute(ctl.on_pull(iid, rid, first_block, now))
-        for rid in rep.imported:  # imports are applied before the step, at ``rep.now``
-            self._execute(ctl.on_imported(iid, rid, rep.now))
+            if stream is None or not (d.token_ids or d.finished):
+                continue
+            stream.token_ids.extend(d.token_ids)
+            stream.text += d.text
+            if stream.logprobs is not None and d.logprobs:
+                stream.logprobs.extend(d.logprobs)
+            stream.queue.put_nowait(RequestOutput(
+                request_id=d.request_id, prompt_token_ids=stream.prompt_token_ids,
+                token_ids=list(stream.token_ids), text=stream.text,
+                new_token_ids=list(d.token_ids), new_text=d.text, finished=d.finished,
+                finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                num_cached_tokens=req.num_cached_tokens, logprobs=stream.logprobs,
+                timeline=req.timeline, instance_id=rep.instance_id))
+        self._execute(acts)
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions: list[Action]) -> None:

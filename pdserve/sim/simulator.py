@@ -1,0 +1,232 @@
+"""Discrete-event simulator: the real scheduler, block pool, controller and routers on a virtual
+clock, with a latency model in place of the model executor (DESIGN.md "Simulator").
+
+Every instance is a real :class:`~pdserve.cluster.worker.InstanceWorker` whose executor returns
+the latency model's step time; the cluster is the real :class:`Controller`. The event loop
+mirrors the live runtime exactly: an idle instance that receives a command calls
+``handle(commands, now)`` at once; the report takes effect at ``now + elapsed`` (a step-end
+event), after which the instance steps again while it has work. KV transfers take
+``bytes / bandwidth + latency`` of the link between the two instances' nodes.
+
+Heap key: ``(time, event priority, sequence)`` — priority before sequence, so that at equal
+times step ends (which free resources and emit tokens) precede transfers and arrivals.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdserve.cluster.controller import Action, Controller, Fail, Send, Transfer
+from pdserve.cluster.routing import InstanceView
+from pdserve.cluster.transport import Link, kv_bytes
+from pdserve.cluster.worker import ImportKV, InstanceWorker, StepReport
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+from pdserve.request import SamplingParams, Timeline
+
+STEP_END, TRANSFER_END, ARRIVAL = 0, 1, 2
+
+
+class StepTimeModel(Protocol):
+    def batch_time(self, batch: ScheduledBatch) -> float: ...
+
+
+class SimExecutor:
+    """Executor whose only output is time: ``latency.batch_time(batch)`` seconds per step, and a
+    fixed token for every sampled position (output lengths come from the workload via
+    ``max_tokens`` + ``ignore_eos``)."""
+
+    def __init__(self, latency: StepTimeModel, num_kv_blocks: int, token_id: int = 1) -> None:
+        self.latency = latency
+        self.num_kv_blocks = num_kv_blocks
+        self.token_id = token_id
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    def execute(self, batch: ScheduledBatch) -> ExecuteResult:
+        n = sum(1 for s in batch.seqs if s.sample)
+        return ExecuteResult([self.token_id] * n, self.latency.batch_time(batch))
+
+    def export_kv(self, block_ids: list[int]) -> None:
+        return None
+
+    def import_kv(self, block_ids: list[int], payload: Any) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class SimInstance:
+    """One simulated instance: its engine config (role inside), step-time model, GPUs, node."""
+
+    instance_id: str
+    engine: EngineConfig
+    latency: StepTimeModel
+    num_kv_blocks: int
+    num_gpus: int = 1
+    node: int = 0
+
+
+@dataclass
+class SimRequest:
+    """A workload request: token ids (prefix sharing is real) and a forced output length."""
+
+    request_id: str
+    arrival: float
+    prompt_token_ids: list[int]
+    output_len: int
+    params: SamplingParams | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        return self.params or SamplingParams(max_tokens=self.output_len, temperature=0.0,
+                                             ignore_eos=True)
+
+
+@dataclass
+class SimRecord:
+    request_id: str
+    prompt_len: int
+    output_len: int
+    timeline: Timeline
+    finish_reason: str | None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SimResult:
+    records: list[SimRecord]
+    duration: float  # virtual seconds until the last event
+    num_events: int
+    instance_stats: dict[str, Any] = field(default_factory=dict)
+    batch_log: list[tuple[str, float, list[tuple[str, int, int]]]] | None = None
+
+
+@dataclass
+class _Inst:
+    spec: SimInstance
+    worker: InstanceWorker
+    commands: list = field(default_factory=list)
+    busy: bool = False
+
+
+class Simulator:
+    """Runs a workload on simulated instances. ``intra_node_link`` joins instances on the same
+    node, ``inter_node_link`` the others (DistServe §4.1/§4.2 placements)."""
+
+    def __init__(self, instances: Sequence[SimInstance], model: ModelConfig,
+                 prefill_router: str = "shortest_queue", decode_router: str = "least_load",
+                 intra_node_link: Link | None = None, inter_node_link: Link | None = None,
+                 kv_dtype: str = "float16", record_batches: bool = False) -> None:
+        self.model = model
+        self.kv_dtype = kv_dtype
+        self.intra = intra_node_link or Link()
+        self.inter = inter_node_link or Link()
+        self.insts: dict[str, _Inst] = {}
+        for spec in instances:
+            ex = SimExecutor(spec.latency, spec.num_kv_blocks)
+            worker = InstanceWorker(spec.instance_id, spec.engine, executor=ex,
+                                    load_tokenizer=False)
+            self.insts[spec.instance_id] = _Inst(spec, worker)
+        self.controller = Controller(
+            [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
+                          i.spec.engine.cache.block_size) for i in self.insts.values()],
+            prefill_router, decode_router, keep_history=True)
+        self.num_gpus = sum(s.num_gpus for s in instances)
+        self.record_batches = record_batches
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._errors: dict[str, str] = {}
+        self._batch_log: list[tuple[str, float, list[tuple[str, int, int]]]] = []
+
+    # ------------------------------------------------------------------ events
+    def _push(self, t: float, prio: int, data: Any) -> None:
+        heapq.heappush(self._heap, (t, prio, next(self._seq), data))
+
+    def run(self, requests: Sequence[SimRequest],
+            progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``requests`` to completion. ``progress(n)`` is called as requests finish."""
+        for r in requests:
+            self._push(r.arrival, ARRIVAL, r)
+        now, n_events, done = 0.0, 0, 0
+        while self._heap:
+            now, prio, _, data = heapq.heappop(self._heap)
+            n_events += 1
+            if prio == STEP_END:
+                inst, rep = data
+                inst.busy = False
+                self._apply(self._report(inst, rep), now)
+                self._kick(inst, now)
+            elif prio == TRANSFER_END:
+                rid, dst, payload = data
+                self._apply([Send(dst, ImportKV(rid, payload))], now)
+            else:
+                r = data
+                self._apply(self.controller.on_arrival(r.request_id, r.prompt_token_ids,
+                                                       r.sampling_params(), now), now)
+            if progress is not None:
+                finished = len(self.controller.history) - len(self.controller.requests)
+                if finished != done:
+                    progress(finished - done)
+                    done = finished
+        records = [
+            SimRecord(rid, len(r.prompt_token_ids), len(r.output_token_ids), r.timeline,
+                      r.finish_reason, self._errors.get(rid), r.num_cached_tokens)
+            for rid, r in self.controller.history.items()
+        ]
+        stats = {iid: i.worker.stats() for iid, i in self.insts.items()}
+        return SimResult(records, now, n_events, stats,
+                         self._batch_log if self.record_batches else None)
+
+    def _kick(self, inst: _Inst, now: float) -> None:
+        """Let an idle instance apply its commands and run one step starting ``now``."""
+        if inst.busy:
+            return
+        cmds, inst.commands = inst.commands, []
+        rep = inst.worker.handle(cmds, now)
+        if rep.batch:
+            inst.busy = True
+            if self.record_batches:
+                self._batch_log.append((inst.spec.instance_id, now, rep.batch))
+            self._push(now + rep.elapsed, STEP_END, (inst, rep))
+        else:  # nothing to compute: the report takes effect now and the instance idles
+            self._apply(self._report(inst, rep), now)
+            if inst.commands:
+                self._kick(inst, now)
+
+    def _report(self, inst: _Inst, rep: StepReport) -> list[Action]:
+        acts, _ = self.controller.on_report(rep)
+        return acts
+
+    def _apply(self, actions: list[Action], now: float) -> None:
+        kicks: list[_Inst] = []
+        for a in actions:
+            if isinstance(a, Send):
+                inst = self.insts[a.instance_id]
+                inst.commands.append(a.command)
+                kicks.append(inst)
+            elif isinstance(a, Transfer):
+                src, dst = self.insts[a.src], self.insts[a.dst]
+                payload = src.worker.export_kv(a.request_id, a.first_block)
+                bs = dst.spec.engine.cache.block_size
+                nbytes = kv_bytes(self.model, self.kv_dtype, payload.num_blocks, bs)
+                link = self.intra if src.spec.node == dst.spec.node else self.inter
+                self._push(now + link.min_time(nbytes), TRANSFER_END, (a.request_id, a.dst,
+                                                                       payload))
+            elif isinstance(a, Fail):
+                self._errors[a.request_id] = a.message
+        for inst in kicks:
+            self._kick(inst, now)
+
+
+def sim_requests_from_lengths(lengths: Sequence[tuple[float, int, int]],
+                              vocab_size: int = 32000, seed: int = 0) -> list[SimRequest]:
+    """``(arrival, prompt_len, output_len)`` triples → requests with distinct random prompts
+    (no accidental prefix sharing)."""
+    import random
+
+    rng = random.Random(seed)
+    return [SimRequest(f"r{i}", t, [rng.randrange(vocab_size) for _ in range(p)], o)
+            for i, (t, p, o) in enumerate(lengths)]
