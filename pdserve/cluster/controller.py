@@ -72,7 +72,8 @@ class ClusterRequest:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     num_dispatches: int = 0
-    loads: dict[str, int] = field(default_factory=dict)  # tokens charged to each instance
+    # instances the request lives on -> KV tokens promised there and not yet reserved
+    placed: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -107,26 +108,34 @@ class Controller:
     def _live(self, role: str) -> list[InstanceView]:
         return [i for i in self.instances.values() if i.alive and i.role == role]
 
-    def _charge(self, req: ClusterRequest, inst: InstanceView, tokens: int) -> None:
-        inst.assigned_tokens += tokens
-        req.loads[inst.instance_id] = req.loads.get(inst.instance_id, 0) + tokens
+    def _place(self, req: ClusterRequest, inst: InstanceView, pending_tokens: int = 0) -> None:
+        inst.active += 1
+        inst.pending_tokens += pending_tokens
+        req.placed[inst.instance_id] = pending_tokens
+
+    def _reserved(self, req: ClusterRequest, instance_id: str) -> None:
+        """The instance's block pool now holds what was promised."""
+        tokens = req.placed.get(instance_id, 0)
+        if tokens:
+            self.instances[instance_id].pending_tokens -= tokens
+            req.placed[instance_id] = 0
 
     def _detach(self, req: ClusterRequest, instance_id: str | None) -> None:
         """Stop counting ``req`` against an instance."""
-        if instance_id is None or instance_id not in req.loads:
+        if instance_id is None or instance_id not in req.placed:
             return
         inst = self.instances[instance_id]
-        inst.assigned_tokens -= req.loads.pop(instance_id)
+        inst.pending_tokens -= req.placed.pop(instance_id)
         inst.active -= 1
         if req.stage == "prefill" and req.instance == instance_id:
             inst.queued -= 1
 
     def _detach_all(self, req: ClusterRequest) -> None:
-        for iid in list(req.loads):
+        for iid in list(req.placed):
             self._detach(req, iid)
 
     def _aborts(self, req: ClusterRequest, skip: str | None = None) -> list[Action]:
-        return [Send(iid, Abort(req.request_id)) for iid in list(req.loads)
+        return [Send(iid, Abort(req.request_id)) for iid in list(req.placed)
                 if iid != skip and self.instances[iid].alive]
 
     # ------------------------------------------------------------------ events
@@ -151,8 +160,7 @@ class Controller:
         req.decode_instance = None
         req.num_dispatches += 1
         inst.queued += 1
-        inst.active += 1
-        self._charge(req, inst, req.num_tokens)
+        self._place(req, inst)
         if req.timeline.routed is None:
             req.timeline.routed = now
         return [Send(inst.instance_id, AddRequest(
@@ -199,7 +207,6 @@ class Controller:
                 req.num_cached_tokens = d.num_cached_tokens
             req.output_token_ids.extend(d.token_ids)
             req.timeline.token_times.extend(d.token_times)
-            self._charge(req, inst, len(d.token_ids))
         if d.finished:
             return self._finish(req, d.finish_reason, now)
         if d.held:
@@ -213,8 +220,7 @@ class Controller:
         inst = self.decode_router.select(req, cands)
         req.stage = "transfer"
         req.instance = req.decode_instance = inst.instance_id
-        inst.active += 1
-        self._charge(req, inst, req.num_tokens)
+        self._place(req, inst, req.num_tokens)
         return [Send(inst.instance_id, AddTransfer(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.params,
             req.arrival))]
@@ -226,6 +232,7 @@ class Controller:
         if req is None or req.decode_instance != instance_id or req.prefill_instance is None:
             return [Send(instance_id, Abort(request_id))]
         req.timeline.transfer_start = now
+        self._reserved(req, instance_id)
         bs = self.instances[instance_id].block_size
         moved = max(req.num_tokens - 1 - first_block * bs, 0)
         return [Transfer(request_id, req.prefill_instance, instance_id, first_block, moved)]
@@ -245,7 +252,7 @@ class Controller:
     def on_error(self, instance_id: str, request_id: str, message: str,
                  now: float) -> list[Action]:
         req = self.requests.get(request_id)
-        if req is None or instance_id not in req.loads:
+        if req is None or instance_id not in req.placed:
             return []
         return self._fail(req, message, skip=None)
 
@@ -271,12 +278,12 @@ class Controller:
         inst.alive = False
         acts: list[Action] = []
         for req in list(self.requests.values()):
-            if instance_id not in req.loads:
+            if instance_id not in req.placed:
                 continue
             acts += self._aborts(req, skip=instance_id)
             self._detach_all(req)
             acts += self._dispatch(req, now)
-        inst.queued = inst.active = inst.assigned_tokens = 0
+        inst.queued = inst.active = inst.pending_tokens = 0
         return acts
 
     # ------------------------------------------------------------------ endings

@@ -16,8 +16,9 @@ class InstanceView:
     """The controller's picture of one instance.
 
     ``queued`` counts requests dispatched to it whose first token has not come back;
-    ``active`` requests assigned and unfinished; ``assigned_tokens`` the tokens (prompt + output
-    so far) of its active requests, i.e. the KV it holds or will hold.
+    ``active`` requests assigned and unfinished; ``pending_tokens`` the KV tokens of requests
+    assigned to it that its block pool has not reserved yet (a decode instance reserves when it
+    pulls). ``stats`` is the instance's last report.
     """
 
     instance_id: str
@@ -28,7 +29,7 @@ class InstanceView:
     stats: EngineStats | None = None
     queued: int = 0
     active: int = 0
-    assigned_tokens: int = 0
+    pending_tokens: int = 0
 
     @property
     def queue_len(self) -> int:
@@ -38,7 +39,11 @@ class InstanceView:
 
     @property
     def kv_load(self) -> float:
-        return self.assigned_tokens / (self.num_kv_blocks * self.block_size)
+        """Share of the KV capacity used or promised: reserved blocks (last report) plus
+        requests routed here and not reserved yet."""
+        used = self.stats.num_used_blocks if self.stats is not None else 0
+        return (used * self.block_size + self.pending_tokens) / (
+            self.num_kv_blocks * self.block_size)
 
 
 class Router:
@@ -93,8 +98,9 @@ class ShortestQueue(Router):
 
 @register
 class LeastLoad(Router):
-    """DistServe §4.3: the least loaded decoding instance, load = KV tokens held or promised
-    (prompt + output so far of its active requests) over its KV capacity."""
+    """DistServe §4.3: the least loaded decoding instance, load = share of its KV blocks used or
+    promised to requests routed to it (:attr:`InstanceView.kv_load`); ties: fewer active
+    requests, then the earliest in order."""
 
     name = "least_load"
 

@@ -174,7 +174,7 @@ class ClusterRuntime:
                 log.error("instance %s failed: %s", iid, e)
                 self._execute(self.controller.on_instance_failed(iid, self.clock()))
                 return
-            busy = bool(rep.batch)
+            busy = rep.stepped
             try:
                 self._process(inst, rep)
             except Exception:  # a bug in the driver must not silently stall the instance

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import Engine, EngineStats, KVPayload
+from pdserve.engine.engine import Engine, EngineStats, KVPayload, StepResult
 from pdserve.engine.executor import Executor
-from pdserve.request import SamplingParams, Timeline
+from pdserve.request import RequestStatus, SamplingParams, Timeline
 
 
 # ---------------------------------------------------------------------------------- commands
@@ -91,6 +91,7 @@ class StepReport:
     pulls: list[tuple[str, int]] = field(default_factory=list)  # decode: (request, first block)
     imported: list[str] = field(default_factory=list)  # decode: KV in place, prefill may release
     errors: list[tuple[str, str]] = field(default_factory=list)  # (request, message)
+    stepped: bool = False  # a batch was computed
     batch: list[tuple[str, int, int]] = field(default_factory=list)  # (request, start, tokens)
     stats: EngineStats | None = None
     has_work: bool = False
@@ -102,13 +103,20 @@ class InstanceWorker:
 
     def __init__(self, instance_id: str, config: EngineConfig, executor: Executor | None = None,
                  tokenizer: Any = None, load_tokenizer: bool = True,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, stream_tokens: bool = True,
+                 log_batches: bool = True) -> None:
         if tokenizer is None and load_tokenizer and config.model:
             from pdserve.tokenizer import load_tokenizer as _load
 
             tokenizer = _load(config.model)
         self.instance_id = instance_id
         self.role = config.scheduler.role
+        # False: report a request only at its first token, when held and when finished (each
+        # delta carrying every token since the last), which is all the controller needs; the
+        # simulator uses this, the live runtime streams every token.
+        self.stream_tokens = stream_tokens
+        self.log_batches = log_batches  # fill StepReport.batch (tests, parity checks)
+        self._reported: dict[str, int] = {}
         self.engine = Engine(config, executor=executor, tokenizer=tokenizer,
                              record_events=record_events)
 
@@ -126,22 +134,10 @@ class InstanceWorker:
         if step and eng.has_work():
             res = eng.step(now)
             rep.elapsed = res.elapsed
-            rep.batch = [(s.request_id, s.start, s.num_tokens) for s in res.batch.seqs]
-            held = set(res.held)
-            for out in res.outputs:
-                tl = out.timeline
-                first = len(out.token_ids) == 1 and self.role != "decode"
-                is_held = out.request_id in held
-                n = len(out.new_token_ids)
-                rep.deltas.append(TokenDelta(
-                    request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
-                    token_times=tl.token_times[-n:] if n else [], finished=out.finished,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                    num_cached_tokens=out.num_cached_tokens,
-                    logprobs=out.logprobs[-n:] if out.logprobs is not None and n else None,
-                    held=is_held,
-                    timeline=tl if (first or out.finished or is_held) else None,
-                ))
+            rep.stepped = not res.batch.empty
+            if self.log_batches:
+                rep.batch = [(s.request_id, s.start, s.num_tokens) for s in res.batch.seqs]
+            self._deltas(res, rep)
         if self.role == "decode":  # blocks freed by this step may admit pending transfers
             rep.pulls += eng.reserve_pulls(now + rep.elapsed)
         rep.stats = eng.stats()
@@ -155,9 +151,11 @@ class InstanceWorker:
             if isinstance(cmd, AddRequest):
                 eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, now,
                                 cmd.arrival_time, cmd.output_token_ids)
+                self._reported[cmd.request_id] = len(cmd.output_token_ids)
             elif isinstance(cmd, AddTransfer):
                 eng.add_transfer_request(cmd.request_id, cmd.prompt_token_ids,
                                          cmd.output_token_ids, cmd.params, now, cmd.arrival_time)
+                self._reported[cmd.request_id] = len(cmd.output_token_ids)
             elif isinstance(cmd, ImportKV):
                 self._import(cmd, now, rep)
             elif isinstance(cmd, Release):
@@ -165,10 +163,37 @@ class InstanceWorker:
                     eng.release(cmd.request_id, now)
             elif isinstance(cmd, Abort):
                 eng.abort(cmd.request_id, now)
+                self._reported.pop(cmd.request_id, None)
             else:
                 raise TypeError(f"unknown command {cmd!r}")
         except (ValueError, KeyError) as e:
             rep.errors.append((cmd.request_id, str(e)))
+
+    def _deltas(self, res: StepResult, rep: StepReport) -> None:
+        held, stream, reported = set(res.held), self.stream_tokens, self._reported
+        not_decode = self.role != "decode"
+        for req, text in zip(res.requests, res.new_texts):
+            outs = req.output_token_ids
+            first = not_decode and len(outs) == 1
+            finished = req.status >= RequestStatus.FINISHED_STOPPED
+            rid = req.request_id
+            is_held = bool(held) and rid in held
+            if not (stream or first or finished or is_held):
+                continue
+            since = reported[rid]
+            if finished or is_held:
+                reported.pop(rid, None)
+            else:
+                reported[rid] = len(outs)
+            tl = req.timeline
+            n = len(outs) - since  # unreported tokens, all sampled here: the last n times
+            rep.deltas.append(TokenDelta(
+                request_id=rid, token_ids=outs[since:], text=text if stream else "",
+                token_times=tl.token_times[-n:] if n else [], finished=finished,
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                logprobs=req.logprobs[-n:] if req.logprobs is not None and n else None,
+                held=is_held, timeline=tl if (first or finished or is_held) else None))
 
     def _import(self, cmd: ImportKV, now: float, rep: StepReport) -> None:
         payload, rid = cmd.payload, cmd.request_id

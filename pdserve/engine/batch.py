@@ -82,6 +82,17 @@ class ScheduledBatch:
     def decode_context_lens(self) -> list[int]:
         return [s.context_len for s in self.seqs if s.is_decode]
 
+    def shape(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """``(prefill_contexts, decode_context_lens)`` in one pass (latency models' input)."""
+        prefills: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        for s in self.seqs:
+            if s.num_tokens == 1 and s.start >= len(s.request.prompt_token_ids):
+                decodes.append(s.start + 1)
+            else:
+                prefills.append((s.start, s.num_tokens))
+        return prefills, decodes
+
     @property
     def kind(self) -> str:
         """``'prefill'``, ``'decode'``, ``'mixed'`` or ``'empty'``."""

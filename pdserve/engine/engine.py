@@ -27,13 +27,20 @@ from pdserve.tokenizer import IncrementalDetokenizer
 
 @dataclass
 class StepResult:
-    """What one step did: the batch, its duration, and one output delta per request that got a
-    token or finished. ``held`` lists prefill-role requests whose KV now awaits a pull."""
+    """What one step did: the batch, its duration, the requests that got a token (with the text
+    each token added) and the prefill-role requests now held for a KV pull."""
 
     batch: ScheduledBatch
     elapsed: float
-    outputs: list[RequestOutput] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    new_texts: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """One :class:`RequestOutput` delta per request that got a token or finished."""
+        return [request_output(r, [r.output_token_ids[-1]], t)
+                for r, t in zip(self.requests, self.new_texts)]
 
 
 @dataclass
@@ -133,7 +140,7 @@ class Engine:
 
     def abort(self, request_id: str, now: float = 0.0) -> RequestOutput | None:
         req = self.scheduler.abort(request_id, now)
-        return None if req is None else self._output(req, [], "")
+        return None if req is None else request_output(req, [], "")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -152,38 +159,25 @@ class Engine:
         result = self.executor.execute(batch)
         self.num_steps += 1
         end = now + result.elapsed
-        got, done = sched.update(batch, result, end)
-        finished = {r.request_id for r in done}
-        out = StepResult(batch, result.elapsed)
+        got, _ = sched.update(batch, result, end)
+        out = StepResult(batch, result.elapsed, got)
+        if self.tokenizer is None and sched.role != "prefill":  # nothing to detokenize or hold
+            out.new_texts = [""] * len(got)
+            return out
+        texts = out.new_texts
         for req in got:
-            tok = req.output_token_ids[-1]
             text = ""
             if req.detok is not None:
-                text, stop = req.detok.add(tok)
-                if stop is not None and req.request_id not in finished:
+                text, stop = req.detok.add(req.output_token_ids[-1])
+                if stop is not None and not req.is_finished:
                     req.stop_reason = stop
                     sched.finish(req, RequestStatus.FINISHED_STOPPED, end)
-                    finished.add(req.request_id)
-            out.outputs.append(self._output(req, [tok], text))
+            texts.append(text)
             if req.status == RequestStatus.HELD:
                 out.held.append(req.request_id)
         return out
 
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=req.detok.text if req.detok is not None else "",
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=req.is_finished,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            logprobs=req.logprobs,
-            timeline=req.timeline,
-        )
+
 
     # ------------------------------------------------------------------ KV hand-off
     def export_kv(self, request_id: str, first_block: int = 0) -> KVPayload:
@@ -235,3 +229,21 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+    """A :class:`RequestOutput` delta for ``req`` (cumulative fields are snapshots)."""
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        token_ids=list(req.output_token_ids),
+        text=req.detok.text if req.detok is not None else "",
+        new_token_ids=new_ids,
+        new_text=new_text,
+        finished=req.is_finished,
+        finish_reason=req.status.finish_reason,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=max(req.num_cached_tokens, 0),
+        logprobs=list(req.logprobs) if req.logprobs is not None else None,
+        timeline=req.timeline,
+    )

@@ -97,19 +97,22 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        running, i, bs = self.running, 0, self.block_size
-        while i < len(running) and budget > 0:
+        running, i, bs, seqs = self.running, 0, self.block_size, batch.seqs
+        while i < len(running) and budget > 0:  # hot loop
             req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if req.num_computed_tokens + n > len(req.block_ids) * bs:  # needs a new block
+            computed = req.num_computed_tokens
+            total = len(req.all_token_ids)
+            n = total - computed
+            if n > budget:
+                n = budget
+            if computed + n > len(req.block_ids) * bs:  # needs a new block
                 while not self.kv.allocate(req, n):
                     victim = running.pop()
                     self._preempt(victim)
                     batch.preempted.append(victim.request_id)
                     if victim is req:
                         return budget
-            batch.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n,
-                                           req.num_computed_tokens + n == req.num_tokens))
+            seqs.append(ScheduledSeq(req, computed, n, computed + n == total))
             budget -= n
             i += 1
         return budget
@@ -157,15 +160,19 @@ class Scheduler:
                now: float) -> tuple[list[Request], list[Request]]:
         """Advance computed counts, append sampled tokens (timestamped ``now``), apply the
         token-level stop rules. Returns (requests that got a token, requests that finished)."""
-        got, done, k = [], [], 0
-        lps, bs = result.logprobs, self.block_size
-        for seq in batch.seqs:
+        got: list[Request] = []
+        done: list[Request] = []
+        sampled, lps, k = result.sampled, result.logprobs, 0
+        bs, running_status = self.block_size, S.RUNNING
+        eos, max_len = self.eos_token_ids, self.config.max_model_len
+        not_decode, is_prefill = self.role != "decode", self.role == "prefill"
+        for seq in batch.seqs:  # hot loop: one pass per scheduled request per step
             req = seq.request
             if seq.sample:
-                tok = result.sampled[k]
+                tok = sampled[k]
                 lp = lps[k] if lps is not None else None
                 k += 1
-            if req.status != S.RUNNING:
+            if req.status != running_status:
                 continue  # aborted while the step ran
             old = req.num_computed_tokens
             new = req.num_computed_tokens = old + seq.num_tokens
@@ -173,32 +180,39 @@ class Scheduler:
                 self.kv.cache_computed(req, old, new)
             if not seq.sample:
                 continue
-            req.append_token(tok)
-            if req.logprobs is not None and lp is not None:
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
+            if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
-            req.timeline.token_times.append(now)
-            if req.num_output_tokens == 1 and self.role != "decode":
-                req.timeline.prefill_end = now
+            tl = req.timeline
+            tl.token_times.append(now)
+            if not_decode and len(req.output_token_ids) == 1:
+                tl.prefill_end = now
             got.append(req)
-            status = self._stop_status(req, tok)
+            p = req.params
+            if (len(req.output_token_ids) < p.max_tokens and tok not in eos and
+                    not p.stop_token_ids and len(req.all_token_ids) < max_len):
+                status = None  # fast path: nothing can stop this request now
+            else:
+                status = self._stop_status(req, tok)
             if status is not None:
                 self.finish(req, status, now)
                 done.append(req)
-            elif self.role == "prefill":
+            elif is_prefill:
                 self.running.remove(req)
                 req.status = S.HELD
                 self.held[req.request_id] = req
         return got, done
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
-        p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
+        p, n = req.params, len(req.output_token_ids)
+        if n >= p.min_tokens:
+            if tok in self.eos_token_ids and not p.ignore_eos:
                 return S.FINISHED_STOPPED
-            if tok in p.stop_token_ids:
+            if p.stop_token_ids and tok in p.stop_token_ids:
                 req.stop_reason = tok
                 return S.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if n >= p.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             return S.FINISHED_LENGTH
         return None
 

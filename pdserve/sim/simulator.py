@@ -128,7 +128,8 @@ class Simulator:
         for spec in instances:
             ex = SimExecutor(spec.latency, spec.num_kv_blocks)
             worker = InstanceWorker(spec.instance_id, spec.engine, executor=ex,
-                                    load_tokenizer=False)
+                                    load_tokenizer=False, stream_tokens=False,
+                                    log_batches=record_batches)
             self.insts[spec.instance_id] = _Inst(spec, worker)
         self.controller = Controller(
             [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
@@ -186,7 +187,7 @@ class Simulator:
             return
         cmds, inst.commands = inst.commands, []
         rep = inst.worker.handle(cmds, now)
-        if rep.batch:
+        if rep.stepped:
             inst.busy = True
             if self.record_batches:
                 self._batch_log.append((inst.spec.instance_id, now, rep.batch))

@@ -28,18 +28,19 @@ def test_disaggregated_flow_actions():
     tl = Timeline(arrival=1.0, prefill_queued=1.0, prefill_start=1.2, prefill_end=1.5)
     [a] = c.on_report_delta("p0", delta("r", [7], 1.5, held=True, timeline=tl), now=1.5)
     assert a == Send("d0", AddTransfer("r", [1, 2, 3, 4, 5], [7], P, 1.0))
-    assert c.instances["p0"].queued == 0 and c.instances["d0"].assigned_tokens == 6
-    # least load: d0 holds 6 tokens, so s goes to d1
+    assert c.instances["p0"].queued == 0 and c.instances["d0"].pending_tokens == 6
+    # least load: 6 tokens are promised to d0, so s goes to d1
     [b] = c.on_report_delta("p1", delta("s", [8], 1.6, held=True), now=1.6)
     assert b.instance_id == "d1"
     [t] = c.on_pull("d0", "r", 1, now=1.7)
     assert t == Transfer("r", "p0", "d0", 1, 5 - 4)  # block 0 cached on d0: 1 token moves
+    assert c.instances["d0"].pending_tokens == 0  # reserved: now counted in d0's own blocks
     assert c.on_imported("d0", "r", now=1.8) == [Send("p0", Release("r"))]
-    assert c.instances["p0"].active == 0 and c.instances["p0"].assigned_tokens == 0
+    assert c.instances["p0"].active == 0
     assert c.on_report_delta("d0", delta("r", [1, 2], 1.9), now=1.9) == []
     assert c.on_report_delta("d0", delta("r", [3], 2.0, finished=True, finish_reason="length"),
                              now=2.0) == []
-    assert "r" not in c.requests and c.instances["d0"].assigned_tokens == 0
+    assert "r" not in c.requests and c.instances["d0"].active == 0
     # stale deltas from an instance the request left are ignored
     assert c.on_report_delta("p0", delta("s", [5], 2.1), now=2.1) == []
 
@@ -62,7 +63,7 @@ def test_abort_reaches_every_instance_holding_the_request():
     acts = c.on_abort("r", 2)
     assert sorted(a.instance_id for a in acts) == ["d0", "p0"]
     assert all(isinstance(a.command, Abort) for a in acts)
-    assert all(v.active == 0 and v.assigned_tokens == 0 for v in c.instances.values())
+    assert all(v.active == 0 and v.pending_tokens == 0 for v in c.instances.values())
 
 
 def test_instance_failure_recomputes_with_generated_tokens():
@@ -83,3 +84,21 @@ def test_bad_cluster_shapes():
         Controller(views(("p0", "prefill"), ("c0", "colocated")))
     with pytest.raises(ValueError, match="unknown router 'nope'"):
         Controller(views(("c0", "colocated")), prefill_router="nope")
+
+
+def test_least_load_uses_reported_blocks_plus_promised_tokens():
+    from pdserve.engine.engine import EngineStats
+
+    c = Controller(views(("p0", "prefill"), ("d0", "decode"), ("d1", "decode")))
+
+    def stats(used):
+        return EngineStats(0, 0, 0, 0, 10, 10 - used, used, used / 10, 0, 0, 0, 0)
+
+    c.on_stats("d0", stats(3))  # 12 tokens of 40 in use
+    c.on_stats("d1", stats(1))  # 4 tokens
+    c.on_arrival("a", [1] * 9, P, 0)
+    [a] = c.on_report_delta("p0", delta("a", [2], 1, held=True), 1)
+    assert a.instance_id == "d1"  # d1: (4 + 0) / 40 < d0: 12 / 40
+    c.on_arrival("b", [1] * 3, P, 1)
+    [b] = c.on_report_delta("p0", delta("b", [2], 2, held=True), 2)
+    assert b.instance_id == "d0"  # d1 now has 10 promised: (4 + 10) / 40 > 12 / 40

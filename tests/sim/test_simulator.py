@@ -29,7 +29,8 @@ class Linear:
         self.a, self.b, self.c = a, b, c
 
     def batch_time(self, batch):
-        toks = sum(batch.prefill_lens)
+        prefills, _ = batch.shape()
+        toks = sum(n for _, n in prefills)
         return (self.a + self.b * toks) if toks else self.c
 
 

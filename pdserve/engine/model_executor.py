@@ -1,0 +1,167 @@
+"""The torch executor: runs scheduled batches of a real model against a paged KV cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+from pdserve.model.layers import build_attention_metadata
+from pdserve.model.loader import DTYPES, load_model
+from pdserve.model.sampler import Sampler, SampleRow
+
+
+def read_eos_token_ids(model_dir: str, model_config: ModelConfig) -> tuple[int, ...]:
+    """EOS ids of ``config.json`` followed by any extra ones in ``generation_config.json``."""
+    ids = list(model_config.eos_token_ids)
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        for t in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if int(t) not in ids:
+                ids.append(int(t))
+    return tuple(ids)
+
+
+class ModelExecutor:
+    """Implements :class:`pdserve.engine.executor.Executor` with a torch model on CPU or CUDA.
+
+    The KV cache is one tensor ``[layers, 2, num_kv_blocks, block_size, kv_heads, head_dim]``.
+    Set ``capture_logits = True`` to keep the float32 logits of the last step's sampled rows in
+    ``last_logits`` (``[num_sampled, vocab]``, on CPU) for tests.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        self.model, self.model_config = load_model(config.model, config.dtype, str(self.device))
+        self.eos_token_ids = read_eos_token_ids(config.model, self.model_config)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(self.generator)
+        self.capture_logits = False
+        self.last_logits: torch.Tensor | None = None
+        self.num_kv_blocks = self._plan_num_blocks()
+        self.kv_cache = self._allocate(self.num_kv_blocks)
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers (K and V)."""
+        return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype)
+
+    def _allocate(self, num_blocks: int) -> torch.Tensor:
+        c = self.model_config
+        return torch.zeros(c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads,
+                           c.head_dim, dtype=self.dtype, device=self.device)
+
+    def _plan_num_blocks(self) -> int:
+        sched = self.config.scheduler
+        useful = math.ceil(sched.max_model_len / self.block_size) * sched.max_num_seqs + 1
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
+        if self.device.type == "cuda":
+            peak = self._profile_activation_bytes()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = self.config.cache.memory_utilization * free - peak
+        else:
+            budget = self.config.cache.cpu_kv_gib * (1 << 30)
+        blocks = min(int(budget // self.block_bytes), useful)
+        if blocks < 1:
+            raise ValueError(f"no memory left for the KV cache on {self.device} "
+                             f"(budget {budget / 2**20:.1f} MiB, one block is "
+                             f"{self.block_bytes} bytes)")
+        return blocks
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra CUDA memory of a forward over a full token budget (weights excluded)."""
+        sched = self.config.scheduler
+        total = sched.max_num_batched_tokens
+        seq_len = min(sched.max_model_len, self.model_config.max_position_embeddings, total)
+        lens = [seq_len] * (total // seq_len) + ([total % seq_len] if total % seq_len else [])
+        per_seq = math.ceil(seq_len / self.block_size)
+        seqs = []
+        for i, n in enumerate(lens):
+            req = SimpleNamespace(request_id=f"profile-{i}", all_token_ids=[0] * n,
+                                  block_ids=list(range(i * per_seq, (i + 1) * per_seq)))
+            seqs.append(SimpleNamespace(request=req, start=0, num_tokens=n, sample=True))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        kv = self._allocate(per_seq * len(lens))
+        with torch.inference_mode():
+            meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype)
+            self.model.compute_logits(self.model(meta, kv)).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - kv.numel() * kv.itemsize
+        del kv, meta
+        torch.cuda.empty_cache()
+        return max(int(peak), 0)
+
+    # ------------------------------------------------------------------ execution
+    def execute(self, batch: ScheduledBatch) -> ExecuteResult:
+        """One batched forward over ``batch.seqs``; one sampled token per ``seq.sample``."""
+        if not batch.seqs:
+            return ExecuteResult(sampled=[], elapsed=0.0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            meta = build_attention_metadata(batch.seqs, self.block_size, self.device, self.dtype)
+            hidden = self.model(meta, self.kv_cache)
+            rows = [self._sample_row(s.request) for s in batch.seqs if s.sample]
+            sampled: list[int] = []
+            logprobs = None
+            if rows:
+                logits = self.model.compute_logits(hidden)
+                if self.capture_logits:
+                    self.last_logits = logits.float().cpu()
+                out = self.sampler(logits, rows)
+                sampled, logprobs = out.token_ids, out.logprobs
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return ExecuteResult(sampled=sampled, elapsed=time.perf_counter() - t0,
+                             logprobs=logprobs)
+
+    def _sample_row(self, req: Any) -> SampleRow:
+        p = req.params
+        index = req.num_output_tokens
+        if index >= p.min_tokens:
+            return SampleRow(p, index)
+        stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+        return SampleRow(p, index, stop)
+
+    # ------------------------------------------------------------------ KV hand-off
+    def export_kv(self, block_ids: list[int]) -> dict[str, Any]:
+        """``{"kv": CPU tensor [layers, 2, len(block_ids), block_size, kv_heads, head_dim], ...}``
+        in the cache's dtype, plus the shape facts :meth:`import_kv` checks."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            kv = self.kv_cache.index_select(2, idx).cpu()
+        c = self.model_config
+        return {"kv": kv, "num_blocks": len(block_ids), "num_layers": c.num_layers,
+                "block_size": self.block_size, "num_kv_heads": c.num_kv_heads,
+                "head_dim": c.head_dim, "dtype": self.config.dtype}
+
+    def import_kv(self, block_ids: list[int], payload: dict[str, Any]) -> None:
+        """Write a payload of :meth:`export_kv` (from any executor of the same model) into
+        ``block_ids``; a different cache dtype is converted."""
+        kv = payload["kv"]
+        want = tuple(self.kv_cache.shape[:2]) + (len(block_ids),) + tuple(self.kv_cache.shape[3:])
+        if tuple(kv.shape) != want:
+            raise ValueError(f"KV payload of shape {tuple(kv.shape)} does not fit "
+                             f"{len(block_ids)} blocks of this cache (expected {want})")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            self.kv_cache.index_copy_(2, idx, kv.to(self.device, self.dtype))
