@@ -18,6 +18,21 @@ from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleRow
 
 
+def sliding_window(cfg: ModelConfig) -> int | None:
+    """The attention window every layer uses, or ``None`` for full attention.
+
+    Mistral-style configs apply ``sliding_window`` to all layers. Qwen2's per-layer windows
+    (``use_sliding_window=True``) are not supported."""
+    hf = cfg.hf_config
+    if cfg.family == "qwen2":
+        if hf.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=True is not supported")
+        return None
+    if cfg.family == "llama" and hf.get("sliding_window"):
+        return int(hf["sliding_window"])
+    return None
+
+
 def read_eos_token_ids(model_dir: str, model_config: ModelConfig) -> tuple[int, ...]:
     """EOS ids of ``config.json`` followed by any extra ones in ``generation_config.json``."""
     ids = list(model_config.eos_token_ids)
@@ -34,7 +49,8 @@ def read_eos_token_ids(model_dir: str, model_config: ModelConfig) -> tuple[int, 
 class ModelExecutor:
     """Implements :class:`pdserve.engine.executor.Executor` with a torch model on CPU or CUDA.
 
-    The KV cache is one tensor ``[layers, 2, num_kv_blocks, block_size, kv_heads, head_dim]``.
+    The KV cache is one tensor ``[layers, 2, kv_heads, num_kv_blocks, block_size, head_dim]``
+    (head-major; see :func:`pdserve.model.layers.paged_attention`).
     Set ``capture_logits = True`` to keep the float32 logits of the last step's sampled rows in
     ``last_logits`` (``[num_sampled, vocab]``, on CPU) for tests.
     """
@@ -50,6 +66,7 @@ class ModelExecutor:
         self.block_size = config.cache.block_size
         self.model, self.model_config = load_model(config.model, config.dtype, str(self.device))
         self.eos_token_ids = read_eos_token_ids(config.model, self.model_config)
+        self.sliding_window = sliding_window(self.model_config)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
         self.capture_logits = False
@@ -65,7 +82,7 @@ class ModelExecutor:
 
     def _allocate(self, num_blocks: int) -> torch.Tensor:
         c = self.model_config
-        return torch.zeros(c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads,
+        return torch.zeros(c.num_layers, 2, c.num_kv_heads, num_blocks, self.block_size,
                            c.head_dim, dtype=self.dtype, device=self.device)
 
     def _plan_num_blocks(self) -> int:
@@ -103,7 +120,8 @@ class ModelExecutor:
         before = torch.cuda.memory_allocated(self.device)
         kv = self._allocate(per_seq * len(lens))
         with torch.inference_mode():
-            meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype)
+            meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype,
+                                            self.sliding_window)
             self.model.compute_logits(self.model(meta, kv)).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before - kv.numel() * kv.itemsize
@@ -118,7 +136,8 @@ class ModelExecutor:
             return ExecuteResult(sampled=[], elapsed=0.0)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            meta = build_attention_metadata(batch.seqs, self.block_size, self.device, self.dtype)
+            meta = build_attention_metadata(batch.seqs, self.block_size, self.device,
+                                            self.dtype, self.sliding_window)
             hidden = self.model(meta, self.kv_cache)
             rows = [self._sample_row(s.request) for s in batch.seqs if s.sample]
             sampled: list[int] = []
@@ -144,11 +163,11 @@ class ModelExecutor:
 
     # ------------------------------------------------------------------ KV hand-off
     def export_kv(self, block_ids: list[int]) -> dict[str, Any]:
-        """``{"kv": CPU tensor [layers, 2, len(block_ids), block_size, kv_heads, head_dim], ...}``
+        """``{"kv": CPU tensor [layers, 2, kv_heads, len(block_ids), block_size, head_dim], ...}``
         in the cache's dtype, plus the shape facts :meth:`import_kv` checks."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        with torch.inference_mode():
-            kv = self.kv_cache.index_select(2, idx).cpu()
+        with torch.no_grad():  # not inference_mode: the payload is an ordinary tensor
+            kv = self.kv_cache.index_select(3, idx).cpu()
         c = self.model_config
         return {"kv": kv, "num_blocks": len(block_ids), "num_layers": c.num_layers,
                 "block_size": self.block_size, "num_kv_heads": c.num_kv_heads,
@@ -158,10 +177,10 @@ class ModelExecutor:
         """Write a payload of :meth:`export_kv` (from any executor of the same model) into
         ``block_ids``; a different cache dtype is converted."""
         kv = payload["kv"]
-        want = tuple(self.kv_cache.shape[:2]) + (len(block_ids),) + tuple(self.kv_cache.shape[3:])
+        want = (*self.kv_cache.shape[:3], len(block_ids), *self.kv_cache.shape[4:])
         if tuple(kv.shape) != want:
             raise ValueError(f"KV payload of shape {tuple(kv.shape)} does not fit "
                              f"{len(block_ids)} blocks of this cache (expected {want})")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            self.kv_cache.index_copy_(2, idx, kv.to(self.device, self.dtype))
+            self.kv_cache.index_copy_(3, idx, kv.to(self.device, self.dtype))
