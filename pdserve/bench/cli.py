@@ -1,0 +1,434 @@
+"""``pdserve bench`` (one rate), ``pdserve goodput`` (search) and ``pdserve compare`` (several
+targets, one table and one plot).
+
+``register(subparsers)`` adds the three subcommands to an argparse subparsers object; each sets
+``func``, which takes the parsed namespace and returns the exit code (0 ok, 1 the run failed,
+2 a bad flag or value — reported in one line, without a traceback). ``python -m pdserve.bench``
+runs them standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from pdserve.bench import report
+from pdserve.bench.arrivals import ARRIVALS
+from pdserve.bench.goodput import Probe
+from pdserve.bench.metrics import CRITERIA
+from pdserve.bench.runner import (
+    DEFAULT_SCALES,
+    Run,
+    SearchRun,
+    Settings,
+    build_workload,
+    find_goodput,
+    prepare,
+    rate_grid,
+    resolve_slo,
+    run_workload,
+)
+from pdserve.bench.targets import Target, make_target, target_names
+from pdserve.bench.traces import TraceNotFoundError
+from pdserve.bench.workloads import Workload, workload_names
+
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _say(msg: str) -> None:
+    _err.print(msg, markup=False)
+
+
+# ------------------------------------------------------------------------------- value types
+def _number(text: str, kind: type = float) -> float:
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def positive(text: str) -> float:
+    v = _number(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    v = int(_number(text, int))
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
+def fraction(text: str) -> float:
+    """0.9 or 90 (percent) → 0.9."""
+    v = _number(text)
+    v = v / 100 if 1 < v <= 100 else v
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share in (0, 1] or a percentage, "
+                                         f"got {text!r}")
+    return v
+
+
+def scale_arg(text: str) -> float | str:
+    return "fit" if text == "fit" else positive(text)
+
+
+def rate_list(text: str) -> list[float]:
+    return [positive(t) for t in text.split(",") if t.strip()]
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, eq, val = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), val.strip()
+
+
+# ------------------------------------------------------------------------------------ flags
+def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
+    if multi:
+        p.add_argument("--target", action="append", default=[], metavar="NAME=TARGET",
+                       help="a target to compare (repeat): NAME=URL or NAME=sim")
+        p.add_argument("--targets-config", metavar="FILE",
+                       help="JSON/YAML list of {name, target, num_gpus, model, options}")
+        p.add_argument("--num-gpus", action="append", default=[], metavar="[NAME=]N",
+                       help="GPUs per target for per-GPU numbers (N for all, or NAME=N)")
+    else:
+        p.add_argument("--target", required=True, metavar="URL|NAME",
+                       help=f"server URL (http://host:port) or one of: {', '.join(target_names())}")
+        p.add_argument("--num-gpus", type=positive_int, default=1,
+                       help="GPUs the target uses (per-GPU numbers divide by it)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="chatbot", metavar="NAME[:k=v,...]|FILE.jsonl",
+                   help=f"one of: {', '.join(workload_names())}")
+    w.add_argument("--num-requests", type=positive_int, default=200)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--arrival", choices=ARRIVALS,
+                   help="arrival process (default: trace for timestamped traces, else poisson)")
+    w.add_argument("--cv", type=positive, help="coefficient of variation for --arrival gamma")
+    w.add_argument("--vocab-size", type=positive_int, default=32000,
+                   help="synthetic token ids are drawn below this (the served model's vocab)")
+    w.add_argument("--max-model-len", type=positive_int,
+                   help="clip requests to this context (default: what the server reports)")
+    w.add_argument("--length-scale", type=scale_arg, default=1.0,
+                   help="multiply prompt and output lengths (or 'fit': P99 fits the context)")
+    w.add_argument("--prompt-mode", choices=("auto", "ids"), default="auto",
+                   help="auto: send text where the trace has text; ids: always token ids")
+    w.add_argument("--tokenizer", metavar="MODEL_DIR",
+                   help="tokenize text prompts with this model's tokenizer (exact lengths)")
+    w.add_argument("--traces-dir", help="folder of trace files (default: $PDSERVE_TRACES or "
+                                        "../shared/traces)")
+    s = p.add_argument_group("SLO")
+    s.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
+                   help="TTFT objective (default: the workload's, e.g. DistServe Table 1)")
+    s.add_argument("--slo-tpot", type=positive, metavar="SECONDS", help="TPOT objective")
+    s.add_argument("--attainment", type=fraction, default=0.9,
+                   help="target share of requests meeting both SLOs (default 0.9)")
+    s.add_argument("--criterion", choices=CRITERIA, default="both",
+                   help="both: both SLOs per request (default); distserve: P-target TTFT and "
+                        "TPOT checked separately")
+    s.add_argument("--slo-scales", type=rate_list, default=list(DEFAULT_SCALES),
+                   metavar="S1,S2,...", help="SLO scales for the attainment-vs-scale sweep")
+    c = p.add_argument_group("client")
+    c.add_argument("--model", help="model name to request (default: the server's first)")
+    c.add_argument("--api-key")
+    c.add_argument("--max-concurrency", type=positive_int, default=1024,
+                   help="safety cap on open requests (arrivals stay open-loop)")
+    c.add_argument("--timeout", type=positive, default=300.0,
+                   help="seconds a request may wait for data before it fails")
+    c.add_argument("--no-timeline", action="store_true",
+                   help="do not ask the server for request timelines")
+    c.add_argument("--target-option", type=key_value, action="append", default=[],
+                   metavar="KEY=VALUE", help="passed to registered targets (e.g. sim)")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", metavar="PATH")
+    o.add_argument("--output-md", metavar="PATH", help="write the markdown report here too")
+    o.add_argument("--plot", metavar="DIR", help="write PNG plots into this folder")
+    o.add_argument("--save-records", action="store_true",
+                   help="include every request's timeline in the JSON")
+    o.add_argument("--no-progress", action="store_true")
+
+
+def _add_search(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("search")
+    g.add_argument("--rate-lo", type=positive, help="first lower rate (default: --rate / 2)")
+    g.add_argument("--precision", type=positive, default=0.1,
+                   help="stop when the bracket is this narrow (req/s, default 0.1)")
+    g.add_argument("--max-probes", type=positive_int, default=16,
+                   help="cap on runs per search (default 16)")
+
+
+def register(subparsers: Any) -> None:
+    b = subparsers.add_parser("bench", help="run a workload at one rate and report latency/SLO",
+                              description="Run a workload against a target at one rate.")
+    _add_common(b)
+    b.add_argument("--rate", type=positive,
+                   help="mean arrival rate, req/s (timestamped traces: default their own)")
+    b.set_defaults(func=lambda a: _guarded("bench", cmd_bench, a))
+
+    g = subparsers.add_parser("goodput", help="find the highest rate meeting the SLO target",
+                              description="Goodput search by expanding bisection on the rate.")
+    _add_common(g)
+    g.add_argument("--rate", type=positive, help="first upper rate to probe (default 1)")
+    _add_search(g)
+    g.set_defaults(func=lambda a: _guarded("goodput", cmd_goodput, a))
+
+    c = subparsers.add_parser("compare", help="goodput of several targets on one workload",
+                              description="Run the same workload against several targets.")
+    _add_common(c, multi=True)
+    c.add_argument("--rate", type=positive, help="first upper rate of each search (default 1)")
+    c.add_argument("--rates", type=rate_list, metavar="R1,R2,...",
+                   help="probe this grid of rates instead of searching")
+    _add_search(c)
+    c.set_defaults(func=lambda a: _guarded("compare", cmd_compare, a))
+
+
+# ---------------------------------------------------------------------------------- helpers
+class UsageError(ValueError):
+    pass
+
+
+def _guarded(cmd: str, fn: Any, args: argparse.Namespace) -> int:
+    try:
+        return fn(args)
+    except (ValueError, TraceNotFoundError, NotImplementedError) as e:
+        _say(f"pdserve {cmd}: error: {e}")
+        return 2
+    except (ConnectionError, RuntimeError) as e:
+        _say(f"pdserve {cmd}: failed: {e}")
+        return 1
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    tok = None
+    if args.tokenizer:
+        from pdserve.tokenizer import load_tokenizer
+
+        hf = load_tokenizer(args.tokenizer)
+        tok = lambda text: hf.encode(text)
+    return Settings(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
+                    arrival=args.arrival, cv=args.cv, vocab_size=args.vocab_size,
+                    max_model_len=args.max_model_len, length_scale=args.length_scale,
+                    prompt_mode=args.prompt_mode, tokenizer=tok, traces_dir=args.traces_dir,
+                    target=args.attainment, criterion=args.criterion, scales=args.slo_scales)
+
+
+def _setup(args: argparse.Namespace, target: Target, rate: float | None,
+           need_slo: bool) -> tuple[Settings, Workload]:
+    s = _settings(args)
+    prepare(target)
+    w = build_workload(target, s, rate)
+    s.slo = resolve_slo(s, w, args.slo_ttft, args.slo_tpot)
+    if need_slo and s.slo is None:
+        raise UsageError(f"workload {w.name!r} has no default SLO: give --slo-ttft and "
+                         "--slo-tpot")
+    if w.scaling.num_clipped:
+        _say(f"{w.scaling.num_clipped} of {len(w)} requests clipped to "
+                   f"max_model_len={w.scaling.max_model_len}")
+    return s, w
+
+
+def _target(args: argparse.Namespace, spec: str, name: str | None = None) -> Target:
+    args.target_options = dict(getattr(args, "target_option", []))
+    return make_target(spec, args, name)
+
+
+def _header(s: Settings, w: Workload) -> dict[str, Any]:
+    return {"workload": w.describe(), "slo": None if s.slo is None else vars(s.slo),
+            "target_attainment": s.target, "criterion": s.criterion}
+
+
+def _write(args: argparse.Namespace, md: str, data: dict[str, Any]) -> None:
+    print(md)
+    if args.output_md:
+        Path(args.output_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_md).write_text(md)
+    if args.output_json:
+        report.write_json(args.output_json, data)
+        _say(f"wrote {args.output_json}")
+
+
+def _plots(args: argparse.Namespace, s: Settings, runs: dict[str, Run | None],
+           searches: dict[str, SearchRun] | None = None,
+           gpus: dict[str, int] | None = None) -> None:
+    if not args.plot:
+        return
+    d = Path(args.plot)
+    done = [r for r in runs.values() if r is not None]
+    named = {k: r for k, r in runs.items() if r is not None}
+    paths = []
+    if searches:
+        curves = {k: [(p.rate, p.attainment) for p in sr.result.probes]
+                  for k, sr in searches.items()}
+        paths.append(report.plot_attainment_vs_rate(
+            curves, s.target, d / "attainment_vs_rate.png", gpus,
+            {k: sr.result.goodput_rps for k, sr in searches.items()}))
+    if done and s.slo is not None:
+        paths.append(report.plot_attainment_vs_scale(
+            {k: [(p.rate, p.attainment) for p in r.sweep.points]
+             for k, r in named.items() if r.sweep}, s.target, d / "attainment_vs_slo_scale.png"))
+    if done:
+        paths.append(report.plot_latency_cdfs({k: r.records for k, r in named.items()},
+                                              d / "latency_cdf.png", s.slo))
+    bds = {k: r.summary.breakdown for k, r in named.items() if r.summary.breakdown}
+    if bds:
+        paths.append(report.plot_breakdown(bds, d / "breakdown.png"))
+    for p in paths:
+        _say(f"wrote {p}")
+
+
+def _log_probe(name: str) -> Any:
+    def log(p: Probe) -> None:
+        mark = "[green]pass[/]" if p.passed else "[red]fail[/]"
+        _err.print(f"{name} probe {p.index} ({p.phase}): rate {p.rate:.4g} req/s → "
+                   f"attainment {p.attainment:.1%} {mark}")
+    return log
+
+
+# --------------------------------------------------------------------------------- commands
+def cmd_bench(args: argparse.Namespace) -> int:
+    target = _target(args, args.target)
+    s, w = _setup(args, target, args.rate, need_slo=False)
+    run = run_workload(target, w, s)
+    md = report.summary_markdown(run.summary, f"{target.name} · {w.name} · {len(w)} requests")
+    _write(args, md, {"command": "bench", "target": target.name, "num_gpus": target.num_gpus,
+                      **_header(s, w), **run.to_dict(args.save_records)})
+    _plots(args, s, {target.name: run})
+    return 0
+
+
+def _search(args: argparse.Namespace, target: Target, s: Settings, w: Workload) -> SearchRun:
+    if getattr(args, "rates", None):
+        return rate_grid(target, s, args.rates, _log_probe(target.name), base=w)
+    return find_goodput(target, s, args.rate or 1.0, args.rate_lo, args.precision,
+                        args.max_probes, _log_probe(target.name), base=w)
+
+
+def _search_dict(sr: SearchRun, save_records: bool) -> dict[str, Any]:
+    r = sr.result
+    return {"goodput_rps": r.goodput_rps, "per_gpu_goodput_rps": r.per_gpu_goodput_rps,
+            "num_gpus": r.num_gpus, "converged": r.converged, "note": r.note,
+            "bracket": {"lo": r.lo, "hi": r.hi}, "precision": r.precision,
+            "probes": [vars(p) for p in r.probes],
+            "at_goodput": sr.best.to_dict(save_records) if sr.best else None}
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    target = _target(args, args.target)
+    s, w = _setup(args, target, args.rate or 1.0, need_slo=True)
+    sr = _search(args, target, s, w)
+    md = report.probes_markdown(sr.result)
+    if sr.best:
+        md += "\n" + report.summary_markdown(sr.best.summary, "at the goodput rate")
+    _write(args, md, {"command": "goodput", "target": target.name, **_header(s, w),
+                      **_search_dict(sr, args.save_records)})
+    _plots(args, s, {target.name: sr.best}, {target.name: sr}, {target.name: target.num_gpus})
+    return 0
+
+
+def _compare_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    specs: list[dict[str, Any]] = []
+    if args.targets_config:
+        specs += _read_config(args.targets_config)
+    for t in args.target:
+        name, eq, spec = t.partition("=")
+        if not eq or name.startswith(("http://", "https://")):
+            name, spec = t, t
+        specs.append({"name": name, "target": spec})
+    if not specs:
+        raise UsageError("compare needs targets: --target NAME=URL (repeat) or --targets-config")
+    names = [sp["name"] for sp in specs]
+    if len(set(names)) != len(names):
+        raise UsageError(f"target names must be unique, got {names}")
+    default_gpus = None
+    for g in args.num_gpus:
+        name, eq, n = g.rpartition("=")
+        try:
+            count = positive_int(n)
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"--num-gpus {g!r}: {e}") from None
+        if not eq:
+            default_gpus = count
+        elif name not in names:
+            raise UsageError(f"--num-gpus {g!r} names an unknown target (targets: {names})")
+        else:
+            next(sp for sp in specs if sp["name"] == name)["num_gpus"] = count
+    for sp in specs:
+        sp.setdefault("num_gpus", default_gpus or 1)
+    return specs
+
+
+def _read_config(path: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"targets config {path!r} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # json or yaml syntax error, or no yaml module
+        raise UsageError(f"cannot read targets config {path!r}: {e}") from None
+    items = data.get("targets") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not all(isinstance(i, dict) and "target" in i
+                                              for i in items):
+        raise UsageError(f"targets config {path!r} must be a list of objects with 'target'")
+    return [{"name": str(i.get("name", i["target"])), **i} for i in items]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    specs = _compare_specs(args)
+    targets = []
+    for sp in specs:
+        ns = argparse.Namespace(**vars(args))
+        ns.num_gpus = int(sp["num_gpus"])
+        ns.model = sp.get("model", args.model)
+        ns.target_option = list(args.target_option) + list((sp.get("options") or {}).items())
+        targets.append(_target(ns, str(sp["target"]), sp["name"]))
+    s, searches, rows, entries = None, {}, [], []
+    for t in targets:
+        s_t, w = _setup(args, t, args.rate or 1.0, need_slo=True)
+        s = s or s_t
+        sr = searches[t.name] = _search(args, t, s_t, w)
+        best = sr.best.summary if sr.best else None
+        rows.append({"name": t.name, "num_gpus": t.num_gpus,
+                     "goodput_rps": sr.result.goodput_rps,
+                     "per_gpu_goodput_rps": sr.result.per_gpu_goodput_rps,
+                     "tightest_slo_scale": best.tightest_slo_scale if best else None,
+                     "p90_ttft_s": best.ttft.p90 if best else None,
+                     "p90_tpot_s": best.tpot.p90 if best else None,
+                     "converged": sr.result.converged})
+        entries.append({"name": t.name, "workload": w.describe(),
+                        **_search_dict(sr, args.save_records)})
+    assert s is not None
+    md = report.compare_markdown(rows)
+    _write(args, md, {"command": "compare", **_header(s, w), "targets": entries})
+    _plots(args, s, {k: sr.best for k, sr in searches.items()}, searches,
+           {t.name: t.num_gpus for t in targets})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve benchmark toolkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Running workloads against targets: one rate, a goodput search, or a grid of rates.
+
+The CLI (:mod:`.cli`) is a thin layer over these functions; scripts can call them directly::
+
+    target = HttpTarget("http://localhost:8000", num_gpus=2)
+    s = Settings(workload="chatbot", num_requests=300, slo=SLO(0.25, 0.1))
+    run = find_goodput(target, s, hi=4.0, precision=0.1)
+    print(run.result.goodput_rps, run.result.per_gpu_goodput_rps)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench.goodput import (
+    AttainmentResult,
+    GoodputResult,
+    Probe,
+    ScaleSweep,
+    search_goodput,
+    slo_scale_sweep,
+)
+from pdserve.bench.metrics import SLO, RequestRecord, Summary, attainment, summarize
+from pdserve.bench.targets import Target
+from pdserve.bench.workloads import Workload, make_workload
+
+DEFAULT_SCALES = tuple(float(s) for s in np.round(np.arange(0.2, 3.01, 0.2), 2))
+
+
+@dataclass
+class Settings:
+    """Workload and SLO settings shared by every run of a command."""
+
+    workload: str = "chatbot"
+    num_requests: int = 200
+    seed: int = 0
+    arrival: str | None = None
+    cv: float | None = None
+    vocab_size: int = 32000
+    max_model_len: int | None = None
+    length_scale: float | str = 1.0
+    prompt_mode: str = "auto"
+    tokenizer: Callable[[str], list[int]] | None = None
+    traces_dir: str | None = None
+    slo: SLO | None = None
+    target: float = 0.9
+    criterion: str = "both"
+    scales: Sequence[float] = DEFAULT_SCALES
+
+
+@dataclass
+class Run:
+    """One run at one rate."""
+
+    rate: float | None
+    records: list[RequestRecord]
+    summary: Summary
+    sweep: ScaleSweep | None = None
+
+    def to_dict(self, with_records: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {"rate": self.rate, "summary": self.summary.to_dict(),
+                             "slo_scale_sweep": self.sweep.to_dict() if self.sweep else None}
+        if with_records:
+            d["records"] = [r.to_dict() for r in self.records]
+        return d
+
+
+@dataclass
+class SearchRun:
+    """A goodput search (or rate grid) on one target; ``best`` is the run at the goodput."""
+
+    result: GoodputResult
+    best: Run | None
+    runs: list[Run] = field(default_factory=list)
+
+
+def prepare(target: Target) -> None:
+    """Let the target look itself up (an HTTP target asks for its model and context)."""
+    prep = getattr(target, "prepare", None)
+    if prep is not None:
+        asyncio.run(prep())
+
+
+def build_workload(target: Target, s: Settings, rate: float | None) -> Workload:
+    """The settings' workload at ``rate``, scaled to ``s.max_model_len`` or else to the
+    target's reported context length."""
+    max_len = s.max_model_len or getattr(target, "max_model_len", None)
+    return make_workload(s.workload, s.num_requests, seed=s.seed, rate=rate, arrival=s.arrival,
+                         cv=s.cv, vocab_size=s.vocab_size, max_model_len=max_len,
+                         length_scale=s.length_scale, prompt_mode=s.prompt_mode,
+                         tokenizer=s.tokenizer, traces_dir=s.traces_dir)
+
+
+def resolve_slo(s: Settings, w: Workload, ttft: float | None, tpot: float | None) -> SLO | None:
+    """Explicit SLO values, completed from the workload's default SLO."""
+    d = w.default_slo
+    if ttft is None and tpot is None:
+        return d
+    if (ttft is None or tpot is None) and d is None:
+        raise ValueError(f"workload {w.name!r} has no default SLO: give both --slo-ttft and "
+                         "--slo-tpot")
+    return SLO(ttft if ttft is not None else d.ttft,  # type: ignore[union-attr]
+               tpot if tpot is not None else d.tpot)  # type: ignore[union-attr]
+
+
+def run_workload(target: Target, w: Workload, s: Settings) -> Run:
+    records = asyncio.run(target.run(list(w.requests)))
+    if len(records) != len(w.requests):
+        raise RuntimeError(f"target {target.name} returned {len(records)} records for "
+                           f"{len(w.requests)} requests")
+    summary = summarize(records, s.slo, s.target, target.num_gpus)
+    sweep = None
+    if s.slo is not None:
+        slo = s.slo
+        sweep = slo_scale_sweep(lambda k: attainment(records, slo.scaled(k), s.criterion),
+                                list(s.scales), s.target)
+    return Run(w.rate, records, summary, sweep)
+
+
+def _attained(run: Run, s: Settings) -> float:
+    sm = run.summary
+    value = sm.attainment if s.criterion == "both" else sm.attainment_distserve
+    return float(value or 0.0)
+
+
+def _details(run: Run) -> dict[str, Any]:
+    sm = run.summary
+    return {"num_failed": sm.num_failed, "offered_rate_rps": sm.offered_rate_rps,
+            "p90_ttft_s": sm.ttft.p90, "p90_tpot_s": sm.tpot.p90,
+            "ttft_attainment": sm.ttft_attainment, "tpot_attainment": sm.tpot_attainment,
+            "attainment_distserve": sm.attainment_distserve}
+
+
+def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
+            ) -> Callable[[float], AttainmentResult]:
+    if s.slo is None:
+        raise ValueError("a goodput search needs an SLO (--slo-ttft and --slo-tpot)")
+
+    def run_at_rate(rate: float) -> AttainmentResult:
+        run = run_workload(target, base.retimed(rate), s)
+        runs.append(run)
+        a = _attained(run, s)
+        return AttainmentResult(rate, a, a >= s.target, _details(run))
+
+    return run_at_rate
+
+
+def _best(runs: list[Run], goodput: float) -> Run | None:
+    return next((r for r in runs if r.rate == goodput and goodput > 0), None)
+
+
+def find_goodput(target: Target, s: Settings, hi: float, lo: float | None = None,
+                 precision: float = 0.1, max_probes: int = 16,
+                 on_probe: Callable[[Probe], None] | None = None,
+                 base: Workload | None = None) -> SearchRun:
+    """Expanding bisection on the rate (:func:`~pdserve.bench.goodput.search_goodput`); every
+    probe replays the same requests (same seed) at a new rate."""
+    base = base or build_workload(target, s, hi)
+    runs: list[Run] = []
+    result = search_goodput(_prober(target, base, s, runs), lo=lo, hi=hi, precision=precision,
+                            max_probes=max_probes, num_gpus=target.num_gpus, on_probe=on_probe)
+    return SearchRun(result, _best(runs, result.goodput_rps), runs)
+
+
+def rate_grid(target: Target, s: Settings, rates: Sequence[float],
+              on_probe: Callable[[Probe], None] | None = None,
+              base: Workload | None = None) -> SearchRun:
+    """Attainment at each rate; goodput = the highest rate below the first failing one."""
+    rates = sorted(set(rates))
+    base = base or build_workload(target, s, rates[0])
+    runs: list[Run] = []
+    prober = _prober(target, base, s, runs)
+    probes, goodput, fail = [], 0.0, None
+    for i, rate in enumerate(rates):
+        r = prober(rate)
+        p = Probe(i, rate, r.attainment, r.passed, "grid", r.details)
+        probes.append(p)
+        if on_probe is not None:
+            on_probe(p)
+        if r.passed and fail is None:
+            goodput = rate
+        elif not r.passed and fail is None:
+            fail = rate
+    g = target.num_gpus
+    result = GoodputResult(goodput, g, goodput / g, goodput, fail, 0.0, fail is not None,
+                           probes, "" if fail is not None else "every grid rate passed")
+    return SearchRun(result, _best(runs, goodput), runs)

@@ -1,0 +1,105 @@
+"""What a benchmark runs against: a served endpoint (``HttpTarget``) or a registered factory
+(``sim``, the simulator, once ``pdserve.sim.target`` exists; tests register fakes).
+
+A target runs a list of :class:`~pdserve.bench.workloads.WorkloadRequest` (arrival times are
+offsets in seconds from the start of the run) and returns one
+:class:`~pdserve.bench.metrics.RequestRecord` per request, in order. ``num_gpus`` is what
+per-GPU numbers divide by.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol, runtime_checkable
+
+from pdserve.bench.client import ClientConfig, fetch_model_info, normalize_base_url, run_requests
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workloads import WorkloadRequest
+
+
+@runtime_checkable
+class Target(Protocol):
+    name: str
+    num_gpus: int
+
+    async def run(self, requests: list[WorkloadRequest]) -> list[RequestRecord]: ...
+
+
+class HttpTarget:
+    """An OpenAI-compatible server (pdserve, vLLM, SGLang) driven by the streaming client.
+
+    ``prepare()`` asks ``/v1/models`` for the model name (unless given) and ``max_model_len``
+    (vLLM and pdserve report it; the CLI scales workloads to it).
+    """
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 max_concurrency: int = 1024, timeout: float = 300.0, *, num_gpus: int = 1,
+                 name: str | None = None, request_timeline: bool = True,
+                 progress: bool = True, extra_body: dict[str, Any] | None = None) -> None:
+        if num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+        self.config = ClientConfig(normalize_base_url(base_url), model, api_key, max_concurrency,
+                                   timeout, request_timeline=request_timeline,
+                                   progress=progress, extra_body=dict(extra_body or {}))
+        self.name = name or self.config.base_url
+        self.num_gpus = num_gpus
+        self.max_model_len: int | None = None
+
+    async def prepare(self) -> None:
+        model, self.max_model_len = await fetch_model_info(self.config.base_url,
+                                                           self.config.api_key)
+        if self.config.model is None:
+            self.config = replace(self.config, model=model)
+
+    async def run(self, requests: list[WorkloadRequest]) -> list[RequestRecord]:
+        return await run_requests(requests, self.config, description=self.name)
+
+
+TargetFactory = Callable[[Any], Target]
+_FACTORIES: dict[str, TargetFactory] = {}
+
+
+def register_target(name: str, factory: TargetFactory) -> None:
+    """Make ``--target NAME`` build ``factory(args)`` (``args``: the CLI namespace; its
+    ``target_options`` dict holds ``--target-option KEY=VALUE`` pairs)."""
+    _FACTORIES[name] = factory
+
+
+def _sim_factory(args: Any) -> Target:
+    try:
+        mod = importlib.import_module("pdserve.sim.target")
+    except ModuleNotFoundError as e:
+        if e.name not in ("pdserve.sim.target", "pdserve.sim"):
+            raise
+        raise NotImplementedError(
+            "the simulator target needs pdserve.sim.simulator (not built yet)") from None
+    return mod.make_sim_target(args)
+
+
+register_target("sim", _sim_factory)
+
+
+def target_names() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def make_target(spec: str, args: Any, name: str | None = None) -> Target:
+    """``http(s)://...`` → :class:`HttpTarget` configured from ``args`` (``model``,
+    ``api_key``, ``max_concurrency``, ``timeout``, ``num_gpus``, ``no_timeline``,
+    ``no_progress``); a registered name → its factory."""
+    if spec.startswith(("http://", "https://")):
+        return HttpTarget(
+            spec, getattr(args, "model", None), getattr(args, "api_key", None),
+            getattr(args, "max_concurrency", 1024), getattr(args, "timeout", 300.0),
+            num_gpus=getattr(args, "num_gpus", 1), name=name,
+            request_timeline=not getattr(args, "no_timeline", False),
+            progress=not getattr(args, "no_progress", False))
+    if spec in _FACTORIES:
+        target = _FACTORIES[spec](args)
+        if name is not None:
+            target.name = name
+        return target
+    raise ValueError(f"unknown target {spec!r}: give an http(s):// URL or one of "
+                     f"{', '.join(target_names())}")
