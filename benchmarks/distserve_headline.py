@@ -1,0 +1,625 @@
+"""DistServe's headline in simulation: chatbot on OPT-13B, disaggregated vs colocated (vLLM).
+
+DistServe (§6.2, Fig. 8, Table 3) reports 2.0-4.6x the per-GPU goodput of vLLM on the ShareGPT
+chatbot workload; for OPT-13B it chose prefill TP=2 + decode TP=1 (Appendix B). This script
+replays that comparison in pdserve's simulator with DistServe's own A100-80GB OPT-13B profile.
+
+    python benchmarks/distserve_headline.py [--num-requests 1000] [--seed 0] \
+        [--output-json out/headline.json] [--plot out/headline]
+
+**Workload** (DistServe's ShareGPT recipe applied to the traces we have). DistServe builds its
+chatbot set from ``ShareGPT_V3_unfiltered_cleaned_split.json`` with the OPT tokenizer: a prompt is
+the first k turns of a conversation (k uniform in [1, turns-1], conversations with >= 3 turns),
+the completion is turn k; pairs with prompt and output both < 4 tokens, or with prompt + output
+>= 2048 tokens (OPT's context), are dropped; a run samples its requests uniformly without
+replacement and times them with Poisson arrivals. We have no ShareGPT text, only its length
+table ``shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv`` (30,731 rows, Llama-2
+tokenizer), so: the same two filters on that table (14,561 rows survive), a uniform sample of
+``--num-requests`` rows without replacement (numpy ``default_rng([seed, 1])``), Poisson arrivals
+from pdserve.bench (``Workload.retimed``; unit-rate gaps from ``default_rng([seed, 2])`` divided
+by the rate, so every probed rate replays the same requests in the same pattern). Prompts are
+distinct synthetic token ids (no prefix sharing). SLOs: TTFT 0.25 s, TPOT 0.1 s (Table 1);
+target 90 %.
+
+**Placements.** ``colocated``: one TP=1 instance, vLLM v0 as DistServe ran it — continuous
+batching, a waiting prompt preempts decoding (prefill-only steps of whole prompts up to 2,048
+tokens, no chunked prefill), at most 256 running sequences, preemption by recompute.
+``disaggregated``: one prefill instance (TP=2, whole prompts batched up to L_m tokens, §4.3;
+a longer prompt runs alone) and one decode instance (TP=1), on one node, the KV pulled over
+NVLink (A100 NVLink 3, 300 GB/s per direction; DistServe-Low, §4.2). Every instance has block
+size 16 and ``(tp * 80 GiB * 0.9 - fp16 weights) / KV bytes per token`` KV tokens (vLLM's
+default memory share; DistServe's ``max_num_tokens.csv`` is printed beside it as a check).
+Step times come from ``distserve_profiler-a100-80g.distserve.json`` (TP=1 or TP=2 entry).
+
+**Search.** pdserve.bench's expanding bisection per placement and per attainment criterion:
+``both`` (pdserve's: a request attains when it meets both SLOs) and ``distserve`` (P90 TTFT and
+P90 TPOT checked separately, DistServe's way). Runs are cached per (placement, rate), so the
+second criterion mostly reuses the first one's probes. Per-GPU goodput = goodput / GPUs.
+The SLO-scale sweep (Fig. 8, bottom) is computed exactly from the records of one run per
+placement at a common per-GPU rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench.goodput import AttainmentResult, GoodputResult, search_goodput
+from pdserve.bench.metrics import (
+    SLO,
+    RequestRecord,
+    attainment,
+    json_safe,
+    summarize,
+    tightest_slo_scale,
+)
+from pdserve.bench.presets import NS_PROMPT, segment_key
+from pdserve.bench.traces import load_trace
+from pdserve.bench.workloads import Workload, WorkloadRequest, segment_tokens
+from pdserve.cluster.transport import Link
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.sim.hardware import get_device, get_link
+from pdserve.sim.latency import FittedProfile
+from pdserve.sim.models import get_model_config
+from pdserve.sim.simulator import SimInstance, SimRequest, SimResult, Simulator
+
+DEFAULT_PROFILE = "/work/shared/profiles/distserve_profiler-a100-80g.distserve.json"
+# DistServe's fit of vLLM's own engine (their simulator's vLLM baseline): sensitivity only
+VLLM_PROFILE = "/work/shared/profiles/distserve_profiler-a100-80g.vllm.json"
+DEFAULT_MAX_TOKENS_CSV = "/work/shared/profiles/distserve_max_num_tokens.csv"
+MODEL = "opt-13b"
+DEVICE = "A100-80GB"
+SLO_CHATBOT = SLO(0.25, 0.1)  # DistServe Table 1, chatbot OPT-13B
+TARGET = 0.9
+MAX_MODEL_LEN = 2048  # OPT's max_position_embeddings; DistServe drops prompt + output >= 2048
+MIN_LEN = 4  # DistServe drops pairs whose prompt and output are both shorter than this
+BLOCK_SIZE = 16
+MEM_UTIL = 0.9  # vLLM's default gpu_memory_utilization
+MAX_NUM_SEQS = 256  # vLLM's default
+L_M = 512  # DistServe §3.1: "a single sequence of 512 tokens can fully engage an A100" (13B)
+CRITERIA = ("both", "distserve")
+_STREAM_SELECT = 1
+
+
+# --------------------------------------------------------------------------------- workload
+@dataclass
+class Recipe:
+    """What the chatbot workload was built from (recorded in the JSON)."""
+
+    trace_file: str
+    tokenizer: str
+    rows: int
+    rows_kept: int
+    filters: list[str]
+    num_requests: int
+    seed: int
+    output_scale: float
+    sampling: str
+    arrivals: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _stat(a: np.ndarray) -> dict[str, float]:
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)),
+            "min": int(a.min()), "max": int(a.max())}
+
+
+def distserve_filter(input_lens: np.ndarray, output_lens: np.ndarray) -> np.ndarray:
+    """DistServe's ShareGPT pruning: drop pairs with prompt and output both < 4 tokens and pairs
+    with prompt + output >= 2048 tokens."""
+    too_short = (input_lens < MIN_LEN) & (output_lens < MIN_LEN)
+    too_long = input_lens + output_lens >= MAX_MODEL_LEN
+    return ~too_short & ~too_long
+
+
+def chatbot_workload(num_requests: int, seed: int = 0, vocab_size: int = 50272,
+                     traces_dir: str | None = None,
+                     output_scale: float = 1.0) -> tuple[Workload, Recipe]:
+    """DistServe's chatbot recipe on our ShareGPT length table (module docstring). The returned
+    workload has no arrival times yet: ``workload.retimed(rate)`` gives Poisson arrivals.
+    ``output_scale`` (sensitivity only; 1 = the recipe) multiplies every output length
+    (``max(1, round(o * s))``, pdserve.bench's scaling rule)."""
+    trace = load_trace("sharegpt", traces_dir)
+    keep = np.flatnonzero(distserve_filter(trace.input_lens, trace.output_lens))
+    if num_requests > len(keep):
+        raise ValueError(f"only {len(keep)} ShareGPT rows pass DistServe's filters; "
+                         f"asked for {num_requests}")
+    rng = np.random.default_rng([seed, _STREAM_SELECT])
+    rows = keep[rng.choice(len(keep), size=num_requests, replace=False)]
+    inp, out = trace.input_lens[rows], trace.output_lens[rows]
+    if output_scale != 1.0:
+        out = np.maximum(1, np.rint(out * output_scale)).astype(np.int64)
+    reqs = []
+    for i, (p, o) in enumerate(zip(inp.tolist(), out.tolist())):
+        ids = segment_tokens(seed, segment_key(NS_PROMPT, i), int(p), vocab_size).tolist()
+        reqs.append(WorkloadRequest(f"chatbot-{i}", 0.0, int(p), int(o), ids))
+    wl = Workload("distserve-chatbot", "DistServe §6.1 chatbot recipe on ShareGPT lengths",
+                  reqs, "poisson", None, seed, default_slo=SLO_CHATBOT)
+    recipe = Recipe(
+        trace_file=trace.file, tokenizer=trace.tokenizer, rows=len(trace), rows_kept=len(keep),
+        filters=[f"drop prompt_len < {MIN_LEN} and output_len < {MIN_LEN}",
+                 f"drop prompt_len + output_len >= {MAX_MODEL_LEN}"],
+        num_requests=num_requests, seed=seed, output_scale=output_scale,
+        sampling="uniform without replacement, numpy default_rng([seed, 1])",
+        arrivals="Poisson (pdserve.bench.arrivals.Poisson), gaps default_rng([seed, 2]) / rate",
+        stats={"prompt_len": _stat(inp), "output_len": _stat(out),
+               "pool_prompt_len": _stat(trace.input_lens[keep]),
+               "pool_output_len": _stat(trace.output_lens[keep])})
+    return wl, recipe
+
+
+# ------------------------------------------------------------------------------ placements
+def kv_tokens(model: ModelConfig, tp: int, device: str = DEVICE,
+              mem_util: float = MEM_UTIL) -> int:
+    """KV capacity of a TP=``tp`` instance: its GPUs' memory share minus the fp16 weights."""
+    free = tp * get_device(device).memory_bytes * mem_util - 2 * model.num_params()
+    return int(free // model.kv_bytes_per_token("float16"))
+
+
+def distserve_kv_tokens(path: str, model: str, tp: int) -> int | None:
+    """DistServe's own ``max_num_tokens`` for (model, tp, pp=1), if the CSV is there."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines[1:]:
+        m, t, p, n = line.split(",")
+        if m.endswith(model) and int(t) == tp and int(p) == 1:
+            return int(n)
+    return None
+
+
+def engine_config(role: str, num_blocks: int, lm: int | None = None) -> EngineConfig:
+    kw: dict[str, Any] = dict(dtype="float16", block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
+                              enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN,
+                              max_num_seqs=MAX_NUM_SEQS, role=role,
+                              enable_chunked_prefill=role == "decode")
+    if role == "prefill":
+        kw["prefill_token_target"] = lm
+    return EngineConfig.from_kwargs(MODEL, model_max_len=MAX_MODEL_LEN, **kw)
+
+
+@dataclass
+class Placement:
+    name: str
+    label: str
+    instances: list[SimInstance]
+    num_gpus: int
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for s in self.instances:
+            sc = s.engine.scheduler
+            lat = s.latency
+            out.append({"id": s.instance_id, "role": sc.role, "gpus": s.num_gpus,
+                        "tp": getattr(lat, "tp", None), "node": s.node,
+                        "kv_blocks": s.num_kv_blocks, "kv_tokens": s.num_kv_blocks * BLOCK_SIZE,
+                        "chunked_prefill": sc.enable_chunked_prefill,
+                        "max_num_batched_tokens": sc.max_num_batched_tokens,
+                        "prefill_token_target": sc.prefill_token_target,
+                        "max_num_seqs": sc.max_num_seqs,
+                        "profile": {k: list(getattr(lat, k)) for k in
+                                    ("prefill", "decode_small", "decode_large")}})
+        return out
+
+
+def make_placements(profile: str, model: ModelConfig, lm: int = L_M, num_colocated: int = 1,
+                    num_prefill: int = 1, num_decode: int = 1,
+                    colocated_profile: str | None = None) -> dict[str, Placement]:
+    """``colocated``: ``num_colocated`` x TP1 (vLLM); ``disaggregated``: ``num_prefill`` x TP2
+    prefill + ``num_decode`` x TP1 decode on one node. ``colocated_profile`` (default
+    ``profile``) prices the colocated steps, e.g. DistServe's fit of vLLM's engine."""
+    tp1 = FittedProfile.from_distserve_json(profile, model, tp=1)
+    colo_tp1 = FittedProfile.from_distserve_json(colocated_profile or profile, model, tp=1)
+    tp2 = FittedProfile.from_distserve_json(profile, model, tp=2)
+    b1, b2 = kv_tokens(model, 1) // BLOCK_SIZE, kv_tokens(model, 2) // BLOCK_SIZE
+    colo = [SimInstance(f"colocated-{i}", engine_config("colocated", b1), colo_tp1, b1, 1, 0)
+            for i in range(num_colocated)]
+    dis = ([SimInstance(f"prefill-{i}", engine_config("prefill", b2, lm), tp2, b2, 2, 0)
+            for i in range(num_prefill)]
+           + [SimInstance(f"decode-{i}", engine_config("decode", b1), tp1, b1, 1, 0)
+              for i in range(num_decode)])
+    return {
+        "colocated": Placement("colocated", f"colocated {num_colocated}xTP1 (vLLM)", colo,
+                               num_colocated),
+        "disaggregated": Placement(
+            "disaggregated", f"disaggregated {num_prefill}xP(TP2) + {num_decode}xD(TP1)", dis,
+            2 * num_prefill + num_decode),
+    }
+
+
+def nvlink() -> Link:
+    spec = get_link("nvlink3")
+    return Link(spec.bandwidth_gbs, spec.latency_s)
+
+
+# ------------------------------------------------------------------------ what-if (opt-in)
+def patch_decode_admission() -> None:
+    """**What-if only** (``--what-if-decode-fix``; the headline numbers never use it): the fix
+    proposed for the decode-role deadlock found with this benchmark, patched into this process.
+
+    As built, a decode instance parks a request whose KV arrived in ``waiting`` *with its blocks
+    allocated*, while only ``running`` requests can be preempted; pulls are reserved whenever any
+    block is free. Under load the imported requests fill the pool, a running request that needs
+    a block preempts the others (they return to the head of ``waiting`` needing a full
+    recompute), and once nothing runs the head cannot be allocated and nothing ever frees a
+    block: the instance stops for good. The fix: (1) an imported request joins ``running`` (it
+    is one decode away from running, and so becomes preemptable); (2) pulls are reserved only
+    while no preempted request waits and one free block per running sequence stays in reserve,
+    and never beyond ``max_num_seqs``.
+    """
+    from pdserve.engine import scheduler as sm
+
+    cls = sm.Scheduler
+    if getattr(cls, "_headline_patched", False):
+        return
+    orig_reserve, orig_complete = cls.reserve_pulls, cls.complete_pull
+
+    def reserve_pulls(self: Any, now: float, limit: int | None = None) -> list[Any]:
+        out: list[Any] = []
+        while self.pending_kv and not self.waiting and (limit is None or len(out) < limit):
+            req = self.pending_kv[0]
+            active = len(self.running) + len(self.pulling)
+            need = self.kv.blocks_for(req.num_tokens - 1)
+            if (active >= self.config.max_num_seqs
+                    or self.pool.num_free_blocks - need < len(self.running) + 1):
+                break
+            got = orig_reserve(self, now, 1)
+            if not got:
+                break
+            out += got
+        return out
+
+    def complete_pull(self: Any, request_id: str, now: float) -> Any:
+        req = orig_complete(self, request_id, now)
+        self.waiting.remove(req)
+        req.status = sm.S.RUNNING
+        if req.timeline.decode_admitted is None:
+            req.timeline.decode_admitted = now
+        self.running.append(req)
+        return req
+
+    cls.reserve_pulls, cls.complete_pull = reserve_pulls, complete_pull
+    cls._headline_patched = True
+
+
+# ------------------------------------------------------------------------------------- runs
+def to_records(res: SimResult) -> list[RequestRecord]:
+    return [RequestRecord(r.request_id, r.prompt_len, r.output_len, r.timeline,
+                          ok=r.error is None and r.finish_reason != "error", error=r.error)
+            for r in res.records]
+
+
+def simulate(placement: Placement, model: ModelConfig, workload: Workload, rate: float,
+             progress: Callable[[int], None] | None = None) -> tuple[list[RequestRecord],
+                                                                     SimResult]:
+    wl = workload.retimed(rate, "poisson")
+    reqs = [SimRequest(r.request_id, r.arrival_time, r.prompt_token_ids or [], r.output_len)
+            for r in wl.requests]
+    sim = Simulator(placement.instances, model, intra_node_link=nvlink(),
+                    inter_node_link=nvlink())
+    res = sim.run(reqs, progress)
+    return to_records(res), res
+
+
+@dataclass
+class Run:
+    """One simulated run and what the search needs from it."""
+
+    placement: str
+    rate: float
+    summary: dict[str, Any]
+    attainment: dict[str, float]
+    wall_s: float
+    num_preemptions: int
+    records: list[RequestRecord] | None = None
+
+
+class Runner:
+    """Cached runs per (placement, rate); one progress line per run."""
+
+    def __init__(self, model: ModelConfig, workload: Workload, placements: dict[str, Placement],
+                 slo: SLO, target: float, show_progress: bool = True) -> None:
+        self.model, self.workload, self.placements = model, workload, placements
+        self.slo, self.target = slo, target
+        self.cache: dict[tuple[str, float], Run] = {}
+        self.show_progress = show_progress and sys.stderr.isatty()
+
+    def run(self, name: str, rate: float, keep_records: bool = False) -> Run:
+        key = (name, round(rate, 9))
+        hit = self.cache.get(key)
+        if hit is not None and (hit.records is not None or not keep_records):
+            return hit
+        p = self.placements[name]
+        t0 = time.perf_counter()
+        if self.show_progress:
+            from rich.progress import Progress
+
+            with Progress(transient=True) as prog:
+                task = prog.add_task(f"{name} @ {rate:.3f} req/s", total=len(self.workload))
+                recs, res = simulate(p, self.model, self.workload, rate,
+                                     lambda n: prog.advance(task, n))
+        else:
+            recs, res = simulate(p, self.model, self.workload, rate)
+        wall = time.perf_counter() - t0
+        s = summarize(recs, self.slo, self.target, p.num_gpus)
+        att = {c: attainment(recs, self.slo, c) for c in CRITERIA}
+        pre = sum(getattr(st, "num_preemptions", 0) or 0 for st in res.instance_stats.values())
+        run = Run(name, rate, s.to_dict(), att, wall, pre, recs if keep_records else None)
+        self.cache[key] = run
+        print(f"  {name:14s} rate {rate:7.3f} req/s ({rate / p.num_gpus:6.3f}/GPU): "
+              f"attainment both {att['both']:6.1%}  distserve {att['distserve']:6.1%}  "
+              f"P90 TTFT {_ms(s.ttft.p90)} ms  P90 TPOT {_ms(s.tpot.p90)} ms  "
+              f"preempt {pre}  [{wall:.1f} s]", file=sys.stderr, flush=True)
+        return run
+
+    def search(self, name: str, criterion: str, hi: float, precision: float,
+               max_probes: int) -> GoodputResult:
+        p = self.placements[name]
+
+        def at_rate(rate: float) -> AttainmentResult:
+            r = self.run(name, rate)
+            a = r.attainment[criterion]
+            return AttainmentResult(rate, a, a >= self.target,
+                                    {"p90_ttft_s": r.summary["ttft"]["p90"],
+                                     "p90_tpot_s": r.summary["tpot"]["p90"]})
+
+        return search_goodput(at_rate, hi=hi, precision=precision, max_probes=max_probes,
+                              num_gpus=p.num_gpus)
+
+
+def _ms(x: float | None) -> str:
+    return "   –" if x is None or not math.isfinite(x) else f"{x * 1e3:6.1f}"
+
+
+# ------------------------------------------------------------------------- sanity checks
+def sanity(profile: str, model: ModelConfig, recipe: Recipe, lm: int) -> dict[str, Any]:
+    """Profile step times and the capacity bounds they imply for this workload."""
+    tp1 = FittedProfile.from_distserve_json(profile, model, tp=1)
+    tp2 = FittedProfile.from_distserve_json(profile, model, tp=2)
+    steps = {}
+    for n in (128, 512, 1024, 2000):
+        steps[f"prefill 1x{n}"] = {"tp1": tp1.prefill_time([n]), "tp2": tp2.prefill_time([n])}
+    steps[f"prefill 4x{lm // 4} (one L_m batch)"] = {"tp1": tp1.prefill_time([lm // 4] * 4),
+                                                     "tp2": tp2.prefill_time([lm // 4] * 4)}
+    for b in (1, 32, 64, 94, 95, 128):
+        steps[f"decode {b}x800"] = {"tp1": tp1.decode_time([800] * b),
+                                    "tp2": tp2.decode_time([800] * b)}
+    st = recipe.stats
+    p_mean, o_mean = st["prompt_len"]["mean"], st["output_len"]["mean"]
+    ctx = p_mean + o_mean / 2  # mean context of a decoding request
+    kv1 = kv_tokens(model, 1)
+    max_seqs = min(MAX_NUM_SEQS, int(kv1 // ctx))
+    dec_step = tp1.decode_time([int(ctx)] * max_seqs)
+    # per-request prefill time alone (no batching), averaged over the sampled prompts
+    return {
+        "step_times_s": steps,
+        "mean_prompt": p_mean, "mean_output": o_mean, "mean_decode_context": ctx,
+        "kv_tokens": {"tp1": kv1, "tp2": kv_tokens(model, 2),
+                      "distserve_csv_tp1": distserve_kv_tokens(DEFAULT_MAX_TOKENS_CSV, MODEL, 1),
+                      "distserve_csv_tp2": distserve_kv_tokens(DEFAULT_MAX_TOKENS_CSV, MODEL, 2)},
+        "decode_tp1_max_seqs_by_kv": max_seqs,
+        "decode_tp1_step_at_max_seqs_s": dec_step,
+        "decode_tp1_capacity_rps": max_seqs / dec_step / o_mean,
+        "prefill_tp2_capacity_rps": 1.0 / tp2.prefill_time([int(p_mean)]),
+        "prefill_tp1_capacity_rps": 1.0 / tp1.prefill_time([int(p_mean)]),
+    }
+
+
+# ------------------------------------------------------------------------------------ main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--traces-dir", default=None)
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lm", type=int, default=L_M, help="prefill token target L_m (512)")
+    ap.add_argument("--precision", type=float, default=0.1, help="req/s (total), 0.1")
+    ap.add_argument("--max-probes", type=int, default=12)
+    ap.add_argument("--colocated-rate", type=float, default=2.0, help="first probe (req/s)")
+    ap.add_argument("--disaggregated-rate", type=float, default=4.0, help="first probe (req/s)")
+    ap.add_argument("--scale-rate", type=float, default=None,
+                    help="per-GPU rate of the SLO-scale sweep (default: the lower of the two "
+                         "per-GPU goodputs)")
+    ap.add_argument("--num-colocated", type=int, default=1, help="colocated TP1 replicas (1)")
+    ap.add_argument("--num-prefill", type=int, default=1, help="prefill TP2 instances (1)")
+    ap.add_argument("--num-decode", type=int, default=1, help="decode TP1 instances (1)")
+    ap.add_argument("--output-scale", type=float, default=1.0,
+                    help="sensitivity: multiply output lengths (1 = DistServe's recipe)")
+    ap.add_argument("--colocated-profile", choices=("distserve", "vllm"), default="distserve",
+                    help="sensitivity: price colocated steps with DistServe's fit of vLLM's "
+                         "engine (vllm) instead of the DistServe engine profile")
+    ap.add_argument("--what-if-decode-fix", action="store_true",
+                    help="patch in the proposed decode-admission fix (see "
+                         "patch_decode_admission); never the headline")
+    ap.add_argument("--output-json", default=None)
+    ap.add_argument("--plot", default=None, metavar="DIR")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.what_if_decode_fix:
+        patch_decode_admission()
+    model = get_model_config(MODEL)
+    workload, recipe = chatbot_workload(args.num_requests, args.seed, model.vocab_size,
+                                        args.traces_dir, args.output_scale)
+    colo_profile = VLLM_PROFILE if args.colocated_profile == "vllm" else args.profile
+    placements = make_placements(args.profile, model, args.lm, args.num_colocated,
+                                 args.num_prefill, args.num_decode, colo_profile)
+    runner = Runner(model, workload, placements, SLO_CHATBOT, TARGET, not args.no_progress)
+    checks = sanity(args.profile, model, recipe, args.lm)
+    first = {"colocated": args.colocated_rate * args.num_colocated,
+             "disaggregated": args.disaggregated_rate * args.num_decode}
+
+    results: dict[str, dict[str, GoodputResult]] = {}
+    for crit in CRITERIA:
+        for name in placements:
+            print(f"search {name} ({crit})", file=sys.stderr, flush=True)
+            results.setdefault(name, {})[crit] = runner.search(
+                name, crit, first[name], args.precision, args.max_probes)
+
+    # SLO-scale sweep at one per-GPU rate (exact from the records of one run per placement)
+    per_gpu = [r["both"].per_gpu_goodput_rps for r in results.values()]
+    scale_rate = args.scale_rate or (min(g for g in per_gpu if g > 0) if any(per_gpu) else 0.5)
+    scales = [round(0.25 * k, 2) for k in range(1, 13)]
+    sweep: dict[str, Any] = {}
+    breakdown: dict[str, Any] = {}
+    for name, p in placements.items():
+        run = runner.run(name, scale_rate * p.num_gpus, keep_records=True)
+        recs = run.records or []
+        sweep[name] = {
+            "per_gpu_rate": scale_rate,
+            "points": [(s, attainment(recs, SLO_CHATBOT.scaled(s))) for s in scales],
+            "tightest_scale": {c: tightest_slo_scale(recs, SLO_CHATBOT, TARGET, c)
+                               for c in CRITERIA},
+        }
+        best = results[name]["both"].goodput_rps
+        if best > 0:
+            at = runner.run(name, best)
+            breakdown[name] = at.summary.get("breakdown")
+
+    report = build_report(args, recipe, placements, results, sweep, breakdown, checks, runner,
+                          time.perf_counter() - t_start)
+    print_report(report)
+    if args.output_json:
+        from pdserve.bench.report import write_json
+
+        write_json(args.output_json, report)
+        print(f"wrote {args.output_json}", file=sys.stderr)
+    if args.plot:
+        make_plots(args.plot, report, placements, runner, breakdown)
+    return report
+
+
+def build_report(args: argparse.Namespace, recipe: Recipe, placements: dict[str, Placement],
+                 results: dict[str, dict[str, GoodputResult]], sweep: dict[str, Any],
+                 breakdown: dict[str, Any], checks: dict[str, Any], runner: Runner,
+                 wall: float) -> dict[str, Any]:
+    goodput = {name: {c: r.to_dict() for c, r in res.items()} for name, res in results.items()}
+    ratio = {}
+    for c in CRITERIA:
+        a = results["colocated"][c].per_gpu_goodput_rps
+        b = results["disaggregated"][c].per_gpu_goodput_rps
+        ratio[c] = b / a if a > 0 else None
+    runs = [{"placement": r.placement, "rate": r.rate, "attainment": r.attainment,
+             "p90_ttft_s": r.summary["ttft"]["p90"], "p90_tpot_s": r.summary["tpot"]["p90"],
+             "mean_ttft_s": r.summary["ttft"]["mean"], "mean_tpot_s": r.summary["tpot"]["mean"],
+             "preemptions": r.num_preemptions, "wall_s": r.wall_s}
+            for r in sorted(runner.cache.values(), key=lambda r: (r.placement, r.rate))]
+    return json_safe({
+        "paper": "DistServe §6.2 chatbot OPT-13B: 2.0-4.6x per-GPU goodput over vLLM",
+        "command": "python benchmarks/distserve_headline.py " + " ".join(sys.argv[1:]),
+        "model": MODEL, "device": DEVICE, "profile": args.profile,
+        "slo": {"ttft": SLO_CHATBOT.ttft, "tpot": SLO_CHATBOT.tpot}, "target": TARGET,
+        "colocated_profile": args.colocated_profile,
+        "lm": args.lm, "what_if_decode_fix": args.what_if_decode_fix,
+        "workload": recipe.__dict__,
+        "placements": {n: {"label": p.label, "num_gpus": p.num_gpus,
+                           "instances": p.describe()} for n, p in placements.items()},
+        "goodput": goodput, "ratio_disaggregated_over_colocated": ratio,
+        "slo_scale_sweep": sweep, "breakdown_at_goodput": breakdown, "sanity": checks,
+        "runs": runs, "num_runs": len(runs), "wall_s": wall,
+    })
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=150)
+    w = rep["workload"]
+    st = w["stats"]
+    con.print(f"[bold]Workload[/]: {w['num_requests']} requests from {w['trace_file']} "
+              f"({w['rows_kept']}/{w['rows']} rows pass DistServe's filters), seed {w['seed']}; "
+              f"prompt mean {st['prompt_len']['mean']:.0f} / median "
+              f"{st['prompt_len']['median']:.0f}, output mean {st['output_len']['mean']:.0f} / "
+              f"median {st['output_len']['median']:.0f} tokens; Poisson arrivals")
+    title = ("DistServe headline in simulation: OPT-13B chatbot, SLO TTFT 0.25 s / TPOT 0.1 s, "
+             "90 % attainment")
+    if rep["what_if_decode_fix"]:
+        title += " [WHAT-IF: proposed decode-admission fix patched in]"
+    if rep["colocated_profile"] != "distserve":
+        title += f" [colocated priced with the {rep['colocated_profile']} profile]"
+    if rep["workload"]["output_scale"] != 1.0:
+        title += f" [outputs x{rep['workload']['output_scale']:g}]"
+    t = Table(title=title)
+    for col in ("placement", "GPUs", "criterion", "goodput (req/s)", "per GPU", "bracket",
+                "probes", "converged"):
+        t.add_column(col, justify="left" if col in ("placement", "criterion") else "right")
+    for name, res in rep["goodput"].items():
+        label = rep["placements"][name]["label"]
+        for crit, r in res.items():
+            hi = "–" if r["hi"] is None else f"{r['hi']:.3f}"
+            t.add_row(label, str(r["num_gpus"]), crit, f"{r['goodput_rps']:.3f}",
+                      f"{r['per_gpu_goodput_rps']:.3f}", f"[{r['lo']:.3f}, {hi}]",
+                      str(len(r["probes"])), str(r["converged"]))
+    con.print(t)
+    for crit, x in rep["ratio_disaggregated_over_colocated"].items():
+        con.print(f"per-GPU goodput ratio disaggregated / colocated ({crit}): "
+                  + ("–" if x is None else f"[bold]{x:.2f}x[/]") + "   (DistServe: 2.0-4.6x)")
+    s = Table(title="Runs (cached per placement and rate)")
+    for col in ("placement", "rate", "per GPU", "att. both", "att. distserve", "P90 TTFT ms",
+                "P90 TPOT ms", "preempt", "wall s"):
+        s.add_column(col, justify="left" if col == "placement" else "right")
+    gpus = {n: p["num_gpus"] for n, p in rep["placements"].items()}
+    for r in rep["runs"]:
+        s.add_row(r["placement"], f"{r['rate']:.3f}", f"{r['rate'] / gpus[r['placement']]:.3f}",
+                  f"{r['attainment']['both']:.1%}", f"{r['attainment']['distserve']:.1%}",
+                  _ms(r["p90_ttft_s"]), _ms(r["p90_tpot_s"]), str(r["preemptions"]),
+                  f"{r['wall_s']:.1f}")
+    con.print(s)
+    for name, sw in rep["slo_scale_sweep"].items():
+        tight = ", ".join(f"{c} {v:.2f}" if v is not None else f"{c} –"
+                          for c, v in sw["tightest_scale"].items())
+        con.print(f"tightest SLO scale, {name} at {sw['per_gpu_rate']:.3f} req/s per GPU: {tight}")
+    c = rep["sanity"]
+    con.print(f"sanity: KV tokens TP1 {c['kv_tokens']['tp1']} (DistServe csv "
+              f"{c['kv_tokens']['distserve_csv_tp1']}), TP2 {c['kv_tokens']['tp2']} "
+              f"(csv {c['kv_tokens']['distserve_csv_tp2']}); decode TP1 holds "
+              f"{c['decode_tp1_max_seqs_by_kv']} requests of mean context "
+              f"{c['mean_decode_context']:.0f}, step {c['decode_tp1_step_at_max_seqs_s'] * 1e3:.1f}"
+              f" ms -> <= {c['decode_tp1_capacity_rps']:.2f} req/s; prefill TP2 mean-prompt "
+              f"capacity {c['prefill_tp2_capacity_rps']:.1f} req/s")
+    con.print(f"{rep['num_runs']} simulated runs in {rep['wall_s']:.0f} s")
+
+
+def make_plots(out: str, rep: dict[str, Any], placements: dict[str, Placement], runner: Runner,
+               breakdown: dict[str, Any]) -> None:
+    from pdserve.bench.report import (
+        plot_attainment_vs_rate,
+        plot_attainment_vs_scale,
+        plot_breakdown,
+    )
+
+    d = Path(out)
+    gpus = {n: p.num_gpus for n, p in placements.items()}
+    for crit in CRITERIA:
+        curves = {placements[n].label: [(r.rate, r.attainment[crit]) for r in runner.cache.values()
+                                        if r.placement == n] for n in placements}
+        ng = {placements[n].label: gpus[n] for n in placements}
+        gp = {placements[n].label: rep["goodput"][n][crit]["goodput_rps"] for n in placements}
+        plot_attainment_vs_rate(curves, TARGET, d / f"attainment_vs_rate_{crit}.png", ng, gp)
+    scale_curves = {placements[n].label: sw["points"]
+                    for n, sw in rep["slo_scale_sweep"].items()}
+    plot_attainment_vs_scale(scale_curves, TARGET, d / "attainment_vs_slo_scale.png")
+    bd = {placements[n].label: b for n, b in breakdown.items() if b}
+    if bd:
+        plot_breakdown(bd, d / "breakdown_at_goodput.png")
+    print(f"wrote plots to {d}/", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""benchmarks/distserve_headline.py: the chatbot recipe, the two placements, a small run."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.bench.traces import load_trace
+from pdserve.sim.latency import FittedProfile
+from pdserve.sim.models import get_model_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "distserve_headline.py"
+PROFILE = os.environ.get("PDSERVE_DISTSERVE_PROFILE",
+                         "/work/shared/profiles/distserve_profiler-a100-80g.distserve.json")
+needs_profile = pytest.mark.skipif(not os.path.isfile(PROFILE),
+                                   reason="DistServe A100 profile not available")
+
+
+@pytest.fixture(scope="module")
+def hl():
+    spec = importlib.util.spec_from_file_location("distserve_headline", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model():
+    return get_model_config("opt-13b")
+
+
+def test_filter_is_distserves_pruning(hl):
+    inp = np.array([3, 3, 4, 100, 1000, 1047, 1048, 2047])
+    out = np.array([3, 4, 3, 100, 1000, 1000, 1000, 1])
+    # both < 4 dropped; prompt + output >= 2048 dropped
+    assert hl.distserve_filter(inp, out).tolist() == [False, True, True, True, True, True,
+                                                      False, False]
+
+
+def test_chatbot_recipe_statistics(hl, model):
+    wl, rec = hl.chatbot_workload(300, seed=3, vocab_size=model.vocab_size)
+    trace = load_trace("sharegpt")
+    keep = (trace.input_lens + trace.output_lens < 2048) & ~(
+        (trace.input_lens < 4) & (trace.output_lens < 4))
+    assert rec.rows == len(trace) and rec.rows_kept == int(keep.sum())
+    if len(trace) == 30731:  # the full ShareGPT table in shared/traces
+        assert rec.rows_kept == 14561
+    p = np.array([r.prompt_len for r in wl.requests])
+    o = np.array([r.output_len for r in wl.requests])
+    assert len(wl) == 300 and np.all(p + o < 2048) and not np.any((p < 4) & (o < 4))
+    assert all(len(r.prompt_token_ids) == r.prompt_len for r in wl.requests)
+    assert all(max(r.prompt_token_ids) < model.vocab_size for r in wl.requests)
+    assert rec.stats["prompt_len"]["mean"] == pytest.approx(p.mean())
+    # the filtered pool's shape (mean prompt ~600, mean output ~400 on the full table)
+    pool_p = trace.input_lens[keep]
+    assert rec.stats["pool_prompt_len"]["median"] == pytest.approx(np.median(pool_p))
+    # deterministic, and a different seed picks different requests
+    wl2, _ = hl.chatbot_workload(300, seed=3, vocab_size=model.vocab_size)
+    assert [r.prompt_len for r in wl2.requests] == p.tolist()
+    wl3, _ = hl.chatbot_workload(300, seed=4, vocab_size=model.vocab_size)
+    assert [r.prompt_len for r in wl3.requests] != p.tolist()
+    # Poisson arrivals at the requested rate, same pattern at every rate
+    a1 = np.array([r.arrival_time for r in wl.retimed(2.0, "poisson").requests])
+    a2 = np.array([r.arrival_time for r in wl.retimed(4.0, "poisson").requests])
+    assert a1[0] == 0 and np.all(np.diff(a1) >= 0)
+    assert np.allclose(a1, 2 * a2)
+    assert (len(a1) - 1) / a1[-1] == pytest.approx(2.0, rel=0.2)
+
+
+def test_output_scale_only_scales_outputs(hl, model):
+    wl, _ = hl.chatbot_workload(50, seed=0, vocab_size=model.vocab_size)
+    ws, rec = hl.chatbot_workload(50, seed=0, vocab_size=model.vocab_size, output_scale=0.5)
+    assert rec.output_scale == 0.5
+    assert [r.prompt_len for r in ws.requests] == [r.prompt_len for r in wl.requests]
+    assert [r.output_len for r in ws.requests] == [max(1, round(r.output_len * 0.5))
+                                                   for r in wl.requests]
+
+
+def test_kv_capacity_from_memory(hl, model):
+    tp1, tp2 = hl.kv_tokens(model, 1), hl.kv_tokens(model, 2)
+    per_token = model.kv_bytes_per_token("float16")
+    assert per_token == 2 * 40 * 5120 * 2
+    weights = 2 * model.num_params()
+    assert 24e9 < weights < 27e9  # OPT-13B fp16
+    assert tp1 == int((80 * 2**30 * 0.9 - weights) // per_token)
+    # weights are paid once per instance, so TP2 holds more than twice TP1
+    assert tp2 > 2 * tp1
+    # within 10 % of DistServe's own max_num_tokens for OPT-13B (66144 / 163008)
+    assert tp1 == pytest.approx(66144, rel=0.1) and tp2 == pytest.approx(163008, rel=0.1)
+
+
+@needs_profile
+def test_placements(hl, model):
+    pl = hl.make_placements(PROFILE, model)
+    colo, dis = pl["colocated"], pl["disaggregated"]
+    assert colo.num_gpus == 1 and dis.num_gpus == 3
+    (c,) = colo.instances
+    assert c.engine.scheduler.role == "colocated"
+    assert not c.engine.scheduler.enable_chunked_prefill  # vLLM v0: whole-prompt prefill first
+    assert c.engine.scheduler.max_num_batched_tokens >= 2048
+    assert c.engine.cache.block_size == 16 and not c.engine.cache.enable_prefix_caching
+    pre = [s for s in dis.instances if s.engine.scheduler.role == "prefill"]
+    dec = [s for s in dis.instances if s.engine.scheduler.role == "decode"]
+    assert len(pre) == 1 and len(dec) == 1
+    tp1 = FittedProfile.from_distserve_json(PROFILE, model, tp=1)
+    tp2 = FittedProfile.from_distserve_json(PROFILE, model, tp=2)
+    assert tp1.prefill != tp2.prefill
+    # prefill runs on DistServe's TP=2 coefficients, 2 GPUs, batching up to L_m
+    assert pre[0].latency.tp == 2 and pre[0].latency.prefill == tp2.prefill
+    assert pre[0].num_gpus == 2 and pre[0].engine.scheduler.prefill_token_target == 512
+    assert not pre[0].engine.scheduler.enable_chunked_prefill
+    # decode and colocated on TP=1 coefficients
+    assert dec[0].latency.tp == 1 and dec[0].latency.decode_small == tp1.decode_small
+    assert c.latency.tp == 1 and c.latency.prefill == tp1.prefill
+    assert pre[0].num_kv_blocks == hl.kv_tokens(model, 2) // 16
+    assert dec[0].num_kv_blocks == c.num_kv_blocks == hl.kv_tokens(model, 1) // 16
+    assert pre[0].node == dec[0].node  # one node: the KV goes over NVLink
+    link = hl.nvlink()
+    assert link.bandwidth_gbps == 300.0
+    # replica counts
+    pl2 = hl.make_placements(PROFILE, model, num_colocated=2, num_decode=2)
+    assert pl2["colocated"].num_gpus == 2 and pl2["disaggregated"].num_gpus == 4
+
+
+@needs_profile
+def test_small_run_both_placements(hl, model):
+    wl, _ = hl.chatbot_workload(40, seed=1, vocab_size=model.vocab_size)
+    pl = hl.make_placements(PROFILE, model)
+    runner = hl.Runner(model, wl, pl, hl.SLO_CHATBOT, 0.9, show_progress=False)
+    for name in ("colocated", "disaggregated"):
+        run = runner.run(name, 0.5, keep_records=True)
+        for crit in hl.CRITERIA:
+            assert 0.0 <= run.attainment[crit] <= 1.0
+        assert run.attainment["distserve"] >= run.attainment["both"]
+        assert run.summary["num_failed"] == 0 and len(run.records) == 40
+    recs = {n: {r.request_id: r for r in runner.run(n, 0.5, keep_records=True).records}
+            for n in ("colocated", "disaggregated")}
+    req = wl.requests[0]
+    lat1 = FittedProfile.from_distserve_json(PROFILE, model, tp=1)
+    lat2 = FittedProfile.from_distserve_json(PROFILE, model, tp=2)
+    # the first request arrives to idle instances: its TTFT is exactly one prefill step
+    assert recs["colocated"][req.request_id].ttft == pytest.approx(
+        lat1.prefill_time([req.prompt_len]))
+    assert recs["disaggregated"][req.request_id].ttft == pytest.approx(
+        lat2.prefill_time([req.prompt_len]))
+    # disaggregated requests went through a KV transfer over the link
+    tl = recs["disaggregated"][req.request_id].timeline
+    assert tl.transfer_start is not None and tl.transfer_end > tl.transfer_start
+    # cached: the same (placement, rate) is not simulated twice
+    assert runner.run("colocated", 0.5) is runner.cache[("colocated", 0.5)]
+
+
+def test_what_if_patch_is_opt_in(hl):
+    from pdserve.engine.scheduler import Scheduler
+
+    assert not getattr(Scheduler, "_headline_patched", False)
