@@ -96,19 +96,8 @@ def key_value(text: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------ flags
-def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
-    if multi:
-        p.add_argument("--target", action="append", default=[], metavar="NAME=TARGET",
-                       help="a target to compare (repeat): NAME=URL or NAME=sim")
-        p.add_argument("--targets-config", metavar="FILE",
-                       help="JSON/YAML list of {name, target, num_gpus, model, options}")
-        p.add_argument("--num-gpus", action="append", default=[], metavar="[NAME=]N",
-                       help="GPUs per target for per-GPU numbers (N for all, or NAME=N)")
-    else:
-        p.add_argument("--target", required=True, metavar="URL|NAME",
-                       help=f"server URL (http://host:port) or one of: {', '.join(target_names())}")
-        p.add_argument("--num-gpus", type=positive_int, default=1,
-                       help="GPUs the target uses (per-GPU numbers divide by it)")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload and arrival flags (shared with ``pdserve simulate``)."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="chatbot", metavar="NAME[:k=v,...]|FILE.jsonl",
                    help=f"one of: {', '.join(workload_names())}")
@@ -129,6 +118,10 @@ def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="tokenize text prompts with this model's tokenizer (exact lengths)")
     w.add_argument("--traces-dir", help="folder of trace files (default: $PDSERVE_TRACES or "
                                         "../shared/traces)")
+
+
+def add_slo_args(p: argparse.ArgumentParser) -> None:
+    """The SLO flags (shared with ``pdserve simulate``)."""
     s = p.add_argument_group("SLO")
     s.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
                    help="TTFT objective (default: the workload's, e.g. DistServe Table 1)")
@@ -140,6 +133,34 @@ def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
                         "TPOT checked separately")
     s.add_argument("--slo-scales", type=rate_list, default=list(DEFAULT_SCALES),
                    metavar="S1,S2,...", help="SLO scales for the attainment-vs-scale sweep")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """The output flags (shared with ``pdserve simulate``)."""
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", metavar="PATH")
+    o.add_argument("--output-md", metavar="PATH", help="write the markdown report here too")
+    o.add_argument("--plot", metavar="DIR", help="write PNG plots into this folder")
+    o.add_argument("--save-records", action="store_true",
+                   help="include every request's timeline in the JSON")
+    o.add_argument("--no-progress", action="store_true")
+
+
+def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
+    if multi:
+        p.add_argument("--target", action="append", default=[], metavar="NAME=TARGET",
+                       help="a target to compare (repeat): NAME=URL or NAME=sim")
+        p.add_argument("--targets-config", metavar="FILE",
+                       help="JSON/YAML list of {name, target, num_gpus, model, options}")
+        p.add_argument("--num-gpus", action="append", default=[], metavar="[NAME=]N",
+                       help="GPUs per target for per-GPU numbers (N for all, or NAME=N)")
+    else:
+        p.add_argument("--target", required=True, metavar="URL|NAME",
+                       help=f"server URL (http://host:port) or one of: {', '.join(target_names())}")
+        p.add_argument("--num-gpus", type=positive_int, default=1,
+                       help="GPUs the target uses (per-GPU numbers divide by it)")
+    add_workload_args(p)
+    add_slo_args(p)
     c = p.add_argument_group("client")
     c.add_argument("--model", help="model name to request (default: the server's first)")
     c.add_argument("--api-key")
@@ -151,13 +172,7 @@ def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="do not ask the server for request timelines")
     c.add_argument("--target-option", type=key_value, action="append", default=[],
                    metavar="KEY=VALUE", help="passed to registered targets (e.g. sim)")
-    o = p.add_argument_group("output")
-    o.add_argument("--output-json", metavar="PATH")
-    o.add_argument("--output-md", metavar="PATH", help="write the markdown report here too")
-    o.add_argument("--plot", metavar="DIR", help="write PNG plots into this folder")
-    o.add_argument("--save-records", action="store_true",
-                   help="include every request's timeline in the JSON")
-    o.add_argument("--no-progress", action="store_true")
+    add_output_args(p)
 
 
 def _add_search(p: argparse.ArgumentParser) -> None:

@@ -172,10 +172,13 @@ class InstanceWorker:
     def _deltas(self, res: StepResult, rep: StepReport) -> None:
         held, stream, reported = set(res.held), self.stream_tokens, self._reported
         not_decode = self.role != "decode"
-        for req, text in zip(res.requests, res.new_texts):
+        fin = RequestStatus.FINISHED_STOPPED
+        for req, text in zip(res.requests, res.new_texts):  # hot loop
             outs = req.output_token_ids
             first = not_decode and len(outs) == 1
-            finished = req.status >= RequestStatus.FINISHED_STOPPED
+            finished = req.status >= fin
+            if not (stream or first or finished or held):
+                continue  # the simulator's common case: a decode token nobody waits for
             rid = req.request_id
             is_held = bool(held) and rid in held
             if not (stream or first or finished or is_held):

@@ -45,8 +45,10 @@ class KVCacheManager:
         if n_max == 0:
             return []
         hashes = self._hashes(req)
-        bs, toks, hits = self.block_size, req.all_token_ids, []
+        bs, toks, hits, cached = self.block_size, req.all_token_ids, [], self.pool.cached
         for i in range(n_max):
+            if hashes[i] not in cached:  # the common miss, without building the token tuple
+                break
             b = self.pool.lookup(hashes[i], tuple(toks[i * bs : (i + 1) * bs]))
             if b is None:
                 break
@@ -58,7 +60,14 @@ class KVCacheManager:
         """Give ``req`` slots for ``num_new_tokens`` more tokens after its computed ones (plus the
         prefix ``hits``, which must come from :meth:`match_prefix` on a request with no blocks).
         Returns ``False`` and changes nothing when the pool is too small."""
-        hits = hits or []
+        if not hits:  # the per-step path (a running request crossing a block boundary)
+            n_new = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(
+                req.block_ids)
+            if n_new > self.pool.num_free_blocks:
+                return False
+            if n_new > 0:
+                req.block_ids.extend([b.block_id for b in self.pool.allocate(n_new)])
+            return True
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         n_new = self.blocks_for(total) - len(req.block_ids) - len(hits)
         revive = sum(1 for b in hits if b.ref_cnt == 0)

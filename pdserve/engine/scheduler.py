@@ -97,9 +97,12 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        running, i, bs, seqs = self.running, 0, self.block_size, batch.seqs
-        while i < len(running) and budget > 0:  # hot loop
-            req = running[i]
+        running, bs, seqs = self.running, self.block_size, batch.seqs
+        append, seq = seqs.append, ScheduledSeq
+        # hot loop; preemption pops only from the tail, which list iteration tolerates
+        for req in running:
+            if budget <= 0:
+                break
             computed = req.num_computed_tokens
             total = len(req.all_token_ids)
             n = total - computed
@@ -112,9 +115,8 @@ class Scheduler:
                     batch.preempted.append(victim.request_id)
                     if victim is req:
                         return budget
-            seqs.append(ScheduledSeq(req, computed, n, computed + n == total))
+            append(seq(req, computed, n, computed + n == total))
             budget -= n
-            i += 1
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int, now: float) -> int:
@@ -166,9 +168,11 @@ class Scheduler:
         bs, running_status = self.block_size, S.RUNNING
         eos, max_len = self.eos_token_ids, self.config.max_model_len
         not_decode, is_prefill = self.role != "decode", self.role == "prefill"
+        cache_computed, got_append = self.kv.cache_computed, got.append
         for seq in batch.seqs:  # hot loop: one pass per scheduled request per step
             req = seq.request
-            if seq.sample:
+            sample = seq.sample
+            if sample:
                 tok = sampled[k]
                 lp = lps[k] if lps is not None else None
                 k += 1
@@ -177,21 +181,23 @@ class Scheduler:
             old = req.num_computed_tokens
             new = req.num_computed_tokens = old + seq.num_tokens
             if old // bs != new // bs:
-                self.kv.cache_computed(req, old, new)
-            if not seq.sample:
+                cache_computed(req, old, new)
+            if not sample:
                 continue
-            req.output_token_ids.append(tok)
-            req.all_token_ids.append(tok)
+            outs, toks = req.output_token_ids, req.all_token_ids
+            outs.append(tok)
+            toks.append(tok)
             if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
             tl = req.timeline
             tl.token_times.append(now)
-            if not_decode and len(req.output_token_ids) == 1:
+            n_out = len(outs)
+            if not_decode and n_out == 1:
                 tl.prefill_end = now
-            got.append(req)
+            got_append(req)
             p = req.params
-            if (len(req.output_token_ids) < p.max_tokens and tok not in eos and
-                    not p.stop_token_ids and len(req.all_token_ids) < max_len):
+            if (n_out < p.max_tokens and tok not in eos and
+                    not p.stop_token_ids and len(toks) < max_len):
                 status = None  # fast path: nothing can stop this request now
             else:
                 status = self._stop_status(req, tok)

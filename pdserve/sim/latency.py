@@ -47,7 +47,8 @@ class LatencyModel(ABC):
         context length per decoding sequence, the new token included. Empty step → 0."""
 
     def batch_time(self, batch: ScheduledBatch) -> float:
-        return self.step_time(batch.prefill_contexts, batch.decode_context_lens)
+        prefills, decodes = batch.shape()  # one pass over the batch (the simulator's hot path)
+        return self.step_time(prefills, decodes)
 
     def prefill_time(self, prompt_lens: Sequence[int]) -> float:
         """A batch of whole prompts (no cached prefix)."""

@@ -27,6 +27,7 @@ from pdserve.cluster.worker import ImportKV, InstanceWorker, StepReport
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.request import SamplingParams, Timeline
+from pdserve.sim.latency import LatencyModel
 
 STEP_END, TRANSFER_END, ARRIVAL = 0, 1, 2
 
@@ -45,10 +46,26 @@ class SimExecutor:
         self.num_kv_blocks = num_kv_blocks
         self.token_id = token_id
         self.eos_token_ids: tuple[int, ...] = ()
+        # a LatencyModel is priced from (prefill chunks, decode contexts) built in one pass
+        self._step_time = latency.step_time if isinstance(latency, LatencyModel) else None
 
     def execute(self, batch: ScheduledBatch) -> ExecuteResult:
-        n = sum(1 for s in batch.seqs if s.sample)
-        return ExecuteResult([self.token_id] * n, self.latency.batch_time(batch))
+        if self._step_time is None:
+            n = sum(1 for s in batch.seqs if s.sample)
+            return ExecuteResult([self.token_id] * n, self.latency.batch_time(batch))
+        # one pass over the batch: what ScheduledBatch.shape() computes, plus the sample count
+        prefills: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        n = 0
+        for s in batch.seqs:
+            if s.sample:
+                n += 1
+            start = s.start
+            if s.num_tokens == 1 and start >= len(s.request.prompt_token_ids):
+                decodes.append(start + 1)
+            else:
+                prefills.append((start, s.num_tokens))
+        return ExecuteResult([self.token_id] * n, self._step_time(prefills, decodes))
 
     def export_kv(self, block_ids: list[int]) -> None:
         return None
@@ -172,6 +189,10 @@ class Simulator:
                 if finished != done:
                     progress(finished - done)
                     done = finished
+        for rid, req in self.controller.requests.items():
+            # the event queue ran dry with the request unfinished: the cluster deadlocked
+            self._errors.setdefault(rid, f"simulation stalled with the request in stage "
+                                         f"{req.stage!r} on {req.instance}")
         records = [
             SimRecord(rid, len(r.prompt_token_ids), len(r.output_token_ids), r.timeline,
                       r.finish_reason, self._errors.get(rid), r.num_cached_tokens)
