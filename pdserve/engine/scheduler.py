@@ -264,13 +264,29 @@ class Scheduler:
     def reserve_pulls(self, now: float, limit: int | None = None) -> list[tuple[Request, int]]:
         """Reserve blocks for pending requests in FIFO order while they fit (head-of-line
         blocking keeps arrival order). Returns ``(request, first block index to pull)``: blocks
-        before that index were found in this instance's own prefix cache."""
+        before that index were found in this instance's own prefix cache.
+
+        Admission keeps the instance live under memory pressure: nothing is admitted while a
+        preempted request waits to be recomputed (new arrivals would take the blocks it needs),
+        admitted requests stay under ``max_num_seqs``, and one free block per running request
+        is kept back for its next tokens (vLLM's watermark, so that an admission does not
+        immediately preempt a running request)."""
         out: list[tuple[Request, int]] = []
+        if self.waiting:
+            return out
+        kv, pool, max_seqs = self.kv, self.pool, self.config.max_num_seqs
         while self.pending_kv and (limit is None or len(out) < limit):
+            if len(self.running) + len(self.pulling) >= max_seqs:
+                break
             req = self.pending_kv[0]
-            hits = self.kv.match_prefix(req)
+            hits = kv.match_prefix(req)
+            need = (kv.blocks_for(req.num_tokens) - len(hits)
+                    + sum(1 for b in hits if b.ref_cnt == 0))
+            reserve = len(self.running) + len(self.pulling)
+            if need + reserve > pool.num_free_blocks and (self.running or self.pulling):
+                break
             n = req.num_tokens - 1 - len(hits) * self.block_size
-            if not self.kv.allocate(req, n, hits):
+            if not kv.allocate(req, n, hits):
                 break
             self.pending_kv.popleft()
             req.num_cached_tokens = len(hits) * self.block_size
@@ -279,14 +295,17 @@ class Scheduler:
         return out
 
     def complete_pull(self, request_id: str, now: float) -> Request:
-        """The KV of a reserved request is in place: it joins the waiting queue with everything
-        but its last token computed, and its imported blocks become prefix-cacheable here."""
+        """The KV of a reserved request is in place: it joins the running requests (so that it
+        can be preempted like any other) with everything but its last token computed, and its
+        imported blocks become prefix-cacheable here."""
         req = self.pulling.pop(request_id)
         cached = req.num_cached_tokens
         req.num_computed_tokens = req.num_tokens - 1
         self.kv.cache_computed(req, cached, req.num_computed_tokens)
-        req.status = S.WAITING
-        self.waiting.append(req)
+        req.status = S.RUNNING
+        if req.timeline.decode_admitted is None:
+            req.timeline.decode_admitted = now
+        self.running.append(req)
         return req
 
     # ------------------------------------------------------------------ introspection

@@ -272,3 +272,43 @@ def test_handoff_after_several_tokens():
     dec.import_kv(payload)
     pre.release(rid)
     assert run(dec)["A"].token_ids == full
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_instance_under_memory_pressure_finishes_everything(seed):
+    """Imported requests are running (preemptable) at once, and no pull is admitted while a
+    preempted request waits: a decode instance whose pool is far too small for its load
+    preempts and recomputes, but never stalls with every block held by unscheduled requests."""
+    rng = random.Random(seed)
+    bs = 4
+    pre, _ = make_engine(num_blocks=256, block_size=bs, budget=64, chunked=False,
+                         role="prefill", max_len=64)
+    dec, _ = make_engine(num_blocks=10, block_size=bs, budget=16, role="decode", max_len=64)
+    prompts = {f"r{i}": [rng.randrange(1, 50) for _ in range(rng.randrange(5, 14))]
+               for i in range(10)}
+    lens = {rid: rng.randrange(8, 20) for rid in prompts}
+    for rid, p in prompts.items():
+        pre.add_request(rid, p, greedy(lens[rid]))
+    while pre.has_work():
+        pre.step(0)
+    for rid, p in prompts.items():
+        dec.add_transfer_request(rid, p, pre.scheduler.held[rid].output_token_ids[:1],
+                                 greedy(lens[rid]))
+    outs, now, idle = {}, 0.0, 0
+    for _ in range(2000):
+        for rid, k in dec.reserve_pulls(now):
+            dec.import_kv(pre.export_kv(rid, k), now)
+            pre.release(rid)
+        if not dec.has_unfinished():
+            break
+        res = dec.step(now)
+        idle = idle + 1 if not res.batch.seqs else 0  # a step may only preempt; not two
+        assert idle < 2, "decode instance stalled with unfinished requests"
+        now += res.elapsed
+        outs.update({o.request_id: o for o in res.outputs if o.finished})
+        dec.check_integrity()
+    assert dec.scheduler.num_preemptions > 0  # the pool is small enough to force preemption
+    assert sorted(outs) == sorted(prompts)
+    for rid, p in prompts.items():
+        assert outs[rid].token_ids == reference_generate(p, lens[rid]), rid
+    assert dec.scheduler.pool.num_used_blocks == 0 and pre.scheduler.pool.num_used_blocks == 0
