@@ -242,56 +242,6 @@ def nvlink() -> Link:
     return Link(spec.bandwidth_gbs, spec.latency_s)
 
 
-# ------------------------------------------------------------------------ what-if (opt-in)
-def patch_decode_admission() -> None:
-    """**What-if only** (``--what-if-decode-fix``; the headline numbers never use it): the fix
-    proposed for the decode-role deadlock found with this benchmark, patched into this process.
-
-    As built, a decode instance parks a request whose KV arrived in ``waiting`` *with its blocks
-    allocated*, while only ``running`` requests can be preempted; pulls are reserved whenever any
-    block is free. Under load the imported requests fill the pool, a running request that needs
-    a block preempts the others (they return to the head of ``waiting`` needing a full
-    recompute), and once nothing runs the head cannot be allocated and nothing ever frees a
-    block: the instance stops for good. The fix: (1) an imported request joins ``running`` (it
-    is one decode away from running, and so becomes preemptable); (2) pulls are reserved only
-    while no preempted request waits and one free block per running sequence stays in reserve,
-    and never beyond ``max_num_seqs``.
-    """
-    from pdserve.engine import scheduler as sm
-
-    cls = sm.Scheduler
-    if getattr(cls, "_headline_patched", False):
-        return
-    orig_reserve, orig_complete = cls.reserve_pulls, cls.complete_pull
-
-    def reserve_pulls(self: Any, now: float, limit: int | None = None) -> list[Any]:
-        out: list[Any] = []
-        while self.pending_kv and not self.waiting and (limit is None or len(out) < limit):
-            req = self.pending_kv[0]
-            active = len(self.running) + len(self.pulling)
-            need = self.kv.blocks_for(req.num_tokens - 1)
-            if (active >= self.config.max_num_seqs
-                    or self.pool.num_free_blocks - need < len(self.running) + 1):
-                break
-            got = orig_reserve(self, now, 1)
-            if not got:
-                break
-            out += got
-        return out
-
-    def complete_pull(self: Any, request_id: str, now: float) -> Any:
-        req = orig_complete(self, request_id, now)
-        self.waiting.remove(req)
-        req.status = sm.S.RUNNING
-        if req.timeline.decode_admitted is None:
-            req.timeline.decode_admitted = now
-        self.running.append(req)
-        return req
-
-    cls.reserve_pulls, cls.complete_pull = reserve_pulls, complete_pull
-    cls._headline_patched = True
-
-
 # ------------------------------------------------------------------------------------- runs
 def to_records(res: SimResult) -> list[RequestRecord]:
     return [RequestRecord(r.request_id, r.prompt_len, r.output_len, r.timeline,
@@ -439,9 +389,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--colocated-profile", choices=("distserve", "vllm"), default="distserve",
                     help="sensitivity: price colocated steps with DistServe's fit of vLLM's "
                          "engine (vllm) instead of the DistServe engine profile")
-    ap.add_argument("--what-if-decode-fix", action="store_true",
-                    help="patch in the proposed decode-admission fix (see "
-                         "patch_decode_admission); never the headline")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--plot", default=None, metavar="DIR")
     ap.add_argument("--no-progress", action="store_true")
@@ -451,8 +398,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.what_if_decode_fix:
-        patch_decode_admission()
     model = get_model_config(MODEL)
     workload, recipe = chatbot_workload(args.num_requests, args.seed, model.vocab_size,
                                         args.traces_dir, args.output_scale)
@@ -525,7 +470,7 @@ def build_report(args: argparse.Namespace, recipe: Recipe, placements: dict[str,
         "model": MODEL, "device": DEVICE, "profile": args.profile,
         "slo": {"ttft": SLO_CHATBOT.ttft, "tpot": SLO_CHATBOT.tpot}, "target": TARGET,
         "colocated_profile": args.colocated_profile,
-        "lm": args.lm, "what_if_decode_fix": args.what_if_decode_fix,
+        "lm": args.lm,
         "workload": recipe.__dict__,
         "placements": {n: {"label": p.label, "num_gpus": p.num_gpus,
                            "instances": p.describe()} for n, p in placements.items()},
@@ -549,8 +494,6 @@ def print_report(rep: dict[str, Any]) -> None:
               f"median {st['output_len']['median']:.0f} tokens; Poisson arrivals")
     title = ("DistServe headline in simulation: OPT-13B chatbot, SLO TTFT 0.25 s / TPOT 0.1 s, "
              "90 % attainment")
-    if rep["what_if_decode_fix"]:
-        title += " [WHAT-IF: proposed decode-admission fix patched in]"
     if rep["colocated_profile"] != "distserve":
         title += f" [colocated priced with the {rep['colocated_profile']} profile]"
     if rep["workload"]["output_scale"] != 1.0:

@@ -237,12 +237,21 @@ class Controller:
         moved = max(req.num_tokens - 1 - first_block * bs, 0)
         return [Transfer(request_id, req.prefill_instance, instance_id, first_block, moved)]
 
+    def on_transfer_done(self, request_id: str, now: float) -> None:
+        """The driver finished moving the KV (it waits for the decode instance to import it):
+        the transfer's end in the timeline. Waiting for the step in flight on the decode
+        instance then counts as decode queue, not as transmission (DistServe §6.3 breakdown)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.stage == "transfer":
+            req.timeline.transfer_end = now
+
     def on_imported(self, instance_id: str, request_id: str, now: float) -> list[Action]:
         """The KV is in place on the decode instance: release the prefill copy."""
         req = self.requests.get(request_id)
         if req is None or req.decode_instance != instance_id:
             return []
-        req.timeline.transfer_end = now
+        if req.timeline.transfer_end is None:  # a driver that does not report transfer ends
+            req.timeline.transfer_end = now
         src = req.prefill_instance
         self._detach(req, src)
         req.stage = "decode"

@@ -179,6 +179,7 @@ class Simulator:
                 self._kick(inst, now)
             elif prio == TRANSFER_END:
                 rid, dst, payload = data
+                self.controller.on_transfer_done(rid, now)
                 self._apply([Send(dst, ImportKV(rid, payload))], now)
             else:
                 r = data

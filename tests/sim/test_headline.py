@@ -158,8 +158,3 @@ def test_small_run_both_placements(hl, model):
     # cached: the same (placement, rate) is not simulated twice
     assert runner.run("colocated", 0.5) is runner.cache[("colocated", 0.5)]
 
-
-def test_what_if_patch_is_opt_in(hl):
-    from pdserve.engine.scheduler import Scheduler
-
-    assert not getattr(Scheduler, "_headline_patched", False)

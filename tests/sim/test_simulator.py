@@ -99,3 +99,22 @@ def test_hand_computed_disaggregated_timeline_with_link():
         0.05 + transfer)
     for st in res.instance_stats.values():
         assert st.num_used_blocks == 0
+
+
+def test_transfer_end_is_the_link_time_not_the_decode_step_in_flight():
+    """b's KV arrives while the decode instance is in the middle of a step for a: the transfer
+    takes exactly the link time, the wait for the step in flight is decode queue, and b's next
+    token comes one decode step after its admission."""
+    sim = Simulator([SimInstance("p0", engine("prefill"), Linear(0.01, 0.001, 0.0), 4096,
+                                 node=0),
+                     SimInstance("d0", engine("decode"), Linear(0.0, 0.0, 0.004), 4096, node=1)],
+                    MODEL, inter_node_link=Link(1.0, 0.001))
+    res = sim.run([SimRequest("a", 0.0, prompt(3, 40), 50),
+                   SimRequest("b", 0.06, prompt(4, 40), 3)])
+    tl = {r.request_id: r.timeline for r in res.records}["b"]
+    transfer = 0.001 + 48 * 256 / 1e9
+    assert tl.prefill_end == pytest.approx(0.11)  # prefill [0.06, 0.11]
+    assert tl.transfer_end - tl.transfer_start == pytest.approx(transfer)
+    # the decode instance is busy with a's steps: b is admitted at the next step boundary
+    assert tl.decode_admitted > tl.transfer_end + 1e-4
+    assert tl.token_times[1] == pytest.approx(tl.decode_admitted + 0.004)
