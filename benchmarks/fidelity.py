@@ -1,0 +1,309 @@
+"""Simulator fidelity: the live pdserve server on this machine vs the simulator driven by a profile
+fitted on this machine, for the same workload at several rates (DESIGN.md "Simulator";
+DistServe Table 2 does the same for its simulator).
+
+For each strategy (colocated: 1 instance; disaggregated: 1 prefill + 1 decode) the script starts
+``pdserve serve`` with explicit engine settings (Ray actors, one torch thread each), replays the
+workload over HTTP at every rate, and runs the same requests through ``--target sim`` with the
+same engine settings and the fitted profile. Per rate it reports SLO attainment of both (and the
+difference in points) and the relative error of mean and P90 TTFT and TPOT.
+
+    python benchmarks/fidelity.py --output-json out/fidelity.json --plot out/fidelity
+
+Steps: (1) make the tiny model (unless ``--model``), (2) ``pdserve profile`` it (unless
+``--profile``), (3) per strategy: serve, warm up, replay each rate live and in simulation.
+Run it on a quiet machine: the live side measures wall-clock time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from pdserve.bench.metrics import SLO, RequestRecord
+from pdserve.bench.runner import Settings, build_workload, run_workload
+from pdserve.bench.targets import HttpTarget
+from pdserve.sim.target import SimSetup, SimTarget
+
+con = Console(stderr=True)
+
+MODEL_SIZE = {"hidden_size": 384, "intermediate_size": 1024, "num_layers": 6, "num_heads": 6,
+              "num_kv_heads": 2, "vocab_size": 4096, "max_position_embeddings": 1024}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(path: Path, seed: int) -> str:
+    from pdserve.model.tiny import make_tiny_model
+
+    if not (path / "config.json").exists():
+        make_tiny_model(str(path), "llama", seed, **MODEL_SIZE)
+    return str(path)
+
+
+def make_profile(model: str, out: Path, quick: bool) -> str:
+    if not out.exists():
+        cmd = [sys.executable, "-m", "pdserve.cli", "profile", "--model", model, "--out",
+               str(out), "--threads", "1"] + (["--quick"] if quick else [])
+        con.print(f"[bold]profiling[/] {' '.join(cmd[2:])}")
+        subprocess.run(cmd, check=True)
+    return str(out)
+
+
+class Server:
+    """``pdserve serve`` in a subprocess; stopped with SIGINT (graceful shutdown)."""
+
+    def __init__(self, model: str, strategy: str, engine: dict[str, Any], backend: str,
+                 log: Path) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model,
+               "--strategy", strategy, "--backend", backend, "--port", str(self.port),
+               "--log-level", "warning"]
+        if strategy == "colocated":
+            cmd += ["--num-instances", "1"]
+        for k, v in engine.items():
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                cmd.append(flag if v else "--no-" + flag[2:])
+            else:
+                cmd += [flag, str(v)]
+        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}; see {log}")
+            if "serving" in Path(log).read_text():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"pdserve serve did not start within 180 s; see {log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def rel(sim: float | None, live: float | None) -> float | None:
+    if sim is None or live is None or not live:
+        return None
+    return sim / live - 1.0
+
+
+def compare(live: Any, sim: Any) -> dict[str, Any]:
+    """Per-rate comparison row from two runs' summaries."""
+    ls, ss = live.summary, sim.summary
+    row: dict[str, Any] = {
+        "attainment_live": ls.attainment, "attainment_sim": ss.attainment,
+        "attainment_diff_points": 100 * ((ss.attainment or 0) - (ls.attainment or 0)),
+        "failed_live": ls.num_failed, "failed_sim": ss.num_failed,
+    }
+    for metric in ("ttft", "tpot"):
+        for stat in ("mean", "p90"):
+            a, b = getattr(getattr(ls, metric), stat), getattr(getattr(ss, metric), stat)
+            row[f"{metric}_{stat}_live"] = a
+            row[f"{metric}_{stat}_sim"] = b
+            row[f"{metric}_{stat}_rel_err"] = rel(b, a)
+    return row
+
+
+def warm_up(target: HttpTarget, s: Settings) -> None:
+    """A few requests so that the first measured run does not pay for lazy initialisation."""
+    w = build_workload(target, replace(s, num_requests=8), 4.0)
+    asyncio.run(target.run(list(w.requests)))
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def print_table(strategy: str, rows: list[dict[str, Any]]) -> None:
+    t = Table(title=f"live vs simulator: {strategy}")
+    for col in ("rate", "attain live", "attain sim", "diff (pts)", "TTFT mean live/sim (ms)",
+                "err", "TTFT P90 err", "TPOT mean live/sim (ms)", "err", "TPOT P90 err"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(f"{r['rate']:g}", f"{100 * r['attainment_live']:.1f}%",
+                  f"{100 * r['attainment_sim']:.1f}%", f"{r['attainment_diff_points']:+.1f}",
+                  f"{ms(r['ttft_mean_live'])} / {ms(r['ttft_mean_sim'])}",
+                  pct(r["ttft_mean_rel_err"]), pct(r["ttft_p90_rel_err"]),
+                  f"{ms(r['tpot_mean_live'])} / {ms(r['tpot_mean_sim'])}",
+                  pct(r["tpot_mean_rel_err"]), pct(r["tpot_p90_rel_err"]))
+    Console().print(t)
+
+
+def markdown(results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = ["| strategy | rate (req/s) | attainment live / sim | diff (points) | "
+             "mean TTFT live / sim (ms) | err | P90 TTFT err | mean TPOT live / sim (ms) | err | "
+             "P90 TPOT err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for strategy, rows in results.items():
+        for r in rows:
+            lines.append(
+                f"| {strategy} | {r['rate']:g} | {100 * r['attainment_live']:.1f} / "
+                f"{100 * r['attainment_sim']:.1f} % | {r['attainment_diff_points']:+.1f} | "
+                f"{ms(r['ttft_mean_live'])} / {ms(r['ttft_mean_sim'])} | "
+                f"{pct(r['ttft_mean_rel_err'])} | {pct(r['ttft_p90_rel_err'])} | "
+                f"{ms(r['tpot_mean_live'])} / {ms(r['tpot_mean_sim'])} | "
+                f"{pct(r['tpot_mean_rel_err'])} | {pct(r['tpot_p90_rel_err'])} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for (strategy, rows), color in zip(results.items(), ("tab:blue", "tab:orange")):
+        rates = [r["rate"] for r in rows]
+        for ax, key, scale, label in ((axes[0], "attainment", 100, "SLO attainment (%)"),
+                                      (axes[1], "ttft_mean", 1000, "mean TTFT (ms)"),
+                                      (axes[2], "tpot_mean", 1000, "mean TPOT (ms)")):
+            ax.plot(rates, [scale * (r[f"{key}_live"] or np.nan) for r in rows], "o-",
+                    color=color, label=f"{strategy} live")
+            ax.plot(rates, [scale * (r[f"{key}_sim"] or np.nan) for r in rows], "s--",
+                    color=color, label=f"{strategy} simulator")
+            ax.set_xlabel("rate (req/s)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("pdserve simulator fidelity: live runtime vs simulator (profile fitted here)")
+    fig.tight_layout()
+    fig.savefig(out / "fidelity.png", dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work-dir", default="out/fidelity", help="model, profile and logs")
+    ap.add_argument("--model", help="model directory (default: a tiny llama made in work-dir)")
+    ap.add_argument("--profile", help="fitted profile (default: profile the model now)")
+    ap.add_argument("--quick-profile", action="store_true")
+    ap.add_argument("--strategies", default="colocated,disaggregated")
+    ap.add_argument("--backend", default="ray", choices=("ray", "inproc"))
+    ap.add_argument("--workload", default="chatbot")
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--length-scale", type=float, default=0.25,
+                    help="multiplies the trace's prompt and output lengths")
+    ap.add_argument("--rates", default="1,2,3,4,6")
+    ap.add_argument("--slo-ttft", type=float, default=0.5)
+    ap.add_argument("--slo-tpot", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-kv-blocks", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--output-json")
+    ap.add_argument("--output-md")
+    ap.add_argument("--plot", metavar="DIR")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = args.model or make_model(work / "model", args.seed)
+    profile = args.profile or make_profile(model, work / "profile.json", args.quick_profile)
+    rates = [float(x) for x in args.rates.split(",")]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    engine = {"dtype": "float32", "block_size": args.block_size,
+              "num_kv_blocks": args.num_kv_blocks,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+              "enable_chunked_prefill": args.chunked_prefill}
+    from pdserve.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(model).vocab_size
+    s = Settings(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
+                 vocab_size=vocab, max_model_len=args.max_model_len,
+                 length_scale=args.length_scale, prompt_mode="ids",
+                 slo=SLO(args.slo_ttft, args.slo_tpot))
+    results: dict[str, list[dict[str, Any]]] = {}
+    records: dict[str, dict[float, dict[str, list[RequestRecord]]]] = {}
+    t0 = time.perf_counter()
+    for strategy in strategies:
+        setup = SimSetup(model=model, profile=profile, strategy=strategy, num_instances=1,
+                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                         chunked_prefill=args.chunked_prefill, dtype="float32")
+        sim = SimTarget(setup, name=f"sim {strategy}", progress=False)
+        con.print(f"[bold]{strategy}[/]: starting pdserve serve ({args.backend})")
+        server = Server(model, strategy, engine, args.backend, work / f"serve-{strategy}.log")
+        try:
+            live = HttpTarget(server.url, name=f"live {strategy}", num_gpus=sim.num_gpus)
+            asyncio.run(live.prepare())
+            warm_up(live, s)
+            base = build_workload(live, s, rates[0])
+            rows = []
+            for rate in rates:
+                w = base.retimed(rate)
+                live_run = run_workload(live, w, s)
+                sim_run = run_workload(sim, w, s)
+                row = {"rate": rate, **compare(live_run, sim_run)}
+                rows.append(row)
+                records.setdefault(strategy, {})[rate] = {"live": live_run.records,
+                                                          "sim": sim_run.records}
+                con.print(f"  rate {rate:g}: attainment live {100 * row['attainment_live']:.1f}%"
+                          f" sim {100 * row['attainment_sim']:.1f}% "
+                          f"({row['attainment_diff_points']:+.1f} pts); mean TTFT err "
+                          f"{pct(row['ttft_mean_rel_err'])}, mean TPOT err "
+                          f"{pct(row['tpot_mean_rel_err'])}")
+        finally:
+            server.stop()
+        results[strategy] = rows
+        print_table(strategy, rows)
+    md = markdown(results)
+    print(md)
+    rep = {"command": "python benchmarks/fidelity.py " + " ".join(argv or sys.argv[1:]),
+           "model": model, "profile": profile, "engine": engine, "backend": args.backend,
+           "workload": {"name": args.workload, "num_requests": args.num_requests,
+                        "length_scale": args.length_scale, "seed": args.seed},
+           "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, "rates": rates,
+           "results": results, "wall_s": time.perf_counter() - t0}
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(rep, indent=1, default=float))
+    if args.output_md:
+        Path(args.output_md).write_text(md + "\n")
+    if args.plot:
+        plot(results, Path(args.plot))
+    return rep
+
+
+if __name__ == "__main__":
+    main()
