@@ -34,6 +34,12 @@ class InstanceClient:
         """A KV payload, or a reference the destination can pull it through."""
         raise NotImplementedError
 
+    async def send_kv(self, request_id: str, first_block: int) -> tuple[Any, Any]:
+        """``(payload, pending)``: what to hand to the destination at once, and ``None`` if the
+        export is complete, else an awaitable that resolves when it is (errors surface when the
+        destination pulls)."""
+        return await self.export_kv(request_id, first_block), None
+
     async def check_integrity(self) -> dict[str, int]:
         raise NotImplementedError
 
@@ -94,8 +100,10 @@ class _RayWorker(InstanceWorker):
     def info(self) -> tuple[str, int, int]:
         return self.role, self.num_kv_blocks, self.engine.config.cache.block_size
 
-    def export_kv_ref(self, request_id: str, first_block: int) -> Any:
-        return self.export_kv(request_id, first_block)
+    def export_kv_ref(self, request_id: str, first_block: int) -> tuple[bool, Any]:
+        """Called with ``num_returns=2``: a small acknowledgement the driver awaits, and the
+        payload, which stays in the object store until the decode actor pulls it."""
+        return True, self.export_kv(request_id, first_block)
 
 
 class RayInstance(InstanceClient):
@@ -107,19 +115,23 @@ class RayInstance(InstanceClient):
         self.instance_id = instance_id
         self.role, self.num_kv_blocks, self.block_size = info
 
-    @classmethod
-    async def create(cls, instance_id: str, config: EngineConfig) -> RayInstance:
+    @staticmethod
+    def start_actor(instance_id: str, config: EngineConfig) -> Any:
+        """Start the actor (it loads the model in the background); returns its handle."""
         import ray
 
         # max_concurrency=2: a KV export may run beside the step in flight (see
-        # InProcessInstance); the runtime never issues two handle() calls at once.
+        # InProcessInstance); the runtime never issues two handle() calls at once. Ray sets
+        # OMP_NUM_THREADS to the actor's num_cpus (1), and the actor pins torch to one thread;
+        # no runtime_env, so that Ray can reuse its prestarted worker processes.
         opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 2}
         if config.device.startswith("cuda"):
             opts["num_gpus"] = 1
-        env = {"OMP_NUM_THREADS": "1"} if config.device == "cpu" else {}
-        actor_cls = ray.remote(_RayWorker)
-        actor = actor_cls.options(**opts, runtime_env={"env_vars": env}).remote(
-            instance_id, config)
+        return ray.remote(_RayWorker).options(**opts).remote(instance_id, config)
+
+    @classmethod
+    async def create(cls, instance_id: str, config: EngineConfig) -> RayInstance:
+        actor = cls.start_actor(instance_id, config)
         info = await _await(actor.info.remote())
         return cls(actor, instance_id, info)
 
@@ -127,8 +139,16 @@ class RayInstance(InstanceClient):
         return await _await(self.actor.handle.remote(commands, now))
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
-        # Not awaited: the ObjectRef is handed to the decode actor, which pulls the blocks.
-        return self.actor.export_kv_ref.remote(request_id, first_block)
+        return (await self.send_kv(request_id, first_block))[0]
+
+    async def send_kv(self, request_id: str, first_block: int) -> tuple[Any, Any]:
+        # The payload's ObjectRef goes to the decode actor at once, which pulls the blocks as
+        # soon as they are exported: they never pass through the driver, and the driver does
+        # not wait for the export (one hop less). The small acknowledgement tells it when the
+        # export is done.
+        ack, payload = self.actor.export_kv_ref.options(num_returns=2).remote(
+            request_id, first_block)
+        return payload, ack
 
     async def check_integrity(self) -> dict[str, int]:
         return await _await(self.actor.check_integrity.remote())

@@ -8,6 +8,7 @@ KV transfers and request failures. Each request's tokens stream to its caller th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from pdserve.cluster.instances import (
     RayInstance,
     init_ray,
 )
-from pdserve.cluster.protocol import InstanceStatus, QueueFullError
+from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.cluster.routing import InstanceView
 from pdserve.cluster.transport import Link, kv_bytes
 from pdserve.cluster.worker import Command, ImportKV, InstanceWorker, StepReport
@@ -39,6 +40,9 @@ class _Instance:
     commands: list[Command] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+    # end of the last step the instance reported; its time never runs backwards, even with an
+    # executor that reports modelled (not measured) step times
+    step_end: float = 0.0
 
 
 @dataclass
@@ -103,6 +107,9 @@ class ClusterRuntime:
         validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
+        dead = self._dead_roles()
+        if dead:  # fail fast (HTTP 503) rather than prefill a request nobody can finish
+            raise RequestFailedError(f"no live {' or '.join(dead)} instance left")
         if self.num_waiting() >= self.config.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit "
                                  f"{self.config.max_waiting_requests}); retry later")
@@ -136,6 +143,12 @@ class ClusterRuntime:
         if stream is not None:
             stream.queue.put_nowait(self._final(request_id, stream, "abort", None))
 
+    def _dead_roles(self) -> list[str]:
+        """Roles a new request needs that have no live instance."""
+        views = [i.view for i in self.instances.values()]
+        return [role for role in dict.fromkeys(v.role for v in views)
+                if not any(v.alive for v in views if v.role == role)]
+
     def num_waiting(self) -> int:
         """Accepted requests whose first token has not been produced yet."""
         return sum(1 for r in self.controller.requests.values() if r.stage == "prefill")
@@ -167,7 +180,7 @@ class ClusterRuntime:
             inst.wake.clear()
             cmds, inst.commands = inst.commands, []
             try:
-                rep = await inst.client.handle(cmds, self.clock())
+                rep = await inst.client.handle(cmds, self._now(inst))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the instance is gone: recompute its requests elsewhere
@@ -175,10 +188,16 @@ class ClusterRuntime:
                 self._execute(self.controller.on_instance_failed(iid, self.clock()))
                 return
             busy = rep.stepped
+            inst.step_end = rep.now + rep.elapsed
             try:
                 self._process(inst, rep)
             except Exception:  # a bug in the driver must not silently stall the instance
                 log.exception("processing a report from %s failed", iid)
+
+    def _now(self, inst: _Instance) -> float:
+        """The time for an event on ``inst``: the clock, but never before its last step's end
+        (the controller dates a step's effects at ``now + elapsed``)."""
+        return max(self.clock(), inst.step_end)
 
     def _process(self, inst: _Instance, rep: StepReport) -> None:
         if self.batch_log is not None and rep.batch:
@@ -209,9 +228,7 @@ class ClusterRuntime:
                 inst.commands.append(a.command)
                 inst.wake.set()
             elif isinstance(a, Transfer):
-                task = asyncio.create_task(self._transfer(a))
-                self._bg.add(task)
-                task.add_done_callback(self._bg.discard)
+                self._spawn(self._transfer(a))
             elif isinstance(a, Fail):
                 stream = self._streams.get(a.request_id)
                 if stream is not None:
@@ -222,19 +239,39 @@ class ClusterRuntime:
         src, dst = self.instances[t.src], self.instances[t.dst]
         start = time.monotonic()
         try:
-            payload = await src.client.export_kv(t.request_id, t.first_block)
+            payload, pending = await src.client.send_kv(t.request_id, t.first_block)
         except (KeyError, InstanceDeadError) as e:
             log.info("KV export of %s from %s failed: %s", t.request_id, t.src, e)
             return  # aborted meanwhile, or the source died (its failure handling recomputes)
         if self.link.emulated:
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    await pending
+                pending = None
             blocks = -(-(t.num_tokens) // dst.view.block_size)
             need = self.link.min_time(kv_bytes(self.model_config, self.config.engine.dtype,
                                                blocks, dst.view.block_size))
             wait = need - (time.monotonic() - start)
             if wait > 0:
                 await asyncio.sleep(wait)
+        # The end of the move; waiting for the decode instance's step in flight to import the
+        # KV is decode queue, not transmission (as in the simulator).
+        if pending is None:
+            self.controller.on_transfer_done(t.request_id, self._now(dst))
+        else:
+            self._spawn(self._transfer_done_when(pending, t.request_id, dst))
         dst.commands.append(ImportKV(t.request_id, payload))
         dst.wake.set()
+
+    async def _transfer_done_when(self, pending: Any, request_id: str, dst: _Instance) -> None:
+        with contextlib.suppress(Exception):  # a failed export surfaces at the import
+            await pending
+        self.controller.on_transfer_done(request_id, self._now(dst))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def _final(self, rid: str, stream: _Stream, reason: str, error: str | None) -> RequestOutput:
         return RequestOutput(

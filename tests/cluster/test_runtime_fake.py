@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from pdserve.cluster.instances import InProcessInstance
-from pdserve.cluster.protocol import QueueFullError
+from pdserve.cluster.protocol import QueueFullError, RequestFailedError
 from pdserve.cluster.runtime import ClusterRuntime
 from pdserve.cluster.worker import InstanceWorker
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -104,9 +104,9 @@ async def test_last_instance_dead_ends_requests_with_error():
         rt.instances["decode-0"].client.kill()
         outs = await asyncio.wait_for(task, 10)
         assert outs[-1].finish_reason == "error" and "decode" in outs[-1].error
-        # a new request is prefilled, then ends with an explicit error instead of hanging
-        outs = await asyncio.wait_for(collect(rt, "s", [5, 6], 5), 10)
-        assert [o.finish_reason for o in outs] == [None, "error"]
+        # a new request is refused at once (HTTP 503) instead of being prefilled for nothing
+        with pytest.raises(RequestFailedError, match="no live decode instance"):
+            rt.generate("s", [5, 6], SamplingParams(max_tokens=5))
         await rt.drain()
         assert (await rt.check_integrity())["prefill-0"]["used_blocks"] == 0
     finally:

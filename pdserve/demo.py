@@ -1,0 +1,285 @@
+"""``pdserve demo``: colocated against disaggregated serving of a tiny model, end to end.
+
+Makes the built-in tiny model, starts two deployments of it behind real HTTP servers on free
+local ports — colocated (2 instances) and disaggregated (1 prefill + 1 decode), as Ray actors by
+default — replays the same short Poisson workload through the OpenAI API against each with the
+benchmark client, and prints TTFT, TPOT and SLO attainment side by side. Everything runs in this
+process's event loop (the instances in Ray actors or threads) and is shut down at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+DEFAULT_SLO_TTFT = 0.25  # seconds; the tiny model prefills ~1k tokens in ~10 ms on one core
+DEFAULT_SLO_TPOT = 0.05  # seconds; one decode step takes a few ms, HTTP streaming adds more
+
+
+@dataclass
+class Deployment:
+    """One served deployment: its label, cluster config, runtime and HTTP server."""
+
+    label: str
+    config: Any  # ClusterConfig
+    runtime: Any = None
+    server: Any = None
+    task: asyncio.Task | None = None
+    url: str = ""
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``demo`` subcommand (``args.func(args)`` → exit code)."""
+    p = subparsers.add_parser(
+        "demo", help="compare colocated and disaggregated serving of a tiny model (~1-2 min)",
+        description="Serve the built-in tiny model as colocated (2 instances) and disaggregated "
+                    "(1 prefill + 1 decode) deployments over HTTP, replay the same synthetic "
+                    "workload against each and print TTFT, TPOT and SLO attainment.")
+    p.add_argument("--backend", choices=("ray", "inproc", "inprocess"), default="ray",
+                   help="instances as Ray actors or threads in this process "
+                        "(default: %(default)s)")
+    p.add_argument("--model", metavar="DIR",
+                   help="model directory (default: the built-in tiny llama, made on first use)")
+    p.add_argument("--num-kv-blocks", type=int, default=512,
+                   help="KV cache blocks (of 16 tokens) per instance (default: %(default)s)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="chatbot",
+                   help="pdserve.bench workload spec (default: %(default)s)")
+    w.add_argument("--num-requests", type=int, default=40,
+                   help="requests sent to each deployment (default: %(default)s)")
+    w.add_argument("--rate", type=float, default=4.0,
+                   help="mean Poisson arrival rate in requests/s (default: %(default)s)")
+    w.add_argument("--length-scale", type=float, default=0.25,
+                   help="multiply prompt and output lengths by this (default: %(default)s)")
+    w.add_argument("--max-model-len", type=int, default=1024,
+                   help="context of the served model; longer requests are clipped "
+                        "(default: %(default)s)")
+    w.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    s = p.add_argument_group("SLOs")
+    s.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO_TTFT,
+                   help="time-to-first-token objective in seconds (default: %(default)s)")
+    s.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT,
+                   help="time-per-output-token objective in seconds (default: %(default)s)")
+    s.add_argument("--attainment", type=float, default=0.9,
+                   help="target share of requests meeting both SLOs (default: %(default)s)")
+    o = p.add_argument_group("output")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--output-json", metavar="FILE", help="also write the summaries as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.bench.metrics import SLO
+
+    for name in ("num_requests", "max_model_len", "num_kv_blocks"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("rate", "length_scale"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 < args.attainment <= 1:
+        raise ValueError("--attainment must be in (0, 1]")
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    console = Console(stderr=True)
+    # The bench client logs nothing; quiet the runtime's per-request info lines.
+    logging.getLogger("pdserve").setLevel(logging.WARNING)
+    summaries = asyncio.run(_demo(args, slo, console))
+    _print_table(summaries, slo, args, Console())
+    if args.output_json:
+        from pdserve.bench.report import write_json
+
+        write_json(args.output_json, {
+            "slo": {"ttft": slo.ttft, "tpot": slo.tpot}, "backend": _backend(args),
+            "summaries": {label: s.to_dict() for label, s in summaries.items()}})
+    failed = sum(s.num_failed for s in summaries.values())
+    return 1 if failed == sum(s.num_requests for s in summaries.values()) else 0
+
+
+def _backend(args: argparse.Namespace) -> str:
+    return "inproc" if args.backend in ("inproc", "inprocess") else "ray"
+
+
+def _deployments(args: argparse.Namespace, model: str) -> list[Deployment]:
+    from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
+
+    mc = ModelConfig.from_dir(model)
+    max_len = min(args.max_model_len, mc.max_position_embeddings)
+    engine = EngineConfig.from_kwargs(model, model_max_len=mc.max_position_embeddings,
+                                      max_model_len=max_len, num_kv_blocks=args.num_kv_blocks)
+    backend = _backend(args)
+    return [
+        Deployment("colocated (2 instances)", ClusterConfig(
+            engine=engine, strategy="colocated", num_instances=2, backend=backend)),
+        Deployment("disaggregated (1P + 1D)", ClusterConfig(
+            engine=engine, strategy="disaggregated", num_prefill=1, num_decode=1,
+            backend=backend)),
+    ]
+
+
+async def _demo(args: argparse.Namespace, slo: Any, console: Console) -> dict[str, Any]:
+    from pdserve.bench.metrics import summarize
+    from pdserve.bench.targets import HttpTarget
+    from pdserve.bench.workloads import make_workload
+
+    t0 = time.monotonic()
+    with console.status("making the tiny model..."):
+        model = args.model or _default_model()
+    deps = _deployments(args, model)
+    backend = _backend(args)
+    started_ray = False
+    try:
+        if backend == "ray":
+            with console.status("starting a local Ray instance..."):
+                started_ray = _start_ray(sum(d.config.num_gpus for d in deps))
+        with console.status(f"loading {sum(d.config.num_gpus for d in deps)} model instances "
+                            f"({'Ray actors' if backend == 'ray' else 'in process'})..."):
+            await asyncio.gather(*(_start(d) for d in deps))
+        console.print(f"[dim]{len(deps)} deployments up in {time.monotonic() - t0:.0f} s: "
+                      + ", ".join(f"{d.label} at {d.url}" for d in deps) + "[/dim]")
+        max_len = deps[0].config.engine.scheduler.max_model_len
+        with warnings.catch_warnings():  # without shared/traces: the bundled ShareGPT sample
+            warnings.filterwarnings("ignore", message="trace folder not found")
+            workload = make_workload(args.workload, args.num_requests, seed=args.seed,
+                                     rate=args.rate, vocab_size=deps[0].runtime.vocab_size,
+                                     max_model_len=max_len, length_scale=args.length_scale,
+                                     prompt_mode="ids")
+        d = workload.describe()
+        console.print(f"[dim]workload {args.workload}: {len(workload)} requests, Poisson "
+                      f"{args.rate:g} req/s, prompt mean {d['prompt_len']['mean']:.0f} tokens, "
+                      f"output mean {d['output_len']['mean']:.0f} tokens (forced)[/dim]")
+        summaries = {}
+        for dep in deps:
+            target = HttpTarget(dep.url, timeout=60.0, num_gpus=dep.config.num_gpus,
+                                name=dep.label, progress=not args.no_progress)
+            await target.prepare()
+            records = await target.run(workload.requests)
+            summaries[dep.label] = summarize(records, slo, args.attainment,
+                                             dep.config.num_gpus)
+    finally:
+        with console.status("shutting down..."):
+            await asyncio.gather(*(_stop(d) for d in deps), return_exceptions=True)
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+    console.print(f"[dim]done in {time.monotonic() - t0:.0f} s[/dim]")
+    return summaries
+
+
+def _default_model() -> str:
+    from pdserve.model.tiny import default_model_dir
+
+    return default_model_dir()
+
+
+def _start_ray(num_instances: int) -> bool:
+    """Start a local Ray instance with one CPU slot per instance; ``False`` if one was up."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(num_cpus=num_instances, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
+    return True
+
+
+async def _start(dep: Deployment) -> None:
+    """Build the runtime and serve it on a free local port in this event loop."""
+    import uvicorn
+
+    from pdserve.cluster.runtime import build_runtime
+    from pdserve.server.app import build_app
+
+    dep.runtime = await build_runtime(dep.config)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    dep.server = uvicorn.Server(uvicorn.Config(
+        build_app(dep.runtime), log_level="warning", lifespan="off",
+        timeout_graceful_shutdown=5))
+    dep.task = asyncio.create_task(dep.server.serve(sockets=[sock]))
+    while not dep.server.started:
+        if dep.task.done():  # serve() failed: surface its exception
+            dep.task.result()
+            raise RuntimeError(f"the HTTP server of {dep.label} stopped at start-up")
+        await asyncio.sleep(0.02)
+    dep.url = f"http://127.0.0.1:{port}"
+
+
+async def _stop(dep: Deployment) -> None:
+    if dep.server is not None and dep.task is not None:
+        dep.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(dep.task, 10)
+    if dep.runtime is not None:
+        await dep.runtime.shutdown()
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1000:.1f} ms"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x * 100:.0f} %"
+
+
+def _print_table(summaries: dict[str, Any], slo: Any, args: argparse.Namespace,
+                 console: Console) -> None:
+    labels = list(summaries)
+    table = Table(title=f"pdserve demo: {args.num_requests} requests, Poisson {args.rate:g} "
+                        f"req/s, backend {_backend(args)}",
+                  caption=f"SLO: TTFT ≤ {slo.ttft * 1000:g} ms and TPOT ≤ "
+                          f"{slo.tpot * 1000:g} ms (target {args.attainment:.0%})")
+    table.add_column("metric")
+    for label in labels:
+        table.add_column(label, justify="right")
+    rows: list[tuple[str, Any]] = [
+        ("requests ok / failed", lambda s: f"{s.num_ok} / {s.num_failed}"),
+        ("TTFT mean", lambda s: _ms(s.ttft.mean)),
+        ("TTFT P90", lambda s: _ms(s.ttft.p90)),
+        ("TPOT mean", lambda s: _ms(s.tpot.mean)),
+        ("TPOT P90", lambda s: _ms(s.tpot.p90)),
+        ("SLO attainment (both)", lambda s: _pct(s.attainment)),
+        ("  meeting TTFT / TPOT", lambda s: f"{_pct(s.ttft_attainment)} / "
+                                            f"{_pct(s.tpot_attainment)}"),
+        ("throughput", lambda s: f"{s.output_tokens_per_s:.0f} tok/s"),
+    ]
+    for name, fmt in rows:
+        table.add_row(name, *(fmt(summaries[label]) for label in labels))
+    transfer = [_ms(s.breakdown["mean_s"]["transfer"])
+                if s.breakdown and not label.startswith("colocated") else "–"
+                for label, s in summaries.items()]
+    table.add_row("KV hand-off mean", *transfer)
+    console.print(table)
+    for label, s in summaries.items():
+        for err, n in s.errors.items():
+            console.print(f"[red]{label}: {n} × {err}[/red]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m pdserve.demo [flags]``."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["demo", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
