@@ -13,7 +13,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
-from pdserve.model.layers import build_attention_metadata
+from pdserve.model.layers import build_attention_metadata, gather_elements_per_block
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleRow
 
@@ -73,6 +73,7 @@ class ModelExecutor:
         self.last_logits: torch.Tensor | None = None
         self.num_kv_blocks = self._plan_num_blocks()
         self.kv_cache = self._allocate(self.num_kv_blocks)
+        self._workspace = torch.empty(0, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -138,6 +139,7 @@ class ModelExecutor:
         with torch.inference_mode():
             meta = build_attention_metadata(batch.seqs, self.block_size, self.device,
                                             self.dtype, self.sliding_window)
+            meta.workspace = self._gather_workspace(meta.max_gather_blocks)
             hidden = self.model(meta, self.kv_cache)
             rows = [self._sample_row(s.request) for s in batch.seqs if s.sample]
             sampled: list[int] = []
@@ -152,6 +154,15 @@ class ModelExecutor:
                 torch.cuda.synchronize(self.device)
         return ExecuteResult(sampled=sampled, elapsed=time.perf_counter() - t0,
                              logprobs=logprobs)
+
+    def _gather_workspace(self, num_blocks: int) -> torch.Tensor:
+        """A buffer for ``num_blocks`` gathered KV blocks of one layer, reused across layers and
+        steps (grown geometrically) so that attention does not allocate per layer."""
+        need = num_blocks * gather_elements_per_block(self.kv_cache)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(max(need, self._workspace.numel() * 3 // 2),
+                                          dtype=self.dtype, device=self.device)
+        return self._workspace
 
     def _sample_row(self, req: Any) -> SampleRow:
         p = req.params

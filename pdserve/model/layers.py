@@ -39,11 +39,26 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token rows ``[lo, hi)`` of similar context length, attended in one padded SDPA:
+    ``blocks`` is their block table ``[hi - lo, max_blocks]`` (padded with block 0) and ``mask``
+    (additive, ``[1, hi - lo, 1, max_blocks * block_size]``) hides the padding; ``None`` when
+    every key is visible."""
+
+    lo: int
+    hi: int
+    blocks: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Everything one forward step needs, built once per step by :func:`build_attention_metadata`.
 
-    Rows of the flattened batch are ordered single-token entries (decodes) first, then the
-    multi-token chunks; ``sample_indices`` picks the rows to sample, in the batch's order.
+    Rows of the flattened batch are ordered single-token entries (decodes, longest context
+    first) then the multi-token chunks; ``sample_indices`` picks the rows to sample, in the
+    batch's order. Decodes are split into :class:`DecodeGroup` s so that padding each group to
+    its longest context wastes little (see :data:`DECODE_GROUP_RATIO`).
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -51,13 +66,21 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot each row's K/V is written to
     sample_indices: torch.Tensor  # [S] int64
     num_decode: int = 0
-    decode_blocks: torch.Tensor | None = None  # [num_decode, max_blocks] block table (padded)
-    decode_mask: torch.Tensor | None = None  # [1, num_decode, 1, max_blocks * block_size]
+    decodes: list[DecodeGroup] = field(default_factory=list)
+    # Most blocks one SDPA call gathers this step, and an optional reusable buffer for them (set
+    # by the executor): a fresh multi-MiB tensor per layer costs page faults on every CPU call.
+    max_gather_blocks: int = 0
+    workspace: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+# A decode group grows while a row needs at least this share of the group's widest block
+# table: padding costs gather bandwidth and attention FLOPs, each group one more kernel call.
+DECODE_GROUP_RATIO = 0.6
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +103,8 @@ def build_attention_metadata(seqs: Sequence[Any], block_size: int,
     if not seqs:
         raise ValueError("cannot build attention metadata for an empty batch")
     bs = block_size
-    order = [s for s in seqs if s.num_tokens == 1] + [s for s in seqs if s.num_tokens > 1]
+    decodes = sorted((s for s in seqs if s.num_tokens == 1), key=lambda s: -s.start)
+    order = decodes + [s for s in seqs if s.num_tokens > 1]
     n = len(order)
     nd = n - sum(1 for s in order if s.num_tokens > 1)
     q_lens = np.fromiter((s.num_tokens for s in order), np.int64, n)
@@ -119,15 +143,24 @@ def build_attention_metadata(seqs: Sequence[Any], block_size: int,
     meta = AttentionMetadata(input_ids=tensor(input_ids), positions=tensor(positions),
                              slot_mapping=tensor(slots), sample_indices=tensor(sample),
                              num_decode=nd)
-    if nd:
-        mb = int(nblocks[:nd].max())
-        meta.decode_blocks = tensor(table[:nd, :mb])
-        keys = torch.arange(mb * bs, device=dev)
-        ends = tensor(ctx[:nd])[:, None]
-        visible = keys[None, :] < ends
-        if sliding_window is not None:
-            visible &= keys[None, :] >= ends - sliding_window
-        meta.decode_mask = _additive(visible, dtype)[None, :, None, :]
+    lo = 0
+    while lo < nd:  # rows are sorted by context, longest first
+        mb = int(nblocks[lo])
+        hi = lo + 1
+        while hi < nd and nblocks[hi] >= DECODE_GROUP_RATIO * mb:
+            hi += 1
+        group = DecodeGroup(lo, hi, tensor(table[lo:hi, :mb]))
+        full = bool((ctx[lo:hi] == mb * bs).all())
+        if not full or (sliding_window is not None and mb * bs > sliding_window):
+            keys = torch.arange(mb * bs, device=dev)
+            ends = tensor(ctx[lo:hi])[:, None]
+            visible = keys[None, :] < ends
+            if sliding_window is not None:
+                visible &= keys[None, :] >= ends - sliding_window
+            group.mask = _additive(visible, dtype)[None, :, None, :]
+        meta.decodes.append(group)
+        meta.max_gather_blocks = max(meta.max_gather_blocks, (hi - lo) * mb)
+        lo = hi
     for i in range(nd, n):
         chunk = PrefillChunk(int(cu[i]), int(cu[i + 1]), int(starts[i]))
         windowed = sliding_window is not None and int(ctx[i]) > sliding_window
@@ -135,6 +168,7 @@ def build_attention_metadata(seqs: Sequence[Any], block_size: int,
             if chunk.start > 0:
                 nb = int(nblocks[i])
                 chunk.blocks = tensor(table[i, :nb])
+                meta.max_gather_blocks = max(meta.max_gather_blocks, nb)
                 keys = torch.arange(nb * bs, device=dev)
             else:
                 keys = torch.arange(int(ctx[i]), device=dev)
@@ -147,10 +181,23 @@ def build_attention_metadata(seqs: Sequence[Any], block_size: int,
     return meta
 
 
-def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """K and V of ``blocks`` in one copy: ``[2 * kv_heads, len(blocks), block_size, hd]``."""
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor,
+            workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """K and V of ``blocks`` in one copy: ``[2 * kv_heads, len(blocks), block_size, hd]``,
+    written into ``workspace`` when it is large enough."""
     two, kv_heads, num_blocks, block_size, hd = kv_cache.shape
-    return kv_cache.view(two * kv_heads, num_blocks, block_size, hd).index_select(1, blocks)
+    src = kv_cache.view(two * kv_heads, num_blocks, block_size, hd)
+    shape = (two * kv_heads, blocks.shape[0], block_size, hd)
+    size = math.prod(shape)
+    if workspace is None or workspace.numel() < size or workspace.dtype != kv_cache.dtype:
+        return src.index_select(1, blocks)
+    return torch.index_select(src, 1, blocks, out=workspace[:size].view(shape))
+
+
+def gather_elements_per_block(kv_cache: torch.Tensor) -> int:
+    """Elements one gathered block takes (K and V, all KV heads of one layer)."""
+    two, kv_heads, _, block_size, hd = kv_cache.shape[-5:]
+    return two * kv_heads * block_size * hd
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -160,10 +207,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     context.
 
     ``q``: ``[T, heads, hd]``, ``k``/``v``: ``[T, kv_heads, hd]``. Returns ``[T, heads * hd]``.
-    Single-token rows (decodes) run as one padded SDPA with a key-padding mask; each multi-token
-    chunk runs its own causal SDPA (offset by its start). The cache is head-major so that a
-    gather of blocks yields, per KV head, one contiguous ``[keys, hd]`` matrix: CPU attention
-    kernels are several times slower on strided keys.
+    Single-token rows (decodes) run as one padded SDPA per :class:`DecodeGroup` with a
+    key-padding mask; each multi-token chunk runs its own causal SDPA (offset by its start).
+    The cache is head-major so that a gather of blocks yields, per KV head, one contiguous
+    ``[keys, hd]`` matrix: CPU attention kernels are several times slower on strided keys.
     """
     num_tokens, heads, hd = q.shape
     kv_heads = k.shape[1]
@@ -174,16 +221,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     v_cache.view(kv_heads, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     out = q.new_empty(num_tokens, heads, hd)
-    nd = meta.num_decode
-    if nd:
-        assert meta.decode_blocks is not None
-        flat = meta.decode_blocks.reshape(-1)
-        keys = meta.decode_blocks.shape[1] * block_size
-        kd, vd = _gather(kv_cache, flat).view(2, kv_heads, nd, keys, hd)
+    for d in meta.decodes:
+        n = d.hi - d.lo
+        keys = d.blocks.shape[1] * block_size
+        kd, vd = _gather(kv_cache, d.blocks.reshape(-1), meta.workspace).view(
+            2, kv_heads, n, keys, hd)
         # GQA without repeating K/V: the `group` query heads of a KV head act as query rows.
-        qd = q[:nd].view(nd, kv_heads, group, hd).transpose(0, 1).contiguous()
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.transpose(0, 1).reshape(nd, heads, hd)
+        qd = q[d.lo : d.hi].view(n, kv_heads, group, hd).transpose(0, 1)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
+        out[d.lo : d.hi] = od.transpose(0, 1).reshape(n, heads, hd)
     gqa = group > 1
     for c in meta.prefills:
         qc = q[c.lo : c.hi].transpose(0, 1).contiguous()  # [heads, n, hd]
@@ -192,7 +238,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             vc = v[c.lo : c.hi].transpose(0, 1).contiguous()
         else:
             keys = c.blocks.shape[0] * block_size
-            kc, vc = _gather(kv_cache, c.blocks).view(2, kv_heads, keys, hd)
+            kc, vc = _gather(kv_cache, c.blocks, meta.workspace).view(2, kv_heads, keys, hd)
         oc = F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=c.mask,
                                             is_causal=c.mask is None, scale=scale,
                                             enable_gqa=gqa)

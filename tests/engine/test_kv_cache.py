@@ -94,3 +94,70 @@ def test_reset_prefix_cache():
 def test_bad_sizes():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0, 16)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_randomized_pool_matches_a_reference_model(seed):
+    """Random allocate / cache / hit / free sequences against a plain-list model of the pool:
+    the free queue order (= eviction order), ref counts and hash index agree after every
+    operation, integrity holds throughout, and releasing every reference leaks nothing."""
+    import random
+
+    rng = random.Random(seed)
+    n, bs = 12, 2
+    pool = BlockPool(n, block_size=bs)
+    queue = list(range(n))  # model of the free queue, head first
+    ref = [0] * n
+    cached: dict[int, int] = {}  # hash -> block id
+    content: dict[int, tuple[int, ...]] = {}  # block id -> tokens of its hash
+    held: list[int] = []  # one entry per reference taken
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.3:
+            k = rng.randrange(0, 5)
+            if k > len(queue):
+                with pytest.raises(ValueError):
+                    pool.allocate(k)
+                continue
+            got = ids(pool.allocate(k))
+            want, queue = queue[:k], queue[k:]
+            assert got == want
+            for b in want:
+                for h in [h for h, x in cached.items() if x == b]:
+                    del cached[h]
+                    content.pop(b)
+                ref[b] = 1
+            held += want
+        elif op < 0.5 and held:
+            b = rng.choice(held)
+            toks = (rng.randrange(3), rng.randrange(3))
+            h = hash_block(NO_PARENT, toks)
+            ok = pool.cache(pool.blocks[b], h, toks, NO_PARENT)
+            assert ok == (h not in cached and b not in content)
+            if ok:
+                cached[h], content[b] = b, toks
+        elif op < 0.7 and cached:
+            h = rng.choice(sorted(cached))
+            b = cached[h]
+            assert pool.lookup(h, content[b]) is pool.blocks[b]
+            assert pool.lookup(h, (9, 9)) is None
+            pool.touch([pool.blocks[b]])
+            if ref[b] == 0:
+                queue.remove(b)
+            ref[b] += 1
+            held.append(b)
+        elif held:
+            picked = rng.sample(held, rng.randrange(1, min(4, len(held)) + 1))
+            pool.free([pool.blocks[b] for b in picked])
+            for b in picked:
+                held.remove(b)
+                ref[b] -= 1
+                if ref[b] == 0:
+                    queue.append(b)
+        pool.check_integrity()
+        assert ids(pool.free_queue) == queue
+        assert [b.ref_cnt for b in pool.blocks] == ref
+        assert {h: b.block_id for h, b in pool.cached.items()} == cached
+    pool.free([pool.blocks[b] for b in held])
+    pool.check_integrity()
+    assert pool.num_free_blocks == n and pool.num_used_blocks == 0

@@ -1,0 +1,42 @@
+"""Attention metadata: row order, decode groups by context length, masks, sample indices."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pdserve.model.layers import build_attention_metadata
+
+
+def seq(rid: str, ctx: int, n: int = 1, first_block: int = 0, sample: bool = True):
+    blocks = list(range(first_block, first_block + -(-ctx // 4)))
+    req = SimpleNamespace(request_id=rid, all_token_ids=list(range(ctx)), block_ids=blocks)
+    return SimpleNamespace(request=req, start=ctx - n, num_tokens=n, sample=sample)
+
+
+def test_decodes_grouped_by_context_and_rows_mapped_back():
+    # block size 4; decode contexts 5 (2 blocks), 40 (10), 8 (2, full), 30 (8), 4 (1, full)
+    a, b, c = seq("a", 5), seq("b", 40, first_block=10), seq("c", 8, first_block=30)
+    d, e = seq("d", 30, first_block=40), seq("e", 4, first_block=50)
+    p = seq("p", 12, n=6, first_block=60, sample=False)
+    meta = build_attention_metadata([a, p, b, c, d, e], block_size=4)
+    # rows: decodes longest first (b, d, c, a, e), then the chunk of p
+    assert meta.input_ids.tolist() == [39, 29, 7, 4, 3, 6, 7, 8, 9, 10, 11]
+    assert meta.positions.tolist() == [39, 29, 7, 4, 3, 6, 7, 8, 9, 10, 11]
+    assert meta.num_decode == 5
+    # groups: b and d (8 >= 0.6 * 10 blocks), then c and a (2 blocks), then e (1 block)
+    assert [(g.lo, g.hi) for g in meta.decodes] == [(0, 2), (2, 4), (4, 5)]
+    assert meta.decodes[0].blocks.shape == (2, 10)
+    assert meta.decodes[0].blocks[1].tolist() == list(range(40, 48)) + [0, 0]
+    assert meta.decodes[1].blocks.tolist() == [[30, 31], [0, 1]]
+    visible = meta.decodes[1].mask[0, :, 0] == 0
+    assert visible.sum(-1).tolist() == [8, 5]
+    assert meta.decodes[2].mask is None  # one full block: nothing to hide
+    # sample rows follow the batch order a, b, c, d, e (p does not sample)
+    assert meta.sample_indices.tolist() == [3, 0, 2, 1, 4]
+    assert meta.slot_mapping[:2].tolist() == [19 * 4 + 3, 47 * 4 + 1]
+    (chunk,) = meta.prefills
+    assert (chunk.lo, chunk.hi, chunk.start) == (5, 11, 6)
+    assert chunk.blocks.tolist() == [60, 61, 62]
+    assert torch.equal(chunk.mask == 0, torch.arange(12)[None, :] <= torch.arange(6, 12)[:, None])
