@@ -138,6 +138,44 @@ def warm_up(target: HttpTarget, s: Settings) -> None:
     asyncio.run(target.run(list(w.requests)))
 
 
+def _itls(target: HttpTarget, s: Settings, n: int, seed: int) -> tuple[list[float], int]:
+    """Token gaps of ``n`` requests sent together (64-token prompts, 48 output tokens)."""
+    w = build_workload(target, replace(s, workload="fixed:input=64,output=48", num_requests=n,
+                                       seed=seed), 1000.0)
+    gaps: list[float] = []
+    for rec in asyncio.run(target.run(list(w.requests))):
+        gaps += list(np.diff(rec.timeline.token_times))
+    return gaps, 48
+
+
+def calibrate_overhead(target: HttpTarget, s: Settings, profile: str, model: str,
+                       batch: int = 8) -> dict[str, float]:
+    """The serving path's cost that an executor-only profile does not see
+    (:class:`~pdserve.sim.latency.DriverOverhead`): ``a`` per step + ``b`` per sequence.
+    Lone requests decode in steps of one sequence, ``batch`` requests sent together in steps of
+    ``batch``; the median token gap of each minus the profile's predicted decode step gives
+    ``a + b`` and ``a + batch·b``. Measured on requests outside the fidelity workload."""
+    from pdserve.config import ModelConfig
+    from pdserve.sim.latency import FittedProfile
+
+    prof = FittedProfile.load(profile, ModelConfig.from_dir(model))
+    lone: list[float] = []
+    for i in range(4):
+        gaps, out = _itls(target, s, 1, 1000 + i)
+        lone += gaps
+    together, _ = _itls(target, s, batch, 2000)
+    ctx = [64 + k for k in range(1, out)]
+    pred1 = float(np.median([prof.decode_time([c]) for c in ctx]))
+    predb = float(np.median([prof.decode_time([c] * batch) for c in ctx]))
+    extra1 = float(np.median(lone)) - pred1
+    extrab = float(np.median(together)) - predb
+    per_seq = max((extrab - extra1) / (batch - 1), 0.0)
+    per_step = max(extra1 - per_seq, 0.0)
+    return {"live_itl_1_s": float(np.median(lone)), "profile_decode_1_s": pred1,
+            f"live_itl_{batch}_s": float(np.median(together)),
+            f"profile_decode_{batch}_s": predb, "step_s": per_step, "seq_s": per_seq}
+
+
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
@@ -226,6 +264,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--step-overhead-ms", type=float, default=None,
+                    help="per-step serving overhead given to the simulator (default: measure "
+                         "it from lone requests against each live server; 0 = executor only)")
     ap.add_argument("--output-json")
     ap.add_argument("--output-md")
     ap.add_argument("--plot", metavar="DIR")
@@ -255,19 +296,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {}
     records: dict[str, dict[float, dict[str, list[RequestRecord]]]] = {}
     t0 = time.perf_counter()
+    overheads: dict[str, dict[str, float]] = {}
     for strategy in strategies:
         setup = SimSetup(model=model, profile=profile, strategy=strategy, num_instances=1,
                          block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                          chunked_prefill=args.chunked_prefill, dtype="float32")
-        sim = SimTarget(setup, name=f"sim {strategy}", progress=False)
         con.print(f"[bold]{strategy}[/]: starting pdserve serve ({args.backend})")
         server = Server(model, strategy, engine, args.backend, work / f"serve-{strategy}.log")
         try:
-            live = HttpTarget(server.url, name=f"live {strategy}", num_gpus=sim.num_gpus)
+            live = HttpTarget(server.url, name=f"live {strategy}", num_gpus=1, progress=False)
             asyncio.run(live.prepare())
             warm_up(live, s)
+            if args.step_overhead_ms is None:
+                cal = calibrate_overhead(live, s, profile, model)
+                overheads[strategy] = cal
+                con.print(f"  serving overhead: {1000 * cal['step_s']:.2f} ms per step + "
+                          f"{1000 * cal['seq_s']:.2f} ms per sequence ({cal})")
+                setup = replace(setup, step_overhead_ms=1000 * cal["step_s"],
+                                seq_overhead_ms=1000 * cal["seq_s"])
+            else:
+                setup = replace(setup, step_overhead_ms=args.step_overhead_ms)
+            sim = SimTarget(setup, name=f"sim {strategy}", progress=False)
+            live.num_gpus = sim.num_gpus
             base = build_workload(live, s, rates[0])
             rows = []
             for rate in rates:
@@ -294,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "workload": {"name": args.workload, "num_requests": args.num_requests,
                         "length_scale": args.length_scale, "seed": args.seed},
            "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, "rates": rates,
+           "step_overhead": overheads,
            "results": results, "wall_s": time.perf_counter() - t0}
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

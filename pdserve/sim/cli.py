@@ -37,6 +37,16 @@ def _one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return v
+
+
 def _share(text: str) -> float:
     v = positive(text)
     if v > 1:
@@ -116,6 +126,11 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--link", metavar="NAME",
                    help="KV link between instances (default: the device's intra-node link)")
     d.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    d.add_argument("--step-overhead-ms", type=_nonneg, default=0.0, metavar="MS",
+                   help="serving-path cost added to every step (see benchmarks/fidelity.py; "
+                        "default 0)")
+    d.add_argument("--seq-overhead-ms", type=_nonneg, default=0.0, metavar="MS",
+                   help="serving-path cost per sequence in a step (default 0)")
 
 
 def setup_from_args(args: argparse.Namespace) -> Any:
@@ -143,7 +158,8 @@ def setup_from_args(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, chunked_prefill=args.chunked_prefill,
         prefill_token_target=args.prefill_token_target, prefill_router=args.prefill_router,
-        decode_router=args.decode_router, link=args.link, dtype=args.dtype)
+        decode_router=args.decode_router, link=args.link, dtype=args.dtype,
+        step_overhead_ms=args.step_overhead_ms, seq_overhead_ms=args.seq_overhead_ms)
 
 
 def _guarded(cmd: str, fn: Any, args: argparse.Namespace) -> int:

@@ -345,6 +345,34 @@ def profile_model(latency: LatencyModel, grid: Sequence[ProfileSample] | None = 
     return fit_profile(samples, decode_threshold, **meta)
 
 
+# ------------------------------------------------------------------- driver overhead
+@dataclass(frozen=True)
+class DriverOverhead(LatencyModel):
+    """A step as the serving driver sees it: the executor's time plus the serving path's cost
+    that an executor-only profile leaves out — ``overhead_s`` per step (the runtime's call into
+    the instance, e.g. a Ray actor round trip, and scheduling) and ``per_seq_s`` per sequence
+    in the step (detokenizing and reporting its token). DistServe's fitted intercepts fold this
+    cost into their measurements of the whole engine; pdserve's profiler times the executor
+    alone, and ``benchmarks/fidelity.py`` measures both constants from requests outside the
+    workload against a live server. Empty steps stay free."""
+
+    base: LatencyModel
+    overhead_s: float = 0.0
+    per_seq_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.overhead_s >= 0 and self.per_seq_s >= 0):
+            raise ValueError(f"step overheads must be >= 0 s, got {self.overhead_s} per step "
+                             f"and {self.per_seq_s} per sequence")
+
+    def step_time(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
+        t = self.base.step_time(prefill_chunks, decode_context_lens)
+        if t <= 0.0:
+            return 0.0
+        return t + self.overhead_s + self.per_seq_s * (len(prefill_chunks)
+                                                       + len(decode_context_lens))
+
+
 # ------------------------------------------------------------------- pipeline parallelism
 @dataclass(frozen=True)
 class PipelineModel(LatencyModel):

@@ -37,6 +37,9 @@ latency breakdown works as it does for a live server.
 ``link``                   the KV link between instances (default: the device's intra-node link,
                            DistServe §4.2 low node-affinity; ``eth-25g`` for cross-node)
 ``dtype``                  weights and KV dtype (default float16)
+``step_overhead_ms``       serving-path cost added to every step, and ``seq_overhead_ms`` per
+                           sequence in the step (:class:`~pdserve.sim.latency.DriverOverhead`;
+                           default 0)
 =========================  =====================================================================
 
 Pipeline parallelism uses :class:`~pdserve.sim.latency.PipelineModel`: a step takes the
@@ -57,7 +60,12 @@ from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.transport import Link
 from pdserve.config import DTYPE_BYTES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.sim.hardware import DeviceSpec, LinkSpec, get_device, get_link
-from pdserve.sim.latency import FittedProfile, LatencyModel, PipelineModel
+from pdserve.sim.latency import (
+    DriverOverhead,
+    FittedProfile,
+    LatencyModel,
+    PipelineModel,
+)
 from pdserve.sim.models import get_model_config
 from pdserve.sim.simulator import SimInstance, SimRequest, SimResult, Simulator
 
@@ -95,6 +103,8 @@ class SimSetup:
     decode_router: str = "least_load"
     link: str | None = None
     dtype: str = "float16"
+    step_overhead_ms: float = 0.0
+    seq_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.strategy not in ("colocated", "disaggregated"):
@@ -114,6 +124,9 @@ class SimSetup:
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got "
                              f"{self.memory_utilization!r}")
+        for name in ("step_overhead_ms", "seq_overhead_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -186,7 +199,8 @@ def _device_of(setup: SimSetup, base: LatencyModel) -> DeviceSpec | None:
 
 def step_model(setup: SimSetup, model: ModelConfig, tp: int, pp: int) -> LatencyModel:
     """The step-time model of one instance: a fitted profile or the analytic roofline at ``tp``,
-    wrapped in a :class:`PipelineModel` when ``pp`` > 1."""
+    wrapped in a :class:`PipelineModel` when ``pp`` > 1 and in a :class:`DriverOverhead` when
+    ``step_overhead_ms`` > 0."""
     from pdserve.sim.analytic import AnalyticModel
 
     base: LatencyModel
@@ -197,11 +211,22 @@ def step_model(setup: SimSetup, model: ModelConfig, tp: int, pp: int) -> Latency
                              f"not tp={tp}")
     else:
         base = AnalyticModel(model, setup.hardware or DEFAULT_HARDWARE, tp, dtype=setup.dtype)
-    if pp == 1:
-        return base
-    dev = _device_of(setup, base)
-    link = get_link(dev.intra_node_link) if dev is not None else None
-    return PipelineModel(base, pp, model, link, setup.dtype)
+    latency = base
+    if pp > 1:
+        dev = _device_of(setup, base)
+        link = get_link(dev.intra_node_link) if dev is not None else None
+        latency = PipelineModel(base, pp, model, link, setup.dtype)
+    if setup.step_overhead_ms > 0 or setup.seq_overhead_ms > 0:
+        latency = DriverOverhead(latency, setup.step_overhead_ms / 1000,
+                                 setup.seq_overhead_ms / 1000)
+    return latency
+
+
+def base_model(latency: LatencyModel) -> LatencyModel:
+    """The profile or roofline model inside any pipeline / overhead wrappers."""
+    while isinstance(latency, (PipelineModel, DriverOverhead)):
+        latency = latency.base
+    return latency
 
 
 def default_num_kv_blocks(setup: SimSetup, model: ModelConfig, device: DeviceSpec | None,
@@ -257,7 +282,7 @@ def build_simulator(setup: SimSetup, record_batches: bool = False) -> BuiltClust
     for role, count in roles:
         tp, pp = setup.role_parallelism(role)
         latency = step_model(setup, model, tp, pp)
-        base = latency.base if isinstance(latency, PipelineModel) else latency
+        base = base_model(latency)
         device = _device_of(setup, base)
         blocks = setup.num_kv_blocks or default_num_kv_blocks(setup, model, device, tp, pp,
                                                               max_len)
@@ -295,6 +320,9 @@ def _engine_config(setup: SimSetup, role: str, max_len: int, blocks: int) -> Eng
 def _describe_latency(m: LatencyModel) -> str:
     if isinstance(m, PipelineModel):
         return f"pipeline(pp={m.pp}) of {_describe_latency(m.base)}"
+    if isinstance(m, DriverOverhead):
+        return (f"{_describe_latency(m.base)} + {1000 * m.overhead_s:g} ms per step + "
+                f"{1000 * m.per_seq_s:g} ms per sequence")
     if isinstance(m, FittedProfile):
         return f"profile {m.source or m.model} tp={m.tp}"
     return repr(m)

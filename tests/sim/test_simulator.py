@@ -118,3 +118,22 @@ def test_transfer_end_is_the_link_time_not_the_decode_step_in_flight():
     # the decode instance is busy with a's steps: b is admitted at the next step boundary
     assert tl.decode_admitted > tl.transfer_end + 1e-4
     assert tl.token_times[1] == pytest.approx(tl.decode_admitted + 0.004)
+
+
+def test_driver_overhead_adds_to_every_step_and_nothing_to_idle():
+    from pdserve.sim.latency import DriverOverhead, LatencyModel
+
+    class LinearSteps(LatencyModel):
+        def step_time(self, prefill_chunks, decode_context_lens):
+            toks = sum(n for _, n in prefill_chunks)
+            return 0.01 + 0.001 * toks if toks else (0.005 if decode_context_lens else 0.0)
+
+    lat = DriverOverhead(LinearSteps(), 0.002, 0.0005)
+    assert lat.step_time([], []) == 0.0
+    assert lat.step_time([], [10, 20, 30]) == pytest.approx(0.005 + 0.002 + 3 * 0.0005)
+    with pytest.raises(ValueError, match="-0.1"):
+        DriverOverhead(LinearSteps(), -0.1)
+    sim = Simulator([SimInstance("c0", engine(), lat, 4096)], MODEL)
+    res = sim.run([SimRequest("a", 0.0, prompt(1, 100), 3)])
+    # prefill 0.01 + 0.1 + 0.0025, then two decode steps of 0.005 + 0.0025
+    assert res.records[0].timeline.token_times == pytest.approx([0.1125, 0.12, 0.1275])
