@@ -228,10 +228,11 @@ def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
         for ax, key, scale, label in ((axes[0], "attainment", 100, "SLO attainment (%)"),
                                       (axes[1], "ttft_mean", 1000, "mean TTFT (ms)"),
                                       (axes[2], "tpot_mean", 1000, "mean TPOT (ms)")):
-            ax.plot(rates, [scale * (r[f"{key}_live"] or np.nan) for r in rows], "o-",
-                    color=color, label=f"{strategy} live")
-            ax.plot(rates, [scale * (r[f"{key}_sim"] or np.nan) for r in rows], "s--",
-                    color=color, label=f"{strategy} simulator")
+            for side, style in (("live", "o-"), ("sim", "s--")):
+                ys = [np.nan if r[f"{key}_{side}"] is None else scale * r[f"{key}_{side}"]
+                      for r in rows]
+                ax.plot(rates, ys, style, color=color,
+                        label=f"{strategy} {'live' if side == 'live' else 'simulator'}")
             ax.set_xlabel("rate (req/s)")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
