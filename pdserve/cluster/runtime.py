@@ -43,6 +43,7 @@ class _Instance:
     # end of the last step the instance reported; its time never runs backwards, even with an
     # executor that reports modelled (not measured) step times
     step_end: float = 0.0
+    stepping: bool = False  # a handle() call is in flight
 
 
 @dataclass
@@ -163,36 +164,56 @@ class ClusterRuntime:
                 for iid, i in self.instances.items() if i.view.alive}
 
     async def drain(self, timeout: float = 30.0) -> None:
-        """Wait until no request is in flight anywhere."""
+        """Wait until no request is in flight anywhere and every live instance has applied
+        the commands sent to it (a prefill copy's release, say)."""
         deadline = time.monotonic() + timeout
-        while self.controller.requests or self._streams:
+        while self.controller.requests or self._streams or any(
+                i.view.alive and (i.commands or i.stepping) for i in self.instances.values()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests still in flight: {sorted(self.controller.requests)}")
             await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ instance loops
     async def _loop(self, inst: _Instance) -> None:
+        """Drive one instance. Steps are pipelined with report processing: when a report says
+        the instance has more work, its next step starts at once (with the commands queued so
+        far) and the report is processed while that step runs, so the instance never idles
+        waiting for the driver (controller, token streams, SSE writes). Commands that processing
+        a report produces for the same instance go with the step after. The simulator does the
+        same (:meth:`pdserve.sim.simulator.Simulator.run`)."""
         iid = inst.view.instance_id
-        busy = False
-        while self._running:
-            if not busy and not inst.commands:
-                await inst.wake.wait()
-            inst.wake.clear()
-            cmds, inst.commands = inst.commands, []
-            try:
-                rep = await inst.client.handle(cmds, self._now(inst))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the instance is gone: recompute its requests elsewhere
-                log.error("instance %s failed: %s", iid, e)
-                self._execute(self.controller.on_instance_failed(iid, self.clock()))
-                return
-            busy = rep.stepped
-            inst.step_end = rep.now + rep.elapsed
-            try:
-                self._process(inst, rep)
-            except Exception:  # a bug in the driver must not silently stall the instance
-                log.exception("processing a report from %s failed", iid)
+        pending: asyncio.Future | None = None  # the step in flight
+        try:
+            while self._running:
+                if pending is None:
+                    if not inst.commands:
+                        await inst.wake.wait()
+                    pending = self._start(inst)
+                try:
+                    rep = await pending
+                    inst.stepping = False
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # the instance is gone: recompute its requests elsewhere
+                    log.error("instance %s failed: %s", iid, e)
+                    self._execute(self.controller.on_instance_failed(iid, self.clock()))
+                    return
+                inst.step_end = rep.now + rep.elapsed
+                pending = self._start(inst) if rep.stepped and rep.has_work else None
+                try:
+                    self._process(inst, rep)
+                except Exception:  # a bug in the driver must not silently stall the instance
+                    log.exception("processing a report from %s failed", iid)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+
+    def _start(self, inst: _Instance) -> asyncio.Future:
+        """Send the queued commands and run one step on ``inst`` (in the background)."""
+        inst.wake.clear()
+        inst.stepping = True
+        cmds, inst.commands = inst.commands, []
+        return asyncio.ensure_future(inst.client.handle(cmds, self._now(inst)))
 
     def _now(self, inst: _Instance) -> float:
         """The time for an event on ``inst``: the clock, but never before its last step's end

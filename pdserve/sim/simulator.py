@@ -4,9 +4,10 @@ clock, with a latency model in place of the model executor (DESIGN.md "Simulator
 Every instance is a real :class:`~pdserve.cluster.worker.InstanceWorker` whose executor returns
 the latency model's step time; the cluster is the real :class:`Controller`. The event loop
 mirrors the live runtime exactly: an idle instance that receives a command calls
-``handle(commands, now)`` at once; the report takes effect at ``now + elapsed`` (a step-end
-event), after which the instance steps again while it has work. KV transfers take
-``bytes / bandwidth + latency`` of the link between the two instances' nodes.
+``handle(commands, now)`` at once; at ``now + elapsed`` (a step-end event) an instance with more
+work starts its next step with the commands queued so far, and then the report takes effect
+(commands it produces for the same instance go with the step after — the runtime's pipelining).
+KV transfers take ``bytes / bandwidth + latency`` of the link between the two instances' nodes.
 
 Heap key: ``(time, event priority, sequence)`` — priority before sequence, so that at equal
 times step ends (which free resources and emit tokens) precede transfers and arrivals.
@@ -175,6 +176,10 @@ class Simulator:
             if prio == STEP_END:
                 inst, rep = data
                 inst.busy = False
+                # as the live runtime: an instance with more work starts its next step at once,
+                # with the commands queued so far; the report is processed while it runs
+                if rep.stepped and rep.has_work:
+                    self._kick(inst, now)
                 self._apply(self._report(inst, rep), now)
                 self._kick(inst, now)
             elif prio == TRANSFER_END:

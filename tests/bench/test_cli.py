@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -132,10 +131,3 @@ def test_unreachable_server_exits_1(capsys) -> None:
                "--num-requests", "2", "--timeout", "2"])
     assert rc == 1 and "cannot reach" in capsys.readouterr().err
 
-
-@pytest.mark.skipif(importlib.util.find_spec("pdserve.sim.target") is not None,
-                    reason="the simulator target exists")
-def test_sim_target_placeholder(capsys) -> None:
-    rc = main(["bench", "--target", "sim", "--workload", "fixed", "--rate", "1"])
-    assert rc == 2
-    assert "the simulator target needs pdserve.sim.simulator" in capsys.readouterr().err
