@@ -57,6 +57,8 @@ class Fail:
 
 Action = Send | Transfer | Fail
 
+MAX_DISPATCHES = 4  # a request re-dispatched after this many failed attempts fails instead
+
 
 @dataclass
 class ClusterRequest:
@@ -149,10 +151,13 @@ class Controller:
             self.history[request_id] = req
         return self._dispatch(req, now)
 
-    def _dispatch(self, req: ClusterRequest, now: float) -> list[Action]:
+    def _dispatch(self, req: ClusterRequest, now: float,
+                  avoid: str | None = None) -> list[Action]:
+        """Route ``req`` to an entry instance (``avoid`` it when another is live)."""
         cands = self._live(self.entry_role)
         if not cands:
             return self._fail(req, f"no live {self.entry_role} instance left")
+        cands = [i for i in cands if i.instance_id != avoid] or cands
         inst = self.prefill_router.select(req, cands)
         req.stage, req.instance, req.prefill_instance = "prefill", inst.instance_id, None
         if self.entry_role == "prefill":
@@ -182,6 +187,8 @@ class Controller:
             acts += self.on_imported(iid, rid, rep.now)
         for rid, msg in rep.errors:
             acts += self.on_error(iid, rid, msg, end)
+        for rid, msg in rep.transfer_failures:
+            acts += self.on_transfer_failed(iid, rid, msg, end)
         for d in rep.deltas:
             req = self.requests.get(d.request_id)
             if req is None or req.instance != iid:
@@ -257,6 +264,22 @@ class Controller:
         req.stage = "decode"
         alive = src is not None and self.instances[src].alive
         return [Send(src, Release(request_id))] if alive else []
+
+    def on_transfer_failed(self, instance_id: str, request_id: str, message: str,
+                           now: float) -> list[Action]:
+        """A decode instance could not pull a request's KV (its prefill instance died, or no
+        longer holds the request): the KV is recomputable state, so the request is dispatched
+        again from its prompt and generated tokens, as on an instance failure. A request that
+        has already been dispatched ``MAX_DISPATCHES`` times fails instead of looping."""
+        req = self.requests.get(request_id)
+        if req is None or req.decode_instance != instance_id:
+            return []
+        if req.num_dispatches >= MAX_DISPATCHES:
+            return self._fail(req, message, skip=instance_id)
+        src = req.prefill_instance  # suspect: its actor may have died unnoticed
+        acts = self._aborts(req, skip=instance_id)  # the decode side has dropped it already
+        self._detach_all(req)
+        return acts + self._dispatch(req, now, avoid=src)
 
     def on_error(self, instance_id: str, request_id: str, message: str,
                  now: float) -> list[Action]:

@@ -91,6 +91,8 @@ class StepReport:
     pulls: list[tuple[str, int]] = field(default_factory=list)  # decode: (request, first block)
     imported: list[str] = field(default_factory=list)  # decode: KV in place, prefill may release
     errors: list[tuple[str, str]] = field(default_factory=list)  # (request, message)
+    # decode: pulls that failed (source gone or no longer holding the KV): (request, message)
+    transfer_failures: list[tuple[str, str]] = field(default_factory=list)
     stepped: bool = False  # a batch was computed
     batch: list[tuple[str, int, int]] = field(default_factory=list)  # (request, start, tokens)
     stats: EngineStats | None = None
@@ -209,7 +211,7 @@ class InstanceWorker:
                 payload = ray.get(payload)
             except Exception as e:  # the source died or no longer holds the request
                 self.engine.abort(rid, now)
-                rep.errors.append((rid, f"KV transfer failed: {e}"))
+                rep.transfer_failures.append((rid, f"KV transfer failed: {e}"))
                 return
         self.engine.import_kv(payload, now)
         rep.imported.append(rid)

@@ -77,6 +77,34 @@ def test_instance_failure_recomputes_with_generated_tokens():
     assert isinstance(f, Fail) and "no live colocated" in f.message
 
 
+def test_failed_kv_pull_recomputes_the_request_elsewhere():
+    """The prefill copy vanished (its actor died) before the decode instance pulled it: the
+    request is prefilled again with its first token, not failed; after MAX_DISPATCHES tries
+    it fails."""
+    from pdserve.cluster.controller import MAX_DISPATCHES
+    from pdserve.cluster.worker import StepReport
+
+    c = Controller(views(("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")))
+    c.on_arrival("r", [1, 2, 3, 4, 5], P, 0)
+    c.on_report_delta("p0", delta("r", [7], 1, held=True), 1)
+    c.on_pull("d0", "r", 0, 2)
+    rep = StepReport("d0", "decode", 3.0, transfer_failures=[("r", "KV transfer failed: x")])
+    acts, _ = c.on_report(rep)
+    assert acts == [Send("p0", Abort("r")),
+                    Send("p1", AddRequest("r", [1, 2, 3, 4, 5], P, 0, [7]))]
+    assert c.requests["r"].stage == "prefill" and c.instances["d0"].active == 0
+    for k in range(2, MAX_DISPATCHES):  # keeps failing: re-dispatched until the cap
+        c.on_report_delta(c.requests["r"].instance, delta("r", [8], 4 + k, held=True), 4 + k)
+        c.on_pull("d0", "r", 0, 4 + k)
+        acts, _ = c.on_report(rep)
+        assert isinstance(acts[-1], Send) and isinstance(acts[-1].command, AddRequest)
+    c.on_report_delta(c.requests["r"].instance, delta("r", [8], 9, held=True), 9)
+    c.on_pull("d0", "r", 0, 9)
+    acts, _ = c.on_report(rep)
+    assert isinstance(acts[-1], Fail) and "KV transfer failed" in acts[-1].message
+    assert "r" not in c.requests
+
+
 def test_bad_cluster_shapes():
     with pytest.raises(ValueError, match="at least one"):
         Controller([])
