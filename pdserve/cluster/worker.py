@@ -179,12 +179,10 @@ class InstanceWorker:
             outs = req.output_token_ids
             first = not_decode and len(outs) == 1
             finished = req.status >= fin
-            if not (stream or first or finished or held):
-                continue  # the simulator's common case: a decode token nobody waits for
             rid = req.request_id
-            is_held = bool(held) and rid in held
+            is_held = rid in held
             if not (stream or first or finished or is_held):
-                continue
+                continue  # the simulator's common case: a decode token nobody waits for
             since = reported[rid]
             if finished or is_held:
                 reported.pop(rid, None)

@@ -84,14 +84,23 @@ class ScheduledBatch:
 
     def shape(self) -> tuple[list[tuple[int, int]], list[int]]:
         """``(prefill_contexts, decode_context_lens)`` in one pass (latency models' input)."""
+        prefills, decodes, _ = self.shape_and_samples()
+        return prefills, decodes
+
+    def shape_and_samples(self) -> tuple[list[tuple[int, int]], list[int], int]:
+        """:meth:`shape` plus the number of sampled sequences, in the same single pass (the
+        simulated executor's hot path)."""
         prefills: list[tuple[int, int]] = []
         decodes: list[int] = []
+        n = 0
         for s in self.seqs:
+            if s.sample:
+                n += 1
             if s.num_tokens == 1 and s.start >= len(s.request.prompt_token_ids):
                 decodes.append(s.start + 1)
             else:
                 prefills.append((s.start, s.num_tokens))
-        return prefills, decodes
+        return prefills, decodes, n
 
     @property
     def kind(self) -> str:

@@ -47,25 +47,14 @@ class SimExecutor:
         self.num_kv_blocks = num_kv_blocks
         self.token_id = token_id
         self.eos_token_ids: tuple[int, ...] = ()
-        # a LatencyModel is priced from (prefill chunks, decode contexts) built in one pass
+        # a LatencyModel prices the batch's shape, computed with the sample count in one pass
         self._step_time = latency.step_time if isinstance(latency, LatencyModel) else None
 
     def execute(self, batch: ScheduledBatch) -> ExecuteResult:
         if self._step_time is None:
             n = sum(1 for s in batch.seqs if s.sample)
             return ExecuteResult([self.token_id] * n, self.latency.batch_time(batch))
-        # one pass over the batch: what ScheduledBatch.shape() computes, plus the sample count
-        prefills: list[tuple[int, int]] = []
-        decodes: list[int] = []
-        n = 0
-        for s in batch.seqs:
-            if s.sample:
-                n += 1
-            start = s.start
-            if s.num_tokens == 1 and start >= len(s.request.prompt_token_ids):
-                decodes.append(start + 1)
-            else:
-                prefills.append((start, s.num_tokens))
+        prefills, decodes, n = batch.shape_and_samples()
         return ExecuteResult([self.token_id] * n, self._step_time(prefills, decodes))
 
     def export_kv(self, block_ids: list[int]) -> None:
