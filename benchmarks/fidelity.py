@@ -138,14 +138,17 @@ def warm_up(target: HttpTarget, s: Settings) -> None:
     asyncio.run(target.run(list(w.requests)))
 
 
-def _itls(target: HttpTarget, s: Settings, n: int, seed: int) -> tuple[list[float], int]:
-    """Token gaps of ``n`` requests sent together (64-token prompts, 48 output tokens)."""
-    w = build_workload(target, replace(s, workload="fixed:input=64,output=48", num_requests=n,
-                                       seed=seed), 1000.0)
+CAL_PROMPT, CAL_OUTPUT = 64, 48  # calibration requests: prompt and forced output tokens
+
+
+def _itls(target: HttpTarget, s: Settings, n: int, seed: int) -> list[float]:
+    """Token gaps of ``n`` calibration requests sent together."""
+    spec = f"fixed:input={CAL_PROMPT},output={CAL_OUTPUT}"
+    w = build_workload(target, replace(s, workload=spec, num_requests=n, seed=seed), 1000.0)
     gaps: list[float] = []
     for rec in asyncio.run(target.run(list(w.requests))):
         gaps += list(np.diff(rec.timeline.token_times))
-    return gaps, 48
+    return gaps
 
 
 def calibrate_overhead(target: HttpTarget, s: Settings, profile: str, model: str,
@@ -161,10 +164,9 @@ def calibrate_overhead(target: HttpTarget, s: Settings, profile: str, model: str
     prof = FittedProfile.load(profile, ModelConfig.from_dir(model))
     lone: list[float] = []
     for i in range(4):
-        gaps, out = _itls(target, s, 1, 1000 + i)
-        lone += gaps
-    together, _ = _itls(target, s, batch, 2000)
-    ctx = [64 + k for k in range(1, out)]
+        lone += _itls(target, s, 1, 1000 + i)
+    together = _itls(target, s, batch, 2000)
+    ctx = [CAL_PROMPT + k for k in range(1, CAL_OUTPUT)]
     pred1 = float(np.median([prof.decode_time([c]) for c in ctx]))
     predb = float(np.median([prof.decode_time([c] * batch) for c in ctx]))
     extra1 = float(np.median(lone)) - pred1
@@ -184,34 +186,35 @@ def ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.0f}"
 
 
+COLUMNS = ("rate (req/s)", "attainment live / sim", "diff (points)", "mean TTFT live / sim (ms)",
+           "err", "P90 TTFT err", "mean TPOT live / sim (ms)", "err", "P90 TPOT err")
+
+
+def cells(r: dict[str, Any]) -> list[str]:
+    """One comparison row as table cells (:data:`COLUMNS`), for the console and markdown."""
+    return [f"{r['rate']:g}",
+            f"{100 * r['attainment_live']:.1f} / {100 * r['attainment_sim']:.1f} %",
+            f"{r['attainment_diff_points']:+.1f}",
+            f"{ms(r['ttft_mean_live'])} / {ms(r['ttft_mean_sim'])}",
+            pct(r["ttft_mean_rel_err"]), pct(r["ttft_p90_rel_err"]),
+            f"{ms(r['tpot_mean_live'])} / {ms(r['tpot_mean_sim'])}",
+            pct(r["tpot_mean_rel_err"]), pct(r["tpot_p90_rel_err"])]
+
+
 def print_table(strategy: str, rows: list[dict[str, Any]]) -> None:
     t = Table(title=f"live vs simulator: {strategy}")
-    for col in ("rate", "attain live", "attain sim", "diff (pts)", "TTFT mean live/sim (ms)",
-                "err", "TTFT P90 err", "TPOT mean live/sim (ms)", "err", "TPOT P90 err"):
+    for col in COLUMNS:
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(f"{r['rate']:g}", f"{100 * r['attainment_live']:.1f}%",
-                  f"{100 * r['attainment_sim']:.1f}%", f"{r['attainment_diff_points']:+.1f}",
-                  f"{ms(r['ttft_mean_live'])} / {ms(r['ttft_mean_sim'])}",
-                  pct(r["ttft_mean_rel_err"]), pct(r["ttft_p90_rel_err"]),
-                  f"{ms(r['tpot_mean_live'])} / {ms(r['tpot_mean_sim'])}",
-                  pct(r["tpot_mean_rel_err"]), pct(r["tpot_p90_rel_err"]))
+        t.add_row(*cells(r))
     Console().print(t)
 
 
 def markdown(results: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["| strategy | rate (req/s) | attainment live / sim | diff (points) | "
-             "mean TTFT live / sim (ms) | err | P90 TTFT err | mean TPOT live / sim (ms) | err | "
-             "P90 TPOT err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| strategy | " + " | ".join(COLUMNS) + " |",
+             "|---|" + "---:|" * len(COLUMNS)]
     for strategy, rows in results.items():
-        for r in rows:
-            lines.append(
-                f"| {strategy} | {r['rate']:g} | {100 * r['attainment_live']:.1f} / "
-                f"{100 * r['attainment_sim']:.1f} % | {r['attainment_diff_points']:+.1f} | "
-                f"{ms(r['ttft_mean_live'])} / {ms(r['ttft_mean_sim'])} | "
-                f"{pct(r['ttft_mean_rel_err'])} | {pct(r['ttft_p90_rel_err'])} | "
-                f"{ms(r['tpot_mean_live'])} / {ms(r['tpot_mean_sim'])} | "
-                f"{pct(r['tpot_mean_rel_err'])} | {pct(r['tpot_p90_rel_err'])} |")
+        lines += [f"| {strategy} | " + " | ".join(cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
 
