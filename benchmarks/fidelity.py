@@ -253,7 +253,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", help="fitted profile (default: profile the model now)")
     ap.add_argument("--quick-profile", action="store_true")
     ap.add_argument("--strategies", default="colocated,disaggregated")
-    ap.add_argument("--backend", default="ray", choices=("ray", "inproc"))
+    ap.add_argument("--backend", default="ray", choices=("ray", "inproc"),
+                    help="ray (default): one actor and one torch thread per instance, as the "
+                         "profile is measured; inproc instances share the server process and "
+                         "torch's default threads, so they are not comparable with the profile")
     ap.add_argument("--workload", default="chatbot")
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--length-scale", type=float, default=0.25,
