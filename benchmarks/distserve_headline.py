@@ -61,32 +61,32 @@ from pdserve.bench.metrics import (
     summarize,
     tightest_slo_scale,
 )
-from pdserve.bench.presets import NS_PROMPT, segment_key
+from pdserve.bench.presets import DISTSERVE_MAX_LEN, distserve_filter
 from pdserve.bench.traces import load_trace
-from pdserve.bench.workloads import Workload, WorkloadRequest, segment_tokens
-from pdserve.cluster.transport import Link
-from pdserve.config import EngineConfig, ModelConfig
-from pdserve.sim.hardware import get_device, get_link
+from pdserve.bench.workloads import Workload, make_workload
+from pdserve.config import ClusterConfig, ModelConfig, kv_cache_blocks
+from pdserve.sim.hardware import get_device
 from pdserve.sim.latency import FittedProfile
 from pdserve.sim.models import get_model_config
-from pdserve.sim.simulator import SimInstance, SimRequest, SimResult, Simulator
+from pdserve.sim.simulator import SimResult
+from pdserve.sim.target import SimulationConfig, build_simulator, resolve_profile
+from pdserve.sim.target import simulate as simulate_requests
 
-DEFAULT_PROFILE = "/work/shared/profiles/distserve_profiler-a100-80g.distserve.json"
+DEFAULT_PROFILE = "distserve_profiler-a100-80g.distserve"  # shipped with pdserve
 # DistServe's fit of vLLM's own engine (their simulator's vLLM baseline): sensitivity only
-VLLM_PROFILE = "/work/shared/profiles/distserve_profiler-a100-80g.vllm.json"
+VLLM_PROFILE = "distserve_profiler-a100-80g.vllm"
 DEFAULT_MAX_TOKENS_CSV = "/work/shared/profiles/distserve_max_num_tokens.csv"
 MODEL = "opt-13b"
 DEVICE = "A100-80GB"
 SLO_CHATBOT = SLO(0.25, 0.1)  # DistServe Table 1, chatbot OPT-13B
 TARGET = 0.9
-MAX_MODEL_LEN = 2048  # OPT's max_position_embeddings; DistServe drops prompt + output >= 2048
-MIN_LEN = 4  # DistServe drops pairs whose prompt and output are both shorter than this
-BLOCK_SIZE = 16
-MEM_UTIL = 0.9  # vLLM's default gpu_memory_utilization
-MAX_NUM_SEQS = 256  # vLLM's default
+MAX_MODEL_LEN = DISTSERVE_MAX_LEN  # OPT's max_position_embeddings
 L_M = 512  # DistServe §3.1: "a single sequence of 512 tokens can fully engage an A100" (13B)
 CRITERIA = ("both", "distserve")
-_STREAM_SELECT = 1
+# vLLM's defaults as DistServe ran it: block size 16, 256 sequences, 90 % of GPU memory
+ENGINE = {"dtype": "float16", "block_size": 16, "max_num_seqs": 256,
+          "gpu_memory_utilization": 0.9, "max_model_len": MAX_MODEL_LEN,
+          "enable_prefix_caching": False}
 
 
 # --------------------------------------------------------------------------------- workload
@@ -113,40 +113,22 @@ def _stat(a: np.ndarray) -> dict[str, float]:
             "min": int(a.min()), "max": int(a.max())}
 
 
-def distserve_filter(input_lens: np.ndarray, output_lens: np.ndarray) -> np.ndarray:
-    """DistServe's ShareGPT pruning: drop pairs with prompt and output both < 4 tokens and pairs
-    with prompt + output >= 2048 tokens."""
-    too_short = (input_lens < MIN_LEN) & (output_lens < MIN_LEN)
-    too_long = input_lens + output_lens >= MAX_MODEL_LEN
-    return ~too_short & ~too_long
-
-
 def chatbot_workload(num_requests: int, seed: int = 0, vocab_size: int = 50272,
                      traces_dir: str | None = None,
                      output_scale: float = 1.0) -> tuple[Workload, Recipe]:
-    """DistServe's chatbot recipe on our ShareGPT length table (module docstring). The returned
+    """The ``distserve-chatbot`` workload (pdserve.bench.presets) and its recipe. The returned
     workload has no arrival times yet: ``workload.retimed(rate)`` gives Poisson arrivals.
-    ``output_scale`` (sensitivity only; 1 = the recipe) multiplies every output length
-    (``max(1, round(o * s))``, pdserve.bench's scaling rule)."""
+    ``output_scale`` (sensitivity only; 1 = the recipe) multiplies every output length."""
+    wl = make_workload(f"distserve-chatbot:output_scale={output_scale:g}", num_requests,
+                       seed=seed, rate=1.0, vocab_size=vocab_size, traces_dir=traces_dir,
+                       prompt_mode="ids")
     trace = load_trace("sharegpt", traces_dir)
     keep = np.flatnonzero(distserve_filter(trace.input_lens, trace.output_lens))
-    if num_requests > len(keep):
-        raise ValueError(f"only {len(keep)} ShareGPT rows pass DistServe's filters; "
-                         f"asked for {num_requests}")
-    rng = np.random.default_rng([seed, _STREAM_SELECT])
-    rows = keep[rng.choice(len(keep), size=num_requests, replace=False)]
-    inp, out = trace.input_lens[rows], trace.output_lens[rows]
-    if output_scale != 1.0:
-        out = np.maximum(1, np.rint(out * output_scale)).astype(np.int64)
-    reqs = []
-    for i, (p, o) in enumerate(zip(inp.tolist(), out.tolist())):
-        ids = segment_tokens(seed, segment_key(NS_PROMPT, i), int(p), vocab_size).tolist()
-        reqs.append(WorkloadRequest(f"chatbot-{i}", 0.0, int(p), int(o), ids))
-    wl = Workload("distserve-chatbot", "DistServe §6.1 chatbot recipe on ShareGPT lengths",
-                  reqs, "poisson", None, seed, default_slo=SLO_CHATBOT)
+    inp = np.array([r.prompt_len for r in wl.requests])
+    out = np.array([r.output_len for r in wl.requests])
     recipe = Recipe(
         trace_file=trace.file, tokenizer=trace.tokenizer, rows=len(trace), rows_kept=len(keep),
-        filters=[f"drop prompt_len < {MIN_LEN} and output_len < {MIN_LEN}",
+        filters=["drop prompt_len < 4 and output_len < 4",
                  f"drop prompt_len + output_len >= {MAX_MODEL_LEN}"],
         num_requests=num_requests, seed=seed, output_scale=output_scale,
         sampling="uniform without replacement, numpy default_rng([seed, 1])",
@@ -158,11 +140,13 @@ def chatbot_workload(num_requests: int, seed: int = 0, vocab_size: int = 50272,
 
 
 # ------------------------------------------------------------------------------ placements
-def kv_tokens(model: ModelConfig, tp: int, device: str = DEVICE,
-              mem_util: float = MEM_UTIL) -> int:
-    """KV capacity of a TP=``tp`` instance: its GPUs' memory share minus the fp16 weights."""
-    free = tp * get_device(device).memory_bytes * mem_util - 2 * model.num_params()
-    return int(free // model.kv_bytes_per_token("float16"))
+def kv_blocks(model: ModelConfig, tp: int) -> int:
+    """KV blocks of a TP=``tp`` instance (pdserve.config.kv_cache_blocks, the one formula):
+    its GPUs' memory share minus the fp16 weights."""
+    engine = ClusterConfig.from_dict({"model": MODEL, "engine": ENGINE}).engine_config(
+        model_max_len=MAX_MODEL_LEN)
+    return kv_cache_blocks(model, engine, device_memory_bytes=get_device(DEVICE).memory_bytes,
+                           num_devices=tp)
 
 
 def distserve_kv_tokens(path: str, model: str, tp: int) -> int | None:
@@ -178,87 +162,48 @@ def distserve_kv_tokens(path: str, model: str, tp: int) -> int | None:
     return None
 
 
-def engine_config(role: str, num_blocks: int, lm: int | None = None) -> EngineConfig:
-    kw: dict[str, Any] = dict(dtype="float16", block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
-                              enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN,
-                              max_num_seqs=MAX_NUM_SEQS, role=role,
-                              enable_chunked_prefill=role == "decode")
-    if role == "prefill":
-        kw["prefill_token_target"] = lm
-    return EngineConfig.from_kwargs(MODEL, model_max_len=MAX_MODEL_LEN, **kw)
-
-
 @dataclass
 class Placement:
     name: str
     label: str
-    instances: list[SimInstance]
+    sim: SimulationConfig
     num_gpus: int
 
-    def describe(self) -> list[dict[str, Any]]:
-        out = []
-        for s in self.instances:
-            sc = s.engine.scheduler
-            lat = s.latency
-            out.append({"id": s.instance_id, "role": sc.role, "gpus": s.num_gpus,
-                        "tp": getattr(lat, "tp", None), "node": s.node,
-                        "kv_blocks": s.num_kv_blocks, "kv_tokens": s.num_kv_blocks * BLOCK_SIZE,
-                        "chunked_prefill": sc.enable_chunked_prefill,
-                        "max_num_batched_tokens": sc.max_num_batched_tokens,
-                        "prefill_token_target": sc.prefill_token_target,
-                        "max_num_seqs": sc.max_num_seqs,
-                        "profile": {k: list(getattr(lat, k)) for k in
-                                    ("prefill", "decode_small", "decode_large")}})
-        return out
+    def describe(self) -> dict[str, Any]:
+        return build_simulator(self.sim).describe
 
 
-def make_placements(profile: str, model: ModelConfig, lm: int = L_M, num_colocated: int = 1,
-                    num_prefill: int = 1, num_decode: int = 1,
+def make_placements(profile: str, lm: int = L_M, num_colocated: int = 1, num_prefill: int = 1,
+                    num_decode: int = 1,
                     colocated_profile: str | None = None) -> dict[str, Placement]:
-    """``colocated``: ``num_colocated`` x TP1 (vLLM); ``disaggregated``: ``num_prefill`` x TP2
-    prefill + ``num_decode`` x TP1 decode on one node. ``colocated_profile`` (default
-    ``profile``) prices the colocated steps, e.g. DistServe's fit of vLLM's engine."""
-    tp1 = FittedProfile.from_distserve_json(profile, model, tp=1)
-    colo_tp1 = FittedProfile.from_distserve_json(colocated_profile or profile, model, tp=1)
-    tp2 = FittedProfile.from_distserve_json(profile, model, tp=2)
-    b1, b2 = kv_tokens(model, 1) // BLOCK_SIZE, kv_tokens(model, 2) // BLOCK_SIZE
-    colo = [SimInstance(f"colocated-{i}", engine_config("colocated", b1), colo_tp1, b1, 1, 0)
-            for i in range(num_colocated)]
-    dis = ([SimInstance(f"prefill-{i}", engine_config("prefill", b2, lm), tp2, b2, 2, 0)
-            for i in range(num_prefill)]
-           + [SimInstance(f"decode-{i}", engine_config("decode", b1), tp1, b1, 1, 0)
-              for i in range(num_decode)])
+    """``colocated``: ``num_colocated`` x TP1, vLLM v0 (no chunked prefill: a waiting prompt
+    preempts decoding); ``disaggregated``: ``num_prefill`` x TP2 prefill (whole prompts up to
+    L_m) + ``num_decode`` x TP1 decode on one node (KV over the A100's NVLink, the simulator's
+    default link). ``colocated_profile`` (default ``profile``) prices the colocated steps."""
+    colo = ClusterConfig.from_dict({
+        "model": MODEL, "engine": {**ENGINE, "enable_chunked_prefill": False},
+        "strategy": "colocated", "num_instances": num_colocated})
+    dis = ClusterConfig.from_dict({
+        "model": MODEL, "engine": ENGINE, "strategy": "disaggregated",
+        "num_prefill": num_prefill, "num_decode": num_decode, "prefill_tp": 2, "decode_tp": 1,
+        "prefill_token_target": lm})
     return {
-        "colocated": Placement("colocated", f"colocated {num_colocated}xTP1 (vLLM)", colo,
-                               num_colocated),
+        "colocated": Placement("colocated", f"colocated {num_colocated}xTP1 (vLLM)",
+                               SimulationConfig(colo, profile=colocated_profile or profile),
+                               colo.num_gpus),
         "disaggregated": Placement(
-            "disaggregated", f"disaggregated {num_prefill}xP(TP2) + {num_decode}xD(TP1)", dis,
-            2 * num_prefill + num_decode),
+            "disaggregated", f"disaggregated {num_prefill}xP(TP2) + {num_decode}xD(TP1)",
+            SimulationConfig(dis, profile=profile), dis.num_gpus),
     }
 
 
-def nvlink() -> Link:
-    spec = get_link("nvlink3")
-    return Link(spec.bandwidth_gbs, spec.latency_s)
-
-
 # ------------------------------------------------------------------------------------- runs
-def to_records(res: SimResult) -> list[RequestRecord]:
-    return [RequestRecord(r.request_id, r.prompt_len, r.output_len, r.timeline,
-                          ok=r.error is None and r.finish_reason != "error", error=r.error)
-            for r in res.records]
-
-
 def simulate(placement: Placement, model: ModelConfig, workload: Workload, rate: float,
              progress: Callable[[int], None] | None = None) -> tuple[list[RequestRecord],
                                                                      SimResult]:
     wl = workload.retimed(rate, "poisson")
-    reqs = [SimRequest(r.request_id, r.arrival_time, r.prompt_token_ids or [], r.output_len)
-            for r in wl.requests]
-    sim = Simulator(placement.instances, model, intra_node_link=nvlink(),
-                    inter_node_link=nvlink())
-    res = sim.run(reqs, progress)
-    return to_records(res), res
+    recs, res, _ = simulate_requests(placement.sim, wl.requests, progress, model.vocab_size)
+    return recs, res
 
 
 @dataclass
@@ -334,8 +279,8 @@ def _ms(x: float | None) -> str:
 # ------------------------------------------------------------------------- sanity checks
 def sanity(profile: str, model: ModelConfig, recipe: Recipe, lm: int) -> dict[str, Any]:
     """Profile step times and the capacity bounds they imply for this workload."""
-    tp1 = FittedProfile.from_distserve_json(profile, model, tp=1)
-    tp2 = FittedProfile.from_distserve_json(profile, model, tp=2)
+    tp1 = FittedProfile.from_distserve_json(resolve_profile(profile), model, tp=1)
+    tp2 = FittedProfile.from_distserve_json(resolve_profile(profile), model, tp=2)
     steps = {}
     for n in (128, 512, 1024, 2000):
         steps[f"prefill 1x{n}"] = {"tp1": tp1.prefill_time([n]), "tp2": tp2.prefill_time([n])}
@@ -347,14 +292,14 @@ def sanity(profile: str, model: ModelConfig, recipe: Recipe, lm: int) -> dict[st
     st = recipe.stats
     p_mean, o_mean = st["prompt_len"]["mean"], st["output_len"]["mean"]
     ctx = p_mean + o_mean / 2  # mean context of a decoding request
-    kv1 = kv_tokens(model, 1)
-    max_seqs = min(MAX_NUM_SEQS, int(kv1 // ctx))
+    kv1 = kv_blocks(model, 1) * ENGINE["block_size"]
+    max_seqs = min(ENGINE["max_num_seqs"], int(kv1 // ctx))
     dec_step = tp1.decode_time([int(ctx)] * max_seqs)
-    # per-request prefill time alone (no batching), averaged over the sampled prompts
+    # capacity bounds: one mean-length prompt at a time (no batching)
     return {
         "step_times_s": steps,
         "mean_prompt": p_mean, "mean_output": o_mean, "mean_decode_context": ctx,
-        "kv_tokens": {"tp1": kv1, "tp2": kv_tokens(model, 2),
+        "kv_tokens": {"tp1": kv1, "tp2": kv_blocks(model, 2) * ENGINE["block_size"],
                       "distserve_csv_tp1": distserve_kv_tokens(DEFAULT_MAX_TOKENS_CSV, MODEL, 1),
                       "distserve_csv_tp2": distserve_kv_tokens(DEFAULT_MAX_TOKENS_CSV, MODEL, 2)},
         "decode_tp1_max_seqs_by_kv": max_seqs,
@@ -373,6 +318,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--traces-dir", default=None)
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                    help="repeat the whole comparison for these workload seeds and report the "
+                         "per-GPU goodputs and the ratio as mean and range (robustness)")
     ap.add_argument("--lm", type=int, default=L_M, help="prefill token target L_m (512)")
     ap.add_argument("--precision", type=float, default=0.1, help="req/s (total), 0.1")
     ap.add_argument("--max-probes", type=int, default=12)
@@ -397,12 +345,67 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if not args.seeds:
+        return run_seed(args)
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    reports = {}
+    for seed in seeds:
+        print(f"=== seed {seed}", file=sys.stderr, flush=True)
+        one = argparse.Namespace(**{**vars(args), "seed": seed, "output_json": None,
+                                    "plot": None})
+        reports[seed] = run_seed(one, show=False)
+    summary = seed_summary(reports)
+    print_seed_summary(summary)
+    if args.output_json:
+        from pdserve.bench.report import write_json
+
+        write_json(args.output_json, {"seeds": seeds, "summary": summary,
+                                      "reports": {str(k): v for k, v in reports.items()}})
+        print(f"wrote {args.output_json}", file=sys.stderr)
+    return summary
+
+
+def seed_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per seed and as mean [min, max]: each placement's per-GPU goodput and the ratio."""
+    rows = {}
+    for seed, rep in reports.items():
+        g = rep["goodput"]
+        rows[seed] = {"colocated": g["colocated"]["both"]["per_gpu_goodput_rps"],
+                      "disaggregated": g["disaggregated"]["both"]["per_gpu_goodput_rps"],
+                      "ratio": rep["ratio_disaggregated_over_colocated"]["both"]}
+    agg = {}
+    for key in ("colocated", "disaggregated", "ratio"):
+        vals = [r[key] for r in rows.values() if r[key] is not None]
+        agg[key] = {"mean": float(np.mean(vals)), "min": float(min(vals)),
+                    "max": float(max(vals))} if vals else None
+    return {"per_seed": rows, "aggregate": agg}
+
+
+def print_seed_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="per-GPU goodput (req/s, criterion both) over workload seeds")
+    for col in ("seed", "colocated", "disaggregated", "ratio"):
+        t.add_column(col, justify="right")
+    for seed, r in summary["per_seed"].items():
+        t.add_row(str(seed), f"{r['colocated']:.3f}", f"{r['disaggregated']:.3f}",
+                  "–" if r["ratio"] is None else f"{r['ratio']:.2f}x")
+    agg = summary["aggregate"]
+    cell = lambda a, f: "–" if a is None else f"{a['mean']:{f}} [{a['min']:{f}}, {a['max']:{f}}]"
+    t.add_row("mean [range]", cell(agg["colocated"], ".3f"), cell(agg["disaggregated"], ".3f"),
+              cell(agg["ratio"], ".2f"))
+    Console(width=150).print(t)
+
+
+def run_seed(args: argparse.Namespace, show: bool = True) -> dict[str, Any]:
+    """The whole comparison for ``args.seed``."""
     t_start = time.perf_counter()
     model = get_model_config(MODEL)
     workload, recipe = chatbot_workload(args.num_requests, args.seed, model.vocab_size,
                                         args.traces_dir, args.output_scale)
     colo_profile = VLLM_PROFILE if args.colocated_profile == "vllm" else args.profile
-    placements = make_placements(args.profile, model, args.lm, args.num_colocated,
+    placements = make_placements(args.profile, args.lm, args.num_colocated,
                                  args.num_prefill, args.num_decode, colo_profile)
     runner = Runner(model, workload, placements, SLO_CHATBOT, TARGET, not args.no_progress)
     checks = sanity(args.profile, model, recipe, args.lm)
@@ -438,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     report = build_report(args, recipe, placements, results, sweep, breakdown, checks, runner,
                           time.perf_counter() - t_start)
-    print_report(report)
+    if show:
+        print_report(report)
     if args.output_json:
         from pdserve.bench.report import write_json
 
@@ -473,7 +477,7 @@ def build_report(args: argparse.Namespace, recipe: Recipe, placements: dict[str,
         "lm": args.lm,
         "workload": recipe.__dict__,
         "placements": {n: {"label": p.label, "num_gpus": p.num_gpus,
-                           "instances": p.describe()} for n, p in placements.items()},
+                           "deployment": p.describe()} for n, p in placements.items()},
         "goodput": goodput, "ratio_disaggregated_over_colocated": ratio,
         "slo_scale_sweep": sweep, "breakdown_at_goodput": breakdown, "sanity": checks,
         "runs": runs, "num_runs": len(runs), "wall_s": wall,

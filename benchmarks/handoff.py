@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.cluster.runtime import ClusterRuntime, build_runtime
-from pdserve.cluster.transport import kv_bytes
-from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
+from pdserve.config import ClusterConfig, EngineConfig, ModelConfig, cdiv
 from pdserve.request import SamplingParams
 
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
@@ -57,9 +56,9 @@ async def measure(backend: str, model: str, lengths: list[int], repeats: int,
     engine = EngineConfig.from_kwargs(model, model_max_len=mc.max_position_embeddings,
                                       max_model_len=max(lengths) + 8, num_kv_blocks=256,
                                       max_num_batched_tokens=max(2048, max(lengths) + 8))
-    coloc = await build_runtime(ClusterConfig(engine=engine, backend=backend))
-    disagg = await build_runtime(ClusterConfig(engine=engine, strategy="disaggregated",
-                                               backend=backend))
+    coloc = await build_runtime(ClusterConfig.from_dict({"engine": engine, "backend": backend}))
+    disagg = await build_runtime(ClusterConfig.from_dict(
+        {"engine": engine, "strategy": "disaggregated", "backend": backend}))
     rng = np.random.default_rng(seed)
     fresh = lambda n: rng.integers(4, mc.vocab_size, n).tolist()  # noqa: E731
     rows = []
@@ -80,8 +79,8 @@ async def measure(backend: str, model: str, lengths: list[int], repeats: int,
                 samples["gap2_coloc"].append(tc.token_times[1] - tc.token_times[0])
                 samples["gap2_disagg"].append(td.token_times[1] - td.token_times[0])
             row = {"prompt_len": n,
-                   "kv_bytes": kv_bytes(mc, engine.dtype, -(-n // engine.cache.block_size),
-                                        engine.cache.block_size)}
+                   "kv_bytes": cdiv(n, engine.cache.block_size) * engine.cache.block_size
+                   * mc.kv_bytes_per_token(engine.dtype)}
             row.update({f"{k}_ms": 1000 * statistics.median(v) for k, v in samples.items()})
             row["handoff_p90_ms"] = 1000 * float(np.percentile(samples["handoff"], 90))
             rows.append(row)

@@ -1,7 +1,8 @@
 """``pdserve`` command line: one subcommand per job.
 
 Each subcommand module exposes ``register(subparsers)`` and sets ``func`` on its parser; a
-``func`` returns an exit code. Bad values end with ``error: <message>`` and exit code 2.
+``func`` returns an exit code. Bad values end with ``pdserve CMD: error: <message>`` and exit
+code 2 (:func:`pdserve.flags.guarded`, the one error wrapper).
 """
 
 from __future__ import annotations
@@ -11,23 +12,21 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Modules that add their own subcommands (serve; bench/goodput/compare; simulate; profile; demo).
+# Modules that add their own subcommands (serve; simulate/profile; bench/goodput/compare; demo).
+# pdserve.sim.target registers the `sim` benchmark target.
 _SUBCOMMAND_MODULES = (
     "pdserve.server.cli",
-    "pdserve.bench.cli",
+    "pdserve.sim.target",
     "pdserve.sim.cli",
+    "pdserve.bench.cli",
     "pdserve.demo",
 )
 
 
-class CLIError(ValueError):
-    """A bad command-line value; printed as ``error: ...`` with exit code 2."""
-
-
 def _generate(args: argparse.Namespace) -> int:
+    from pdserve.flags import engine_kwargs_from_args
     from pdserve.llm import LLM
     from pdserve.request import SamplingParams
-    from pdserve.server.cli import engine_kwargs_from_args
 
     model = args.model
     if model is None:
@@ -68,7 +67,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _register_builtin(sub: argparse._SubParsersAction) -> None:
-    from pdserve.server.cli import add_engine_args
+    from pdserve.flags import add_engine_flags, guarded
 
     g = sub.add_parser("generate", help="offline generation for one or more prompts",
                        description="Generate text with a local model (offline, one instance).")
@@ -88,8 +87,8 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--min-tokens", type=int, default=0)
     s.add_argument("--logprobs", type=int, default=None, help="also print sampled logprobs")
-    add_engine_args(g, exclude=("role", "prefill_token_target", "policy"))
-    g.set_defaults(func=_generate)
+    add_engine_flags(g, exclude=("role", "prefill_token_target", "policy"))
+    g.set_defaults(func=guarded("generate", _generate))
 
     t = sub.add_parser("make-tiny-model", help="write a random tiny model in Hugging Face layout",
                        description="Write a randomly initialised model (config.json, "
@@ -101,7 +100,7 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
                  "num-kv-heads", "max-position-embeddings"):
         t.add_argument(f"--{flag}", type=int, default=None)
     t.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    t.set_defaults(func=_make_tiny)
+    t.set_defaults(func=guarded("make-tiny-model", _make_tiny))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != name:  # the module exists but something it needs is missing
                 raise
             continue
-        mod.register(sub)
+        if hasattr(mod, "register"):
+            mod.register(sub)
     return parser
 
 
@@ -127,9 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError) as e:  # bad values surface as ValueError (config, params)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
 

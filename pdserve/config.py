@@ -2,14 +2,21 @@
 
 One dataclass per layer: :class:`ModelConfig` (architecture facts read from a Hugging Face
 ``config.json``; torch-free so the simulator can use it), :class:`CacheConfig` (KV block pool),
-:class:`SchedulerConfig` (iteration scheduler of one instance) and :class:`EngineConfig` (one
-model instance = the three above plus device/dtype/seed).
+:class:`SchedulerConfig` (iteration scheduler of one instance), :class:`EngineConfig` (one
+model instance = the three above plus device/dtype/seed) and :class:`ClusterConfig`, **the one
+deployment spec**: roles (count, parallelism, per-role engine settings), routers, KV links and
+node layout. The live runtime and the simulator both build their instances from
+:meth:`ClusterConfig.instance_specs`, and size KV pools with :func:`kv_cache_blocks`.
+
+Every field that is a command-line flag carries its help text in ``metadata["help"]``;
+:mod:`pdserve.flags` generates the flags from these fields.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -29,6 +36,19 @@ SUPPORTED_ARCHITECTURES = {
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+def _help(text: str, **kw: Any) -> Any:
+    """A dataclass field whose ``metadata["help"]`` becomes its flag's help text."""
+    return field(metadata={"help": text}, **kw)
+
+
+GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -160,23 +180,31 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache: ``num_kv_blocks`` blocks of ``block_size`` tokens.
 
-    ``num_kv_blocks=None`` sizes the pool from available memory: on CUDA a share
-    ``memory_utilization`` of the free device memory after the weights, on CPU ``cpu_kv_gib``.
+    ``num_kv_blocks=None`` sizes the pool from memory (:func:`kv_cache_blocks`): on a GPU a share
+    ``gpu_memory_utilization`` of the devices' memory minus the weights, on CPU ``cpu_kv_gib``.
     """
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    memory_utilization: float = 0.9
-    cpu_kv_gib: float = 1.0
+    block_size: int = _help("tokens per KV cache block", default=16)
+    num_kv_blocks: int | None = _help(
+        "KV cache blocks per instance (default: sized from memory)", default=None)
+    enable_prefix_caching: bool = _help("reuse the KV of shared prompt prefixes", default=True)
+    gpu_memory_utilization: float = _help(
+        "share of each GPU's memory for weights + KV cache", default=0.9)
+    cpu_kv_gib: float = _help("KV cache size of a CPU instance, in GiB", default=1.0)
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                  f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        _require(0.0 < self.memory_utilization <= 1.0,
-                 f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.cpu_kv_gib > 0, f"cpu_kv_gib must be > 0, got {self.cpu_kv_gib}")
+
+
+def default_token_budget(enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """vLLM's default ``max_num_batched_tokens``: 2048 with chunked prefill, else enough for the
+    longest prompt in one step."""
+    return 2048 if enable_chunked_prefill else max(2048, max_model_len)
 
 
 @dataclass(frozen=True)
@@ -187,18 +215,26 @@ class SchedulerConfig:
     and holds its KV for a decode instance to pull; ``decode`` admits only requests whose KV was
     imported. ``prefill_token_target`` is DistServe's L_m (section 4.3): a prefill instance batches
     whole prompts up to this many tokens, a longer prompt runs alone. ``None`` = the token budget.
+    ``max_num_batched_tokens=None`` = :func:`default_token_budget`.
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = _help(
+        "token budget of one step (default: 2048 with chunked prefill, else "
+        "max(2048, max_model_len))", default=None)
+    max_num_seqs: int = _help("most requests in one step", default=256)
+    max_model_len: int = _help(
+        "longest prompt + output (default: the model's max_position_embeddings)", default=2048)
+    enable_chunked_prefill: bool = _help(
+        "split long prompts over several steps (colocated and decode instances; prefill "
+        "instances batch whole prompts)", default=True)
     role: Role = "colocated"
-    prefill_token_target: int | None = None
-    policy: str = "fcfs"
+    prefill_token_target: int | None = _help(
+        "DistServe's L_m: a prefill instance batches whole prompts up to this many tokens "
+        "(default: the token budget)", default=None)
+    policy: str = _help("local waiting-queue policy", default="fcfs")
 
     def __post_init__(self) -> None:
-        _require(self.max_num_batched_tokens >= 1,
+        _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -206,10 +242,17 @@ class SchedulerConfig:
         _require(self.prefill_token_target is None or self.prefill_token_target >= 1,
                  f"prefill_token_target must be >= 1, got {self.prefill_token_target}")
         if not self.enable_chunked_prefill and self.role != "prefill":
-            _require(self.max_num_batched_tokens >= self.max_model_len,
+            _require(self.token_budget >= self.max_model_len,
                      "without chunked prefill max_num_batched_tokens "
-                     f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                     f"({self.token_budget}) must be >= max_model_len "
                      f"({self.max_model_len}) so that every prompt fits one step")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return default_token_budget(self.enable_chunked_prefill, self.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -217,9 +260,9 @@ class EngineConfig:
     """One model instance: model directory, device, dtype, cache and scheduler."""
 
     model: str = ""
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
+    device: str = _help("'cpu' or 'cuda[:N]'", default="cpu")
+    dtype: str = _help("weight and KV dtype", default="float32")
+    seed: int = _help("random seed of the model's sampler", default=0)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -228,25 +271,25 @@ class EngineConfig:
         _require(self.device == "cpu" or self.device.startswith("cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
-    # Keyword arguments accepted by ``LLM(model, **kwargs)`` and the CLI engine flags.
+    # Keyword arguments accepted by ``LLM(model, **kwargs)``, the deployment spec's ``engine``
+    # section and the engine flags (vLLM's names).
     KWARGS = (
         "device", "dtype", "seed", "block_size", "num_kv_blocks", "enable_prefix_caching",
-        "memory_utilization", "cpu_kv_gib", "max_num_batched_tokens", "max_num_seqs",
+        "gpu_memory_utilization", "cpu_kv_gib", "max_num_batched_tokens", "max_num_seqs",
         "max_model_len", "enable_chunked_prefill", "role", "prefill_token_target", "policy",
     )
 
     @classmethod
     def from_kwargs(cls, model: str, model_max_len: int | None = None, **kw: Any) -> EngineConfig:
-        """Build from flat keyword arguments (``LLM`` / CLI). Unknown names raise ``TypeError``.
+        """Build from flat keyword arguments (``LLM`` / CLI / deployment files). Unknown names
+        raise ``TypeError``; ``None`` values mean "the default".
 
-        ``max_model_len=None`` takes the model's ``max_position_embeddings`` (``model_max_len``);
-        ``max_num_batched_tokens=None`` picks vLLM's defaults (2048 with chunked prefill,
-        ``max_model_len`` without).
+        ``max_model_len=None`` takes the model's ``max_position_embeddings`` (``model_max_len``).
         """
         unknown = set(kw) - set(cls.KWARGS)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
-        kw = {k: v for k, v in kw.items() if v is not None or k == "num_kv_blocks"}
+        kw = {k: v for k, v in kw.items() if v is not None}
         cache_names = {f.name for f in fields(CacheConfig)}
         sched_names = {f.name for f in fields(SchedulerConfig)}
         cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_names})
@@ -258,9 +301,6 @@ class EngineConfig:
                 f"({model_max_len})"
             )
         sk["max_model_len"] = max_len
-        chunked = sk.get("enable_chunked_prefill", SchedulerConfig.enable_chunked_prefill)
-        if "max_num_batched_tokens" not in sk:
-            sk["max_num_batched_tokens"] = 2048 if chunked else max(2048, max_len)
         sched = SchedulerConfig(**sk)
         top = {k: v for k, v in kw.items() if k in ("device", "dtype", "seed")}
         return cls(model=model, cache=cache, scheduler=sched, **top)
@@ -268,65 +308,289 @@ class EngineConfig:
     def with_role(self, role: Role) -> EngineConfig:
         return replace(self, scheduler=replace(self.scheduler, role=role))
 
+    def to_kwargs(self) -> dict[str, Any]:
+        """The :attr:`KWARGS` values (``role`` excluded) that rebuild this config."""
+        parts = (self, self.cache, self.scheduler)
+        return {k: getattr(next(p for p in parts if hasattr(p, k)), k)
+                for k in self.KWARGS if k != "role"}
 
+
+def kv_cache_blocks(model: ModelConfig, engine: EngineConfig, *,
+                    device_memory_bytes: float | None, num_devices: int = 1,
+                    weight_bytes: float | None = None, reserved_bytes: float = 0.0) -> int:
+    """KV blocks of one instance — the one formula, for the real executor and the simulator.
+
+    ``cache.num_kv_blocks`` if set. Otherwise, on ``num_devices`` GPUs (TP × PP) of
+    ``device_memory_bytes`` each: ``num_devices × memory × gpu_memory_utilization − weights −
+    reserved`` (activations) over the bytes of one block; ``weight_bytes`` defaults to the
+    parameter count at the engine's dtype. On CPU (``device_memory_bytes=None``): ``cpu_kv_gib``.
+    Capped at what ``max_num_seqs`` requests of ``max_model_len`` tokens can use.
+    """
+    cache, sched = engine.cache, engine.scheduler
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    block_bytes = cache.block_size * model.kv_bytes_per_token(engine.dtype)
+    useful = cdiv(sched.max_model_len, cache.block_size) * sched.max_num_seqs + 1
+    if device_memory_bytes is None:
+        budget = cache.cpu_kv_gib * GiB
+        where = "CPU"
+    else:
+        weights = (model.num_params() * DTYPE_BYTES[engine.dtype] if weight_bytes is None
+                   else weight_bytes)
+        budget = (num_devices * device_memory_bytes * cache.gpu_memory_utilization - weights
+                  - reserved_bytes)
+        where = f"{num_devices} device(s) of {device_memory_bytes / GiB:.1f} GiB"
+    blocks = min(int(budget // block_bytes), useful)
+    if blocks < 1:
+        raise ValueError(f"{model.name or 'the model'} leaves no memory for the KV cache on "
+                         f"{where} (budget {budget / 2**20:.1f} MiB, one block is "
+                         f"{block_bytes} bytes)")
+    return blocks
+
+
+# ------------------------------------------------------------------------ the deployment spec
 STRATEGIES: tuple[str, ...] = ("colocated", "disaggregated")
 BACKENDS: tuple[str, ...] = ("inproc", "ray")
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
-    """A deployment: strategy, instance counts, routers, KV links and where instances run.
+class Link:
+    """A KV link: ``bandwidth_gb_per_s`` in GB/s per direction (``None`` = unlimited) and
+    ``latency_s`` per transfer. A transfer of ``n`` bytes takes at least
+    ``n / bandwidth + latency`` (TetriInfer's emulated network, DistServe §4.2's links)."""
 
-    ``colocated``: ``num_instances`` instances run both phases (vLLM-style). ``disaggregated``
-    (DistServe): ``num_prefill`` prefill instances batch whole prompts up to
-    ``prefill_token_target`` tokens (L_m, §4.3) and hold the KV until one of ``num_decode`` decode
-    instances pulls it. ``link_bandwidth_gbps``/``link_latency_ms`` emulate the KV link (a transfer
-    takes at least bytes / bandwidth + latency, as TetriInfer's evaluation did); ``None`` = as fast
-    as the transport goes. ``max_waiting_requests`` bounds requests accepted but not yet started.
-    """
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    strategy: str = "colocated"
-    num_instances: int = 1
-    num_prefill: int = 1
-    num_decode: int = 1
-    prefill_router: str = "shortest_queue"
-    decode_router: str = "least_load"
-    prefill_token_target: int | None = None
-    backend: str = "inproc"
-    ray_address: str | None = None
-    link_bandwidth_gbps: float | None = None
-    link_latency_ms: float = 0.0
-    max_waiting_requests: int = 1024
+    bandwidth_gb_per_s: float | None = None
+    latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(self.strategy in STRATEGIES,
-                 f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got "
-                 f"{self.backend!r}")
-        for name in ("num_instances", "num_prefill", "num_decode", "max_waiting_requests"):
-            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        _require(self.link_bandwidth_gbps is None or self.link_bandwidth_gbps > 0,
-                 f"link_bandwidth_gbps must be > 0, got {self.link_bandwidth_gbps}")
-        _require(self.link_latency_ms >= 0,
-                 f"link_latency_ms must be >= 0, got {self.link_latency_ms}")
-        _require(self.prefill_token_target is None or self.prefill_token_target >= 1,
-                 f"prefill_token_target must be >= 1, got {self.prefill_token_target}")
+        _require(self.bandwidth_gb_per_s is None or self.bandwidth_gb_per_s > 0,
+                 f"link bandwidth must be > 0 GB/s, got {self.bandwidth_gb_per_s}")
+        _require(self.latency_s >= 0, f"link latency must be >= 0 s, got {self.latency_s}")
 
-    def instance_configs(self) -> list[tuple[str, EngineConfig]]:
-        """``(instance_id, engine config)`` for every instance, roles applied."""
-        if self.strategy == "colocated":
-            return [(f"colocated-{i}", self.engine) for i in range(self.num_instances)]
-        sched = self.engine.scheduler
-        pre = replace(self.engine, scheduler=replace(
-            sched, role="prefill", enable_chunked_prefill=False,
-            prefill_token_target=self.prefill_token_target or sched.prefill_token_target))
-        dec = self.engine.with_role("decode")
-        return ([(f"prefill-{i}", pre) for i in range(self.num_prefill)]
-                + [(f"decode-{i}", dec) for i in range(self.num_decode)])
+    def min_time(self, nbytes: float) -> float:
+        t = self.latency_s
+        if self.bandwidth_gb_per_s is not None:
+            t += nbytes / (self.bandwidth_gb_per_s * 1e9)
+        return t
+
+    @property
+    def emulated(self) -> bool:
+        return self.bandwidth_gb_per_s is not None or self.latency_s > 0
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """The instances of one role: how many, their parallelism (TP × PP GPUs each) and the engine
+    settings they change from the deployment's (``engine``: :attr:`EngineConfig.KWARGS` names)."""
+
+    role: Role
+    count: int = 1
+    tp: int = 1
+    pp: int = 1
+    engine: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("count", "tp", "pp"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 1, f"{self.role} {name} must be an integer "
+                                                    f">= 1, got {v!r}")
+        bad = set(self.engine) - set(EngineConfig.KWARGS) | ({"role"} & set(self.engine))
+        _require(not bad, f"{self.role} engine: unknown setting(s) {sorted(bad)}; known: "
+                          f"{', '.join(k for k in EngineConfig.KWARGS if k != 'role')}")
+        object.__setattr__(self, "engine", dict(self.engine))
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One instance of a deployment, as both drivers build it."""
+
+    instance_id: str
+    role: Role
+    engine: EngineConfig
+    tp: int = 1
+    pp: int = 1
+    node: int = 0
 
     @property
     def num_gpus(self) -> int:
-        if self.strategy == "colocated":
-            return self.num_instances
-        return self.num_prefill + self.num_decode
+        return self.tp * self.pp
+
+
+# A prefill instance batches whole prompts (DistServe §4.3): it never chunks.
+_ROLE_DEFAULTS: dict[str, dict[str, Any]] = {"prefill": {"enable_chunked_prefill": False}}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A deployment: the one spec from which the live runtime and the simulator build instances.
+
+    ``engine`` holds the engine settings every role shares (``EngineConfig.KWARGS`` names, vLLM's);
+    ``roles`` the instances — colocated (vLLM-style) or prefill + decode (DistServe), each role
+    with its count, TP/PP and engine overrides. ``kv_link`` joins instances on one node (live: an
+    emulated link, ``None`` = as fast as the transport goes; simulated: ``None`` = the device's
+    intra-node link), ``inter_node_link`` instances on different nodes; instances fill nodes of
+    ``gpus_per_node`` GPUs in order (``None``: one node). ``max_waiting_requests`` bounds
+    requests accepted but not yet started. Build it with :meth:`from_dict` (files, flags).
+    """
+
+    model: str = ""
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    roles: tuple[RoleSpec, ...] = (RoleSpec("colocated"),)
+    prefill_router: str = "shortest_queue"
+    decode_router: str = "least_load"
+    kv_link: Link | None = None
+    inter_node_link: Link | None = None
+    gpus_per_node: int | None = None
+    backend: str = "ray"
+    ray_address: str | None = None
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got "
+                 f"{self.backend!r}")
+        _require(self.max_waiting_requests >= 1,
+                 f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        _require(self.gpus_per_node is None or self.gpus_per_node >= 1,
+                 f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        object.__setattr__(self, "roles", tuple(self.roles))
+        names = [r.role for r in self.roles]
+        _require(len(set(names)) == len(names), f"each role may appear once, got {names}")
+        _require(sorted(names) in (["colocated"], ["decode", "prefill"]),
+                 f"roles must be [colocated] or [prefill, decode], got {names}")
+        object.__setattr__(self, "engine", dict(self.engine))
+        self.engine_config()  # validates the shared engine settings now
+        if self.gpus_per_node is not None:
+            for r in self.roles:
+                _require(r.tp * r.pp <= self.gpus_per_node,
+                         f"a {r.role} instance needs tp*pp={r.tp * r.pp} GPUs, more than "
+                         f"gpus_per_node={self.gpus_per_node}")
+
+    @property
+    def strategy(self) -> str:
+        return "colocated" if self.roles[0].role == "colocated" else "disaggregated"
+
+    def role(self, name: str) -> RoleSpec | None:
+        return next((r for r in self.roles if r.role == name), None)
+
+    def engine_config(self, role: RoleSpec | None = None,
+                      model_max_len: int | None = None) -> EngineConfig:
+        """The engine of ``role``'s instances (``None``: the shared settings, colocated)."""
+        kw = dict(self.engine)
+        if role is not None:
+            kw.update(_ROLE_DEFAULTS.get(role.role, {}))
+            kw.update(role.engine)
+            kw["role"] = role.role
+        return EngineConfig.from_kwargs(self.model, model_max_len=model_max_len, **kw)
+
+    def instance_specs(self, model_max_len: int | None = None) -> list[InstanceSpec]:
+        """Every instance, roles applied, placed on nodes in order."""
+        out: list[InstanceSpec] = []
+        gpus = 0
+        for r in self.roles:
+            engine = self.engine_config(r, model_max_len)
+            for i in range(r.count):
+                need = r.tp * r.pp
+                if self.gpus_per_node is not None and gpus % self.gpus_per_node + need > \
+                        self.gpus_per_node:
+                    gpus += self.gpus_per_node - gpus % self.gpus_per_node  # next node
+                node = gpus // self.gpus_per_node if self.gpus_per_node else 0
+                out.append(InstanceSpec(f"{r.role}-{i}", r.role, engine, r.tp, r.pp, node))
+                gpus += need
+        return out
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(r.count * r.tp * r.pp for r in self.roles)
+
+    # ---- files and flags ----
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterConfig:
+        """From a deployment file's mapping or the flags' values (``None`` = not given).
+
+        Besides the fields, the shorthand of the command line is accepted: ``strategy``,
+        ``num_instances`` (colocated), ``num_prefill``/``num_decode``, ``tp``/``pp`` (every
+        role), ``prefill_tp``/``prefill_pp``/``decode_tp``/``decode_pp``,
+        ``prefill_token_target`` (L_m of prefill instances), engine settings at the top level,
+        and links as ``{bandwidth_gb_per_s, latency_s}`` mappings. Shorthand overrides ``roles``.
+        """
+        d = {k.replace("-", "_"): v for k, v in d.items() if v is not None}
+        known = {f.name for f in fields(cls)}
+        short = {k: d.pop(k) for k in _SHORTHAND if k in d}
+        engine = d.pop("engine", None) or {}
+        if isinstance(engine, EngineConfig):
+            d.setdefault("model", engine.model)
+            engine = engine.to_kwargs()
+        engine = dict(engine)
+        for k in list(d):
+            if k in EngineConfig.KWARGS:
+                engine[k] = d.pop(k)
+        roles = [r if isinstance(r, RoleSpec) else _role_from_dict(r)
+                 for r in d.pop("roles", None) or []]
+        roles = _apply_shorthand(roles, short)
+        unknown = set(d) - known
+        _require(not unknown, f"unknown deployment setting(s) {sorted(unknown)}; known: "
+                              f"{', '.join(sorted(known | set(_SHORTHAND)))}")
+        for name in ("kv_link", "inter_node_link"):
+            if isinstance(d.get(name), Mapping):
+                d[name] = Link(**d[name])
+            elif isinstance(d.get(name), str):  # a catalogue link (nvlink3, eth-25g, ...)
+                from pdserve.sim.hardware import get_link
+
+                spec = get_link(d[name])
+                d[name] = Link(spec.bandwidth_gbs, spec.latency_s)
+        return cls(engine=engine, roles=tuple(roles), **d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping :meth:`from_dict` reads back (a deployment file's content)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "roles":
+                v = [{"role": r.role, "count": r.count, "tp": r.tp, "pp": r.pp,
+                      **({"engine": dict(r.engine)} if r.engine else {})} for r in v]
+            elif isinstance(v, Link):
+                v = {"bandwidth_gb_per_s": v.bandwidth_gb_per_s, "latency_s": v.latency_s}
+            elif isinstance(v, Mapping):
+                v = dict(v)
+            out[f.name] = v
+        return out
+
+
+_SHORTHAND = ("strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
+              "prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "prefill_token_target")
+
+
+def _role_from_dict(d: Any) -> RoleSpec:
+    _require(isinstance(d, Mapping) and "role" in d,
+             f"each entry of roles must be a mapping with a 'role', got {d!r}")
+    unknown = set(d) - {f.name for f in fields(RoleSpec)}
+    _require(not unknown, f"role {d['role']!r}: unknown key(s) {sorted(unknown)}")
+    return RoleSpec(**d)
+
+
+def _apply_shorthand(roles: list[RoleSpec], short: dict[str, Any]) -> list[RoleSpec]:
+    strategy = short.get("strategy")
+    _require(strategy is None or strategy in STRATEGIES,
+             f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    current = "colocated" if not roles or roles[0].role == "colocated" else "disaggregated"
+    if strategy is not None and strategy != current or not roles:
+        strategy = strategy or "colocated"
+        names = ["colocated"] if strategy == "colocated" else ["prefill", "decode"]
+        roles = [RoleSpec(n) for n in names]
+    out = []
+    for r in roles:
+        kw: dict[str, Any] = {}
+        count = short.get({"colocated": "num_instances", "prefill": "num_prefill",
+                           "decode": "num_decode"}[r.role])
+        if count is not None:
+            kw["count"] = count
+        for dim in ("tp", "pp"):
+            v = short.get(f"{r.role}_{dim}", short.get(dim))
+            if v is not None:
+                kw[dim] = v
+        engine = dict(r.engine)
+        if r.role == "prefill" and short.get("prefill_token_target") is not None:
+            engine["prefill_token_target"] = short["prefill_token_target"]
+        out.append(replace(r, engine=engine, **kw))
+    return out

@@ -23,6 +23,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pdserve.config import BACKENDS, ClusterConfig
+from pdserve.flags import guarded, one_line_errors, positive, positive_int, share
+
 DEFAULT_SLO_TTFT = 0.25  # seconds; the tiny model prefills ~1k tokens in ~10 ms on one core
 DEFAULT_SLO_TPOT = 0.05  # seconds; one decode step takes a few ms, HTTP streaming adds more
 
@@ -41,56 +44,48 @@ class Deployment:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand (``args.func(args)`` → exit code)."""
-    p = subparsers.add_parser(
+    p = one_line_errors(subparsers.add_parser(
         "demo", help="compare colocated and disaggregated serving of a tiny model (~1-2 min)",
         description="Serve the built-in tiny model as colocated (2 instances) and disaggregated "
                     "(1 prefill + 1 decode) deployments over HTTP, replay the same synthetic "
-                    "workload against each and print TTFT, TPOT and SLO attainment.")
-    p.add_argument("--backend", choices=("ray", "inproc", "inprocess"), default="ray",
+                    "workload against each and print TTFT, TPOT and SLO attainment."))
+    p.add_argument("--backend", choices=BACKENDS, default=ClusterConfig.backend,
                    help="instances as Ray actors or threads in this process "
                         "(default: %(default)s)")
     p.add_argument("--model", metavar="DIR",
                    help="model directory (default: the built-in tiny llama, made on first use)")
-    p.add_argument("--num-kv-blocks", type=int, default=512,
+    p.add_argument("--num-kv-blocks", type=positive_int, default=512,
                    help="KV cache blocks (of 16 tokens) per instance (default: %(default)s)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="chatbot",
                    help="pdserve.bench workload spec (default: %(default)s)")
-    w.add_argument("--num-requests", type=int, default=40,
+    w.add_argument("--num-requests", type=positive_int, default=40,
                    help="requests sent to each deployment (default: %(default)s)")
-    w.add_argument("--rate", type=float, default=4.0,
+    w.add_argument("--rate", type=positive, default=4.0,
                    help="mean Poisson arrival rate in requests/s (default: %(default)s)")
-    w.add_argument("--length-scale", type=float, default=0.25,
+    w.add_argument("--length-scale", type=positive, default=0.25,
                    help="multiply prompt and output lengths by this (default: %(default)s)")
-    w.add_argument("--max-model-len", type=int, default=1024,
+    w.add_argument("--max-model-len", type=positive_int, default=1024,
                    help="context of the served model; longer requests are clipped "
                         "(default: %(default)s)")
     w.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     s = p.add_argument_group("SLOs")
-    s.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO_TTFT,
+    s.add_argument("--slo-ttft", type=positive, default=DEFAULT_SLO_TTFT,
                    help="time-to-first-token objective in seconds (default: %(default)s)")
-    s.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT,
+    s.add_argument("--slo-tpot", type=positive, default=DEFAULT_SLO_TPOT,
                    help="time-per-output-token objective in seconds (default: %(default)s)")
-    s.add_argument("--attainment", type=float, default=0.9,
+    s.add_argument("--attainment", type=share, default=0.9,
                    help="target share of requests meeting both SLOs (default: %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--output-json", metavar="FILE", help="also write the summaries as JSON")
-    p.set_defaults(func=run)
+    p.set_defaults(func=guarded("demo", run))
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.metrics import SLO
 
-    for name in ("num_requests", "max_model_len", "num_kv_blocks"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("rate", "length_scale"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    if not 0 < args.attainment <= 1:
-        raise ValueError("--attainment must be in (0, 1]")
     slo = SLO(args.slo_ttft, args.slo_tpot)
     console = Console(stderr=True)
     # The bench client logs nothing; quiet the runtime's per-request info lines.
@@ -101,30 +96,24 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.bench.report import write_json
 
         write_json(args.output_json, {
-            "slo": {"ttft": slo.ttft, "tpot": slo.tpot}, "backend": _backend(args),
+            "slo": {"ttft": slo.ttft, "tpot": slo.tpot}, "backend": args.backend,
             "summaries": {label: s.to_dict() for label, s in summaries.items()}})
     failed = sum(s.num_failed for s in summaries.values())
     return 1 if failed == sum(s.num_requests for s in summaries.values()) else 0
 
 
-def _backend(args: argparse.Namespace) -> str:
-    return "inproc" if args.backend in ("inproc", "inprocess") else "ray"
-
-
 def _deployments(args: argparse.Namespace, model: str) -> list[Deployment]:
-    from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
+    from pdserve.config import ModelConfig
 
     mc = ModelConfig.from_dir(model)
-    max_len = min(args.max_model_len, mc.max_position_embeddings)
-    engine = EngineConfig.from_kwargs(model, model_max_len=mc.max_position_embeddings,
-                                      max_model_len=max_len, num_kv_blocks=args.num_kv_blocks)
-    backend = _backend(args)
+    base = {"model": model, "backend": args.backend,
+            "engine": {"max_model_len": min(args.max_model_len, mc.max_position_embeddings),
+                       "num_kv_blocks": args.num_kv_blocks}}
     return [
-        Deployment("colocated (2 instances)", ClusterConfig(
-            engine=engine, strategy="colocated", num_instances=2, backend=backend)),
-        Deployment("disaggregated (1P + 1D)", ClusterConfig(
-            engine=engine, strategy="disaggregated", num_prefill=1, num_decode=1,
-            backend=backend)),
+        Deployment("colocated (2 instances)", ClusterConfig.from_dict(
+            {**base, "strategy": "colocated", "num_instances": 2})),
+        Deployment("disaggregated (1P + 1D)", ClusterConfig.from_dict(
+            {**base, "strategy": "disaggregated", "num_prefill": 1, "num_decode": 1})),
     ]
 
 
@@ -137,7 +126,7 @@ async def _demo(args: argparse.Namespace, slo: Any, console: Console) -> dict[st
     with console.status("making the tiny model..."):
         model = args.model or _default_model()
     deps = _deployments(args, model)
-    backend = _backend(args)
+    backend = args.backend
     started_ray = False
     try:
         if backend == "ray":
@@ -148,7 +137,7 @@ async def _demo(args: argparse.Namespace, slo: Any, console: Console) -> dict[st
             await asyncio.gather(*(_start(d) for d in deps))
         console.print(f"[dim]{len(deps)} deployments up in {time.monotonic() - t0:.0f} s: "
                       + ", ".join(f"{d.label} at {d.url}" for d in deps) + "[/dim]")
-        max_len = deps[0].config.engine.scheduler.max_model_len
+        max_len = deps[0].runtime.max_model_len
         with warnings.catch_warnings():  # without shared/traces: the bundled ShareGPT sample
             warnings.filterwarnings("ignore", message="trace folder not found")
             workload = make_workload(args.workload, args.num_requests, seed=args.seed,
@@ -239,7 +228,7 @@ def _print_table(summaries: dict[str, Any], slo: Any, args: argparse.Namespace,
                  console: Console) -> None:
     labels = list(summaries)
     table = Table(title=f"pdserve demo: {args.num_requests} requests, Poisson {args.rate:g} "
-                        f"req/s, backend {_backend(args)}",
+                        f"req/s, backend {args.backend}",
                   caption=f"SLO: TTFT ≤ {slo.ttft * 1000:g} ms and TPOT ≤ "
                           f"{slo.tpot * 1000:g} ms (target {args.attainment:.0%})")
     table.add_column("metric")

@@ -27,7 +27,9 @@ class LLM:
         self.config = EngineConfig.from_kwargs(
             model, model_max_len=model_config.max_position_embeddings, **engine_kwargs)
         self.tokenizer = load_tokenizer(model)
-        self.engine = Engine(self.config, tokenizer=self.tokenizer)
+        from pdserve.engine.model_executor import ModelExecutor
+
+        self.engine = Engine(self.config, ModelExecutor(self.config), tokenizer=self.tokenizer)
         self._ids = itertools.count()
 
     def generate(

@@ -10,8 +10,6 @@ runs them standalone.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,44 +33,20 @@ from pdserve.bench.runner import (
     run_workload,
 )
 from pdserve.bench.targets import Target, make_target, target_names
-from pdserve.bench.traces import TraceNotFoundError
 from pdserve.bench.workloads import Workload, workload_names
+from pdserve.flags import UsageError, guarded, load_file, positive, positive_int
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     _err.print(msg, markup=False)
 
 
 # ------------------------------------------------------------------------------- value types
-def _number(text: str, kind: type = float) -> float:
-    try:
-        v = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return v
-
-
-def positive(text: str) -> float:
-    v = _number(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    v = int(_number(text, int))
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return v
-
-
 def fraction(text: str) -> float:
     """0.9 or 90 (percent) → 0.9."""
-    v = _number(text)
+    v = positive(text)
     v = v / 100 if 1 < v <= 100 else v
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be a share in (0, 1] or a percentage, "
@@ -96,8 +70,9 @@ def key_value(text: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------ flags
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The workload and arrival flags (shared with ``pdserve simulate``)."""
+def add_workload_args(p: argparse.ArgumentParser, max_model_len: bool = True) -> None:
+    """The workload and arrival flags (shared with ``pdserve simulate``, whose engine flags
+    hold ``--max-model-len``: ``max_model_len=False``)."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="chatbot", metavar="NAME[:k=v,...]|FILE.jsonl",
                    help=f"one of: {', '.join(workload_names())}")
@@ -108,8 +83,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--cv", type=positive, help="coefficient of variation for --arrival gamma")
     w.add_argument("--vocab-size", type=positive_int, default=32000,
                    help="synthetic token ids are drawn below this (the served model's vocab)")
-    w.add_argument("--max-model-len", type=positive_int,
-                   help="clip requests to this context (default: what the server reports)")
+    if max_model_len:
+        w.add_argument("--max-model-len", type=positive_int,
+                       help="clip requests to this context (default: what the server reports)")
     w.add_argument("--length-scale", type=scale_arg, default=1.0,
                    help="multiply prompt and output lengths (or 'fit': P99 fits the context)")
     w.add_argument("--prompt-mode", choices=("auto", "ids"), default="auto",
@@ -190,14 +166,14 @@ def register(subparsers: Any) -> None:
     _add_common(b)
     b.add_argument("--rate", type=positive,
                    help="mean arrival rate, req/s (timestamped traces: default their own)")
-    b.set_defaults(func=lambda a: _guarded("bench", cmd_bench, a))
+    b.set_defaults(func=guarded("bench", cmd_bench))
 
     g = subparsers.add_parser("goodput", help="find the highest rate meeting the SLO target",
                               description="Goodput search by expanding bisection on the rate.")
     _add_common(g)
     g.add_argument("--rate", type=positive, help="first upper rate to probe (default 1)")
     _add_search(g)
-    g.set_defaults(func=lambda a: _guarded("goodput", cmd_goodput, a))
+    g.set_defaults(func=guarded("goodput", cmd_goodput))
 
     c = subparsers.add_parser("compare", help="goodput of several targets on one workload",
                               description="Run the same workload against several targets.")
@@ -206,26 +182,11 @@ def register(subparsers: Any) -> None:
     c.add_argument("--rates", type=rate_list, metavar="R1,R2,...",
                    help="probe this grid of rates instead of searching")
     _add_search(c)
-    c.set_defaults(func=lambda a: _guarded("compare", cmd_compare, a))
+    c.set_defaults(func=guarded("compare", cmd_compare))
 
 
 # ---------------------------------------------------------------------------------- helpers
-class UsageError(ValueError):
-    pass
-
-
-def _guarded(cmd: str, fn: Any, args: argparse.Namespace) -> int:
-    try:
-        return fn(args)
-    except (ValueError, TraceNotFoundError, NotImplementedError) as e:
-        _say(f"pdserve {cmd}: error: {e}")
-        return 2
-    except (ConnectionError, RuntimeError) as e:
-        _say(f"pdserve {cmd}: failed: {e}")
-        return 1
-
-
-def _settings(args: argparse.Namespace) -> Settings:
+def settings_from_args(args: argparse.Namespace) -> Settings:
     tok = None
     if args.tokenizer:
         from pdserve.tokenizer import load_tokenizer
@@ -241,7 +202,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _setup(args: argparse.Namespace, target: Target, rate: float | None,
            need_slo: bool) -> tuple[Settings, Workload]:
-    s = _settings(args)
+    s = settings_from_args(args)
     prepare(target)
     w = build_workload(target, s, rate)
     s.slo = resolve_slo(s, w, args.slo_ttft, args.slo_tpot)
@@ -249,7 +210,7 @@ def _setup(args: argparse.Namespace, target: Target, rate: float | None,
         raise UsageError(f"workload {w.name!r} has no default SLO: give --slo-ttft and "
                          "--slo-tpot")
     if w.scaling.num_clipped:
-        _say(f"{w.scaling.num_clipped} of {len(w)} requests clipped to "
+        say(f"{w.scaling.num_clipped} of {len(w)} requests clipped to "
                    f"max_model_len={w.scaling.max_model_len}")
     return s, w
 
@@ -259,22 +220,22 @@ def _target(args: argparse.Namespace, spec: str, name: str | None = None) -> Tar
     return make_target(spec, args, name)
 
 
-def _header(s: Settings, w: Workload) -> dict[str, Any]:
+def report_header(s: Settings, w: Workload) -> dict[str, Any]:
     return {"workload": w.describe(), "slo": None if s.slo is None else vars(s.slo),
             "target_attainment": s.target, "criterion": s.criterion}
 
 
-def _write(args: argparse.Namespace, md: str, data: dict[str, Any]) -> None:
+def write_report(args: argparse.Namespace, md: str, data: dict[str, Any]) -> None:
     print(md)
     if args.output_md:
         Path(args.output_md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_md).write_text(md)
     if args.output_json:
         report.write_json(args.output_json, data)
-        _say(f"wrote {args.output_json}")
+        say(f"wrote {args.output_json}")
 
 
-def _plots(args: argparse.Namespace, s: Settings, runs: dict[str, Run | None],
+def write_plots(args: argparse.Namespace, s: Settings, runs: dict[str, Run | None],
            searches: dict[str, SearchRun] | None = None,
            gpus: dict[str, int] | None = None) -> None:
     if not args.plot:
@@ -300,7 +261,7 @@ def _plots(args: argparse.Namespace, s: Settings, runs: dict[str, Run | None],
     if bds:
         paths.append(report.plot_breakdown(bds, d / "breakdown.png"))
     for p in paths:
-        _say(f"wrote {p}")
+        say(f"wrote {p}")
 
 
 def _log_probe(name: str) -> Any:
@@ -317,9 +278,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     s, w = _setup(args, target, args.rate, need_slo=False)
     run = run_workload(target, w, s)
     md = report.summary_markdown(run.summary, f"{target.name} · {w.name} · {len(w)} requests")
-    _write(args, md, {"command": "bench", "target": target.name, "num_gpus": target.num_gpus,
-                      **_header(s, w), **run.to_dict(args.save_records)})
-    _plots(args, s, {target.name: run})
+    write_report(args, md, {"command": "bench", "target": target.name, "num_gpus": target.num_gpus,
+                      **report_header(s, w), **run.to_dict(args.save_records)})
+    write_plots(args, s, {target.name: run})
     return 0
 
 
@@ -346,9 +307,9 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     md = report.probes_markdown(sr.result)
     if sr.best:
         md += "\n" + report.summary_markdown(sr.best.summary, "at the goodput rate")
-    _write(args, md, {"command": "goodput", "target": target.name, **_header(s, w),
+    write_report(args, md, {"command": "goodput", "target": target.name, **report_header(s, w),
                       **_search_dict(sr, args.save_records)})
-    _plots(args, s, {target.name: sr.best}, {target.name: sr}, {target.name: target.num_gpus})
+    write_plots(args, s, {target.name: sr.best}, {target.name: sr}, {target.name: target.num_gpus})
     return 0
 
 
@@ -385,19 +346,10 @@ def _compare_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _read_config(path: str) -> list[dict[str, Any]]:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"targets config {path!r} does not exist")
-    text = p.read_text()
     try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # json or yaml syntax error, or no yaml module
-        raise UsageError(f"cannot read targets config {path!r}: {e}") from None
+        data = load_file(path, "targets config")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     items = data.get("targets") if isinstance(data, dict) else data
     if not isinstance(items, list) or not all(isinstance(i, dict) and "target" in i
                                               for i in items):
@@ -431,8 +383,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                         **_search_dict(sr, args.save_records)})
     assert s is not None
     md = report.compare_markdown(rows)
-    _write(args, md, {"command": "compare", **_header(s, w), "targets": entries})
-    _plots(args, s, {k: sr.best for k, sr in searches.items()}, searches,
+    write_report(args, md, {"command": "compare", **report_header(s, w), "targets": entries})
+    write_plots(args, s, {k: sr.best for k, sr in searches.items()}, searches,
            {t.name: t.num_gpus for t in targets})
     return 0
 

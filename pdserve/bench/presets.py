@@ -150,6 +150,35 @@ def _sharegpt_class(heavy_in: bool | None, heavy_out: bool | None) -> Callable[.
     return build
 
 
+DISTSERVE_MAX_LEN = 2048  # OPT's context: DistServe drops prompt + output >= 2048
+DISTSERVE_MIN_LEN = 4  # and pairs whose prompt and output are both shorter than this
+
+
+def distserve_filter(input_lens: np.ndarray, output_lens: np.ndarray) -> np.ndarray:
+    """DistServe's ShareGPT pruning (§6.1 and its released data preparation): drop pairs with
+    prompt and output both < 4 tokens and pairs with prompt + output >= 2048 tokens."""
+    too_short = (input_lens < DISTSERVE_MIN_LEN) & (output_lens < DISTSERVE_MIN_LEN)
+    too_long = input_lens + output_lens >= DISTSERVE_MAX_LEN
+    return ~too_short & ~too_long
+
+
+def _distserve_chatbot(n: int, rng: np.random.Generator, p: dict[str, float],
+                       d: str | None) -> Selection:
+    """DistServe's chatbot recipe on the ShareGPT length table: its two filters, then a uniform
+    sample without replacement; ``output_scale`` (sensitivity studies; 1 = the recipe)
+    multiplies every output length (``max(1, round(o * s))``)."""
+    t = load_trace("sharegpt", d)
+    keep = np.flatnonzero(distserve_filter(t.input_lens, t.output_lens))
+    if n > len(keep):
+        raise ValueError(f"only {len(keep)} ShareGPT rows pass DistServe's filters; asked for {n}")
+    rows = keep[rng.choice(len(keep), size=n, replace=False)]
+    sel = _from_trace(t, rows)
+    if p["output_scale"] != 1.0:
+        sel.output_lens = np.maximum(1, np.rint(sel.output_lens * p["output_scale"])).astype(
+            np.int64)
+    return sel
+
+
 def _summarization(n: int, rng: np.random.Generator, p: dict[str, float],
                    d: str | None) -> Selection:
     t = load_trace("arxiv", d)
@@ -205,6 +234,10 @@ _TETRI = "TetriInfer §5.1 class {} from ShareGPT (heavy prompt > 512, heavy out
 PRESETS: dict[str, Preset] = {
     "chatbot": Preset("chatbot", "DistServe §6.1 chatbot: ShareGPT lengths, Poisson arrivals",
                       _sharegpt_class(None, None), dict(_HEAVY), default_slo=_CHAT_SLO),
+    "distserve-chatbot": Preset(
+        "distserve-chatbot", "DistServe §6.1 chatbot recipe: ShareGPT pairs filtered as "
+        "DistServe does (prompt + output < 2048, not both < 4), sampled without replacement",
+        _distserve_chatbot, {"output_scale": 1.0}, default_slo=_CHAT_SLO),
     "code": Preset("code", "DistServe §6.1 code completion: HumanEval prompt text, output = "
                            "canonical solution length", _code, default_slo=SLO(0.125, 0.2)),
     "summarization": Preset("summarization", "DistServe §6.1 summarization: arXiv summarization "
@@ -264,6 +297,8 @@ def _check_params(name: str, p: dict[str, float]) -> None:
     for key, val in p.items():
         if not math.isfinite(val) or val < 0 or (key in positive and val < 1):
             raise ValueError(f"workload {name!r}: {key}={val:g} is out of range")
+    if name == "distserve-chatbot" and not p["output_scale"] > 0:
+        raise ValueError(f"workload {name!r}: output_scale must be > 0")
     if name == "prefix" and p["shared_len"] + p["unique_len"] < 1:
         raise ValueError("workload 'prefix' needs shared_len + unique_len >= 1")
 

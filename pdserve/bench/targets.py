@@ -1,5 +1,6 @@
 """What a benchmark runs against: a served endpoint (``HttpTarget``) or a registered factory
-(``sim``, the simulator, once ``pdserve.sim.target`` exists; tests register fakes).
+(``sim``: :mod:`pdserve.sim.target` registers the simulator when imported; tests register
+fakes).
 
 A target runs a list of :class:`~pdserve.bench.workloads.WorkloadRequest` (arrival times are
 offsets in seconds from the start of the run) and returns one
@@ -9,7 +10,6 @@ per-GPU numbers divide by.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
@@ -65,20 +65,6 @@ def register_target(name: str, factory: TargetFactory) -> None:
     """Make ``--target NAME`` build ``factory(args)`` (``args``: the CLI namespace; its
     ``target_options`` dict holds ``--target-option KEY=VALUE`` pairs)."""
     _FACTORIES[name] = factory
-
-
-def _sim_factory(args: Any) -> Target:
-    try:
-        mod = importlib.import_module("pdserve.sim.target")
-    except ModuleNotFoundError as e:
-        if e.name not in ("pdserve.sim.target", "pdserve.sim"):
-            raise
-        raise NotImplementedError(
-            "the simulator target needs pdserve.sim.simulator (not built yet)") from None
-    return mod.make_sim_target(args)
-
-
-register_target("sim", _sim_factory)
 
 
 def target_names() -> list[str]:

@@ -312,6 +312,11 @@ class Controller:
         for req in list(self.requests.values()):
             if instance_id not in req.placed:
                 continue
+            if req.num_dispatches >= MAX_DISPATCHES:
+                acts += self._fail(req, f"instance {instance_id} failed and the request was "
+                                        f"already dispatched {req.num_dispatches} times",
+                                   skip=instance_id)
+                continue
             acts += self._aborts(req, skip=instance_id)
             self._detach_all(req)
             acts += self._dispatch(req, now)

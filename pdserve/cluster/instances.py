@@ -10,11 +10,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pdserve.cluster.worker import Command, InstanceWorker, StepReport
+from pdserve.cluster.worker import Command, ImportKV, InstanceWorker, PullFailed, StepReport
 from pdserve.config import EngineConfig
+
+
+def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
+                num_threads: int | None = None) -> InstanceWorker:
+    """An instance over the real model: loads the weights (and the tokenizer unless given)."""
+    from pdserve.engine.model_executor import ModelExecutor
+    from pdserve.tokenizer import load_tokenizer
+
+    executor = ModelExecutor(config, num_threads=num_threads)
+    return InstanceWorker(instance_id, config, executor,
+                          tokenizer=tokenizer if tokenizer is not None
+                          else load_tokenizer(config.model))
 
 
 class InstanceDeadError(RuntimeError):
@@ -26,6 +39,11 @@ class InstanceClient:
     role: str
     num_kv_blocks: int
     block_size: int
+
+    def start_step(self, commands: list[Command], now: float) -> Awaitable[StepReport]:
+        """Submit ``handle(commands, now)`` now (before returning) and return an awaitable of its
+        report, so that a driver can start a step and then do other work while it runs."""
+        return asyncio.ensure_future(self.handle(commands, now))
 
     async def handle(self, commands: list[Command], now: float) -> StepReport:
         raise NotImplementedError
@@ -68,8 +86,16 @@ class InProcessInstance(InstanceClient):
             raise InstanceDeadError(f"instance {self.instance_id} is dead")
         return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
 
+    def start_step(self, commands: list[Command], now: float) -> Awaitable[StepReport]:
+        if self.dead:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(InstanceDeadError(f"instance {self.instance_id} is dead"))
+            return fut
+        return asyncio.get_running_loop().run_in_executor(self._pool, self.worker.handle,
+                                                          commands, now)
+
     async def handle(self, commands: list[Command], now: float) -> StepReport:
-        return await self._call(self.worker.handle, commands, now)
+        return await self.start_step(commands, now)
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
         return await self._call(self.worker.export_kv, request_id, first_block,
@@ -87,18 +113,33 @@ class InProcessInstance(InstanceClient):
         self._export_pool.shutdown(wait=False, cancel_futures=True)
 
 
-class _RayWorker(InstanceWorker):
-    """The actor body: one instance per actor process, one torch thread on CPU."""
+class _RayWorker:
+    """The actor body: one instance per actor process, one torch thread on CPU. KV pulls happen
+    here (``ray.get`` of the source's export), before the sans-IO worker sees the command."""
 
     def __init__(self, instance_id: str, config: EngineConfig) -> None:
-        if config.device == "cpu":
-            import torch
-
-            torch.set_num_threads(1)
-        super().__init__(instance_id, config)
+        self.worker = load_worker(instance_id, config, num_threads=1)
 
     def info(self) -> tuple[str, int, int]:
-        return self.role, self.num_kv_blocks, self.engine.config.cache.block_size
+        w = self.worker
+        return w.role, w.num_kv_blocks, w.engine.config.cache.block_size
+
+    def handle(self, commands: list[Command], now: float) -> StepReport:
+        import ray
+
+        for i, cmd in enumerate(commands):
+            if isinstance(cmd, ImportKV) and isinstance(cmd.payload, ray.ObjectRef):
+                try:
+                    commands[i] = ImportKV(cmd.request_id, ray.get(cmd.payload))
+                except Exception as e:  # the source died or no longer holds the request
+                    commands[i] = ImportKV(cmd.request_id, PullFailed(str(e)))
+        return self.worker.handle(commands, now)
+
+    def export_kv(self, request_id: str, first_block: int) -> Any:
+        return self.worker.export_kv(request_id, first_block)
+
+    def check_integrity(self) -> dict[str, int]:
+        return self.worker.check_integrity()
 
     def export_kv_ref(self, request_id: str, first_block: int) -> tuple[bool, Any]:
         """Called with ``num_returns=2``: a small acknowledgement the driver awaits, and the
@@ -135,8 +176,11 @@ class RayInstance(InstanceClient):
         info = await _await(actor.info.remote())
         return cls(actor, instance_id, info)
 
+    def start_step(self, commands: list[Command], now: float) -> Awaitable[StepReport]:
+        return asyncio.ensure_future(_await(self.actor.handle.remote(commands, now)))
+
     async def handle(self, commands: list[Command], now: float) -> StepReport:
-        return await _await(self.actor.handle.remote(commands, now))
+        return await self.start_step(commands, now)
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
         return (await self.send_kv(request_id, first_block))[0]

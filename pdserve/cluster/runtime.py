@@ -1,8 +1,10 @@
 """The live driver: a sans-IO :class:`Controller` plus instance clients, on asyncio.
 
-One task per instance loops ``handle(commands, now)`` while the instance has work, and sleeps
-until a command arrives otherwise. Reports feed the controller; its actions become commands,
-KV transfers and request failures. Each request's tokens stream to its caller through a queue.
+The driver core (:mod:`pdserve.cluster.driver`) decides when each instance steps (at most one
+step in flight, the next one pipelined with report processing) and what the controller's
+actions become; this module carries it out on asyncio: a step is a thread or Ray task whose
+report feeds the core, a KV transfer a task. Each request's tokens stream to its caller through
+a queue.
 """
 
 from __future__ import annotations
@@ -15,19 +17,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.cluster.controller import Action, Controller, Fail, Send, Transfer
+from pdserve.cluster.controller import Controller, Fail, Transfer
+from pdserve.cluster.driver import Deliver, DriverCore, Effect, StartStep
 from pdserve.cluster.instances import (
     InProcessInstance,
     InstanceClient,
     InstanceDeadError,
     RayInstance,
     init_ray,
+    load_worker,
 )
 from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.cluster.routing import InstanceView
-from pdserve.cluster.transport import Link, kv_bytes
-from pdserve.cluster.worker import Command, ImportKV, InstanceWorker, StepReport
-from pdserve.config import ClusterConfig, ModelConfig
+from pdserve.config import ClusterConfig, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
 log = logging.getLogger("pdserve.runtime")
@@ -37,13 +39,9 @@ log = logging.getLogger("pdserve.runtime")
 class _Instance:
     client: InstanceClient
     view: InstanceView
-    commands: list[Command] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task | None = None
     # end of the last step the instance reported; its time never runs backwards, even with an
     # executor that reports modelled (not measured) step times
     step_end: float = 0.0
-    stepping: bool = False  # a handle() call is in flight
 
 
 @dataclass
@@ -65,12 +63,14 @@ class ClusterRuntime:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model_config
-        self.model_name = model_name or config.engine.model
-        self.max_model_len = config.engine.scheduler.max_model_len
+        self.model_name = model_name or config.model
+        engine = config.engine_config(model_max_len=model_config.max_position_embeddings)
+        self.max_model_len = engine.scheduler.max_model_len
+        self.kv_dtype = engine.dtype
         self.vocab_size = model_config.vocab_size
         self.num_gpus = config.num_gpus
         self.clock = clock
-        self.link = Link(config.link_bandwidth_gbps, config.link_latency_ms / 1000.0)
+        self.link = config.kv_link or Link()
         self.instances = {
             c.instance_id: _Instance(c, InstanceView(c.instance_id, c.role, c.num_kv_blocks,
                                                      c.block_size))
@@ -78,6 +78,7 @@ class ClusterRuntime:
         }
         self.controller = Controller([i.view for i in self.instances.values()],
                                      config.prefill_router, config.decode_router)
+        self.core = DriverCore(self.controller, self.instances)
         self._streams: dict[str, _Stream] = {}
         self.batch_log: list[tuple[str, list[tuple[str, int, int]]]] | None = None  # tests
         self._running = False
@@ -86,12 +87,12 @@ class ClusterRuntime:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._running = True
-        for inst in self.instances.values():
-            inst.task = asyncio.create_task(self._loop(inst), name=inst.view.instance_id)
+        for iid in self.instances:
+            self._run(self.core.kick(iid))  # commands queued before the start
 
     async def shutdown(self) -> None:
         self._running = False
-        tasks = [i.task for i in self.instances.values() if i.task] + list(self._bg)
+        tasks = list(self._bg)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -121,7 +122,7 @@ class ClusterRuntime:
         req = self.controller.get(request_id)
         if req is not None:
             stream.timeline = req.timeline
-        self._execute(acts)
+        self._run(self.core.dispatch(acts))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -136,11 +137,12 @@ class ClusterRuntime:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._execute(self.controller.on_abort(request_id, self.clock()))
+                self._run(self.core.dispatch(self.controller.on_abort(request_id,
+                                                                      self.clock())))
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
-        self._execute(self.controller.on_abort(request_id, self.clock()))
+        self._run(self.core.dispatch(self.controller.on_abort(request_id, self.clock())))
         if stream is not None:
             stream.queue.put_nowait(self._final(request_id, stream, "abort", None))
 
@@ -168,63 +170,61 @@ class ClusterRuntime:
         the commands sent to it (a prefill copy's release, say)."""
         deadline = time.monotonic() + timeout
         while self.controller.requests or self._streams or any(
-                i.view.alive and (i.commands or i.stepping) for i in self.instances.values()):
+                i.view.alive and not self.core.idle(iid) for iid, i in self.instances.items()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests still in flight: {sorted(self.controller.requests)}")
             await asyncio.sleep(0.01)
 
-    # ------------------------------------------------------------------ instance loops
-    async def _loop(self, inst: _Instance) -> None:
-        """Drive one instance. Steps are pipelined with report processing: when a report says
-        the instance has more work, its next step starts at once (with the commands queued so
-        far) and the report is processed while that step runs, so the instance never idles
-        waiting for the driver (controller, token streams, SSE writes). Commands that processing
-        a report produces for the same instance go with the step after. The simulator does the
-        same (:meth:`pdserve.sim.simulator.Simulator.run`)."""
-        iid = inst.view.instance_id
-        pending: asyncio.Future | None = None  # the step in flight
-        try:
-            while self._running:
-                if pending is None:
-                    if not inst.commands:
-                        await inst.wake.wait()
-                    pending = self._start(inst)
-                try:
-                    rep = await pending
-                    inst.stepping = False
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # the instance is gone: recompute its requests elsewhere
-                    log.error("instance %s failed: %s", iid, e)
-                    self._execute(self.controller.on_instance_failed(iid, self.clock()))
-                    return
-                inst.step_end = rep.now + rep.elapsed
-                pending = self._start(inst) if rep.stepped and rep.has_work else None
-                try:
-                    self._process(inst, rep)
-                except Exception:  # a bug in the driver must not silently stall the instance
-                    log.exception("processing a report from %s failed", iid)
-        finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
+    # ------------------------------------------------------------------ effects
+    def _run(self, effects: list[Effect]) -> None:
+        """Carry out what the driver core decided (its module docstring: pipelining)."""
+        for e in effects:
+            if isinstance(e, StartStep):
+                self._start(e)
+            elif isinstance(e, Deliver):
+                self._deliver(e)
+            elif isinstance(e, Transfer):
+                self._spawn(self._transfer(e))
+            elif isinstance(e, Fail):
+                stream = self._streams.get(e.request_id)
+                if stream is not None:
+                    stream.timeline = e.timeline
+                self._end_with_error(e.request_id, e.message)
 
-    def _start(self, inst: _Instance) -> asyncio.Future:
-        """Send the queued commands and run one step on ``inst`` (in the background)."""
-        inst.wake.clear()
-        inst.stepping = True
-        cmds, inst.commands = inst.commands, []
-        return asyncio.ensure_future(inst.client.handle(cmds, self._now(inst)))
+    def _start(self, e: StartStep) -> None:
+        if not self._running:
+            return  # not started yet, or shutting down
+        inst = self.instances[e.instance_id]
+        # the step is submitted now (a thread or a Ray task), before anything else runs
+        step = inst.client.start_step(e.commands, self._now(inst))
+        self._spawn(self._finish_step(inst, step))
+
+    async def _finish_step(self, inst: _Instance, step: Any) -> None:
+        iid = inst.view.instance_id
+        try:
+            rep = await step
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the instance is gone: recompute its requests elsewhere
+            log.error("instance %s failed: %s", iid, e)
+            self._run(self.core.instance_failed(iid, self.clock()))
+            return
+        inst.step_end = rep.now + rep.elapsed
+        try:
+            self._run(self.core.step_done(iid, rep))
+        except Exception:  # a bug in the driver must not silently stall the instance
+            log.exception("processing a report from %s failed", iid)
 
     def _now(self, inst: _Instance) -> float:
         """The time for an event on ``inst``: the clock, but never before its last step's end
         (the controller dates a step's effects at ``now + elapsed``)."""
         return max(self.clock(), inst.step_end)
 
-    def _process(self, inst: _Instance, rep: StepReport) -> None:
+    def _deliver(self, e: Deliver) -> None:
+        rep = e.report
         if self.batch_log is not None and rep.batch:
             self.batch_log.append((rep.instance_id, rep.batch))
-        acts, accepted = self.controller.on_report(rep)
-        for d, req in accepted:
+        for d, req in e.accepted:
             stream = self._streams.get(d.request_id)
             if stream is None or not (d.token_ids or d.finished):
                 continue
@@ -239,22 +239,6 @@ class ClusterRuntime:
                 finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                 num_cached_tokens=req.num_cached_tokens, logprobs=stream.logprobs,
                 timeline=req.timeline, instance_id=rep.instance_id))
-        self._execute(acts)
-
-    # ------------------------------------------------------------------ actions
-    def _execute(self, actions: list[Action]) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                inst = self.instances[a.instance_id]
-                inst.commands.append(a.command)
-                inst.wake.set()
-            elif isinstance(a, Transfer):
-                self._spawn(self._transfer(a))
-            elif isinstance(a, Fail):
-                stream = self._streams.get(a.request_id)
-                if stream is not None:
-                    stream.timeline = a.timeline
-                self._end_with_error(a.request_id, a.message)
 
     async def _transfer(self, t: Transfer) -> None:
         src, dst = self.instances[t.src], self.instances[t.dst]
@@ -269,20 +253,20 @@ class ClusterRuntime:
                 with contextlib.suppress(Exception):
                     await pending
                 pending = None
-            blocks = -(-(t.num_tokens) // dst.view.block_size)
-            need = self.link.min_time(kv_bytes(self.model_config, self.config.engine.dtype,
-                                               blocks, dst.view.block_size))
+            bs = dst.view.block_size
+            need = self.link.min_time(cdiv(t.num_tokens, bs) * bs
+                                      * self.model_config.kv_bytes_per_token(self.kv_dtype))
             wait = need - (time.monotonic() - start)
             if wait > 0:
                 await asyncio.sleep(wait)
         # The end of the move; waiting for the decode instance's step in flight to import the
         # KV is decode queue, not transmission (as in the simulator).
+        now = None
         if pending is None:
-            self.controller.on_transfer_done(t.request_id, self._now(dst))
+            now = self._now(dst)
         else:
             self._spawn(self._transfer_done_when(pending, t.request_id, dst))
-        dst.commands.append(ImportKV(t.request_id, payload))
-        dst.wake.set()
+        self._run(self.core.transfer_done(t.request_id, t.dst, payload, now))
 
     async def _transfer_done_when(self, pending: Any, request_id: str, dst: _Instance) -> None:
         with contextlib.suppress(Exception):  # a failed export surfaces at the import
@@ -307,20 +291,22 @@ class ClusterRuntime:
 
 
 async def build_runtime(config: ClusterConfig, model_name: str | None = None) -> ClusterRuntime:
-    """Load the model on every instance (in-process or one Ray actor each) and start serving."""
+    """Load the model on every instance of the deployment (in-process or one Ray actor each)
+    and start serving."""
     from pdserve.tokenizer import load_tokenizer
 
-    model_config = ModelConfig.from_dir(config.engine.model)
-    tokenizer = load_tokenizer(config.engine.model)
-    specs = config.instance_configs()
+    model_config = ModelConfig.from_dir(config.model)
+    tokenizer = load_tokenizer(config.model)
+    specs = config.instance_specs(model_config.max_position_embeddings)
     clients: list[InstanceClient]
     if config.backend == "ray":
         init_ray(config.ray_address, len(specs))
-        clients = list(await asyncio.gather(*(RayInstance.create(iid, ec) for iid, ec in specs)))
+        clients = list(await asyncio.gather(*(RayInstance.create(s.instance_id, s.engine)
+                                              for s in specs)))
     else:
         loop = asyncio.get_running_loop()
-        workers = [await loop.run_in_executor(None, lambda a=iid, c=ec: InstanceWorker(
-            a, c, tokenizer=tokenizer)) for iid, ec in specs]
+        workers = [await loop.run_in_executor(None, lambda s=s: load_worker(
+            s.instance_id, s.engine, tokenizer)) for s in specs]
         clients = [InProcessInstance(w) for w in workers]
     runtime = ClusterRuntime(config, clients, tokenizer, model_config, model_name)
     await runtime.start()

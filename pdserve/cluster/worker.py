@@ -43,8 +43,18 @@ class AddTransfer:
 
 @dataclass(slots=True)
 class ImportKV:
+    """The KV of a request, pulled from its prefill instance by the instance client (a
+    :class:`KVPayload`), or why the pull failed (a :class:`PullFailed`)."""
+
     request_id: str
-    payload: Any  # KVPayload, or a Ray ObjectRef to one
+    payload: Any  # KVPayload | PullFailed; the Ray client resolves an ObjectRef before handle()
+
+
+@dataclass(slots=True)
+class PullFailed:
+    """The source died or no longer holds the request."""
+
+    message: str
 
 
 @dataclass(slots=True)
@@ -101,16 +111,11 @@ class StepReport:
 
 
 class InstanceWorker:
-    """An :class:`Engine` plus the command protocol. ``executor=None`` loads the real model."""
+    """An :class:`Engine` plus the command protocol; sans-IO (no network, no clock)."""
 
-    def __init__(self, instance_id: str, config: EngineConfig, executor: Executor | None = None,
-                 tokenizer: Any = None, load_tokenizer: bool = True,
-                 record_events: bool = False, stream_tokens: bool = True,
+    def __init__(self, instance_id: str, config: EngineConfig, executor: Executor,
+                 tokenizer: Any = None, record_events: bool = False, stream_tokens: bool = True,
                  log_batches: bool = True) -> None:
-        if tokenizer is None and load_tokenizer and config.model:
-            from pdserve.tokenizer import load_tokenizer as _load
-
-            tokenizer = _load(config.model)
         self.instance_id = instance_id
         self.role = config.scheduler.role
         # False: report a request only at its first token, when held and when finished (each
@@ -202,15 +207,10 @@ class InstanceWorker:
         payload, rid = cmd.payload, cmd.request_id
         if rid not in self.engine.scheduler.pulling:
             return  # aborted while the transfer was in flight
-        if not isinstance(payload, KVPayload):  # a Ray ObjectRef: pull the blocks now
-            import ray
-
-            try:
-                payload = ray.get(payload)
-            except Exception as e:  # the source died or no longer holds the request
-                self.engine.abort(rid, now)
-                rep.transfer_failures.append((rid, f"KV transfer failed: {e}"))
-                return
+        if isinstance(payload, PullFailed):
+            self.engine.abort(rid, now)
+            rep.transfer_failures.append((rid, f"KV transfer failed: {payload.message}"))
+            return
         self.engine.import_kv(payload, now)
         rep.imported.append(rid)
 

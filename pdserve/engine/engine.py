@@ -70,16 +70,13 @@ class KVPayload:
 
 
 class Engine:
-    """One model instance. ``executor=None`` builds the torch :class:`ModelExecutor`."""
+    """One model instance: a scheduler and the executor it is given (the torch
+    :class:`~pdserve.engine.model_executor.ModelExecutor`, or the simulator's)."""
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+    def __init__(self, config: EngineConfig, executor: Executor,
                  tokenizer: Any = None, eos_token_ids: tuple[int, ...] | None = None,
                  record_events: bool = False) -> None:
         self.config = config
-        if executor is None:
-            from pdserve.engine.model_executor import ModelExecutor
-
-            executor = ModelExecutor(config)
         self.executor = executor
         if eos_token_ids is None:
             eos_token_ids = tuple(getattr(executor, "eos_token_ids", ()))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
+from pdserve.config import cdiv
 from pdserve.engine.kv_cache import NO_PARENT, Block, BlockPool, hash_block
 from pdserve.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -61,7 +58,7 @@ class KVCacheManager:
         prefix ``hits``, which must come from :meth:`match_prefix` on a request with no blocks).
         Returns ``False`` and changes nothing when the pool is too small."""
         if not hits:  # the per-step path (a running request crossing a block boundary)
-            n_new = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(
+            n_new = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(
                 req.block_ids)
             if n_new > self.pool.num_free_blocks:
                 return False
@@ -79,10 +76,6 @@ class KVCacheManager:
         if n_new > 0:
             req.block_ids.extend(b.block_id for b in self.pool.allocate(n_new))
         return True
-
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        total = req.num_computed_tokens + num_new_tokens
-        return self.blocks_for(total) - len(req.block_ids) <= self.pool.num_free_blocks
 
     def cache_computed(self, req: Request, old_computed: int, new_computed: int) -> None:
         """Register the blocks that became full and computed between the two counts."""

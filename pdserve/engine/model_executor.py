@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from types import SimpleNamespace
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig, ModelConfig, cdiv, kv_cache_blocks
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.model.layers import build_attention_metadata, gather_elements_per_block
 from pdserve.model.loader import DTYPES, load_model
@@ -55,8 +54,11 @@ class ModelExecutor:
     ``last_logits`` (``[num_sampled, vocab]``, on CPU) for tests.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, num_threads: int | None = None) -> None:
+        """``num_threads``: torch's CPU threads for this process (a Ray instance actor uses 1)."""
         self.config = config
+        if num_threads is not None and config.device == "cpu":
+            torch.set_num_threads(num_threads)
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -87,30 +89,21 @@ class ModelExecutor:
                            c.head_dim, dtype=self.dtype, device=self.device)
 
     def _plan_num_blocks(self) -> int:
-        sched = self.config.scheduler
-        useful = math.ceil(sched.max_model_len / self.block_size) * sched.max_num_seqs + 1
-        if self.config.cache.num_kv_blocks is not None:
-            return self.config.cache.num_kv_blocks
-        if self.device.type == "cuda":
-            peak = self._profile_activation_bytes()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = self.config.cache.memory_utilization * free - peak
-        else:
-            budget = self.config.cache.cpu_kv_gib * (1 << 30)
-        blocks = min(int(budget // self.block_bytes), useful)
-        if blocks < 1:
-            raise ValueError(f"no memory left for the KV cache on {self.device} "
-                             f"(budget {budget / 2**20:.1f} MiB, one block is "
-                             f"{self.block_bytes} bytes)")
-        return blocks
+        if self.config.cache.num_kv_blocks is not None or self.device.type != "cuda":
+            return kv_cache_blocks(self.model_config, self.config, device_memory_bytes=None)
+        peak = self._profile_activation_bytes()
+        _, total = torch.cuda.mem_get_info(self.device)
+        return kv_cache_blocks(self.model_config, self.config, device_memory_bytes=total,
+                               weight_bytes=torch.cuda.memory_allocated(self.device),
+                               reserved_bytes=peak)
 
     def _profile_activation_bytes(self) -> int:
         """Peak extra CUDA memory of a forward over a full token budget (weights excluded)."""
         sched = self.config.scheduler
-        total = sched.max_num_batched_tokens
+        total = sched.token_budget
         seq_len = min(sched.max_model_len, self.model_config.max_position_embeddings, total)
         lens = [seq_len] * (total // seq_len) + ([total % seq_len] if total % seq_len else [])
-        per_seq = math.ceil(seq_len / self.block_size)
+        per_seq = cdiv(seq_len, self.block_size)
         seqs = []
         for i, n in enumerate(lens):
             req = SimpleNamespace(request_id=f"profile-{i}", all_token_ids=[0] * n,

@@ -56,9 +56,9 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         if self.role == "prefill":
-            self.budget = config.prefill_token_target or config.max_num_batched_tokens
+            self.budget = config.prefill_token_target or config.token_budget
         else:
-            self.budget = config.max_num_batched_tokens
+            self.budget = config.token_budget
         # A decode instance always runs its admitted requests alongside the running ones.
         self.chunked = config.enable_chunked_prefill or self.role == "decode"
 

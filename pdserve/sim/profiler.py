@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.config import cdiv
 from pdserve.sim.latency import FittedProfile, ProfileSample, fit_profile
 
 
@@ -64,11 +65,12 @@ def _engine(model_dir: str, device: str, dtype: str, num_blocks: int, block_size
             max_len: int):
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import Engine
+    from pdserve.engine.model_executor import ModelExecutor
 
     cfg = EngineConfig.from_kwargs(model_dir, device=device, dtype=dtype, block_size=block_size,
                                    num_kv_blocks=num_blocks, max_model_len=max_len,
                                    enable_prefix_caching=False)
-    return Engine(cfg)
+    return Engine(cfg, ModelExecutor(cfg))
 
 
 def measure(engine, sample: ProfileSample, repeats: int) -> float:
@@ -144,8 +146,8 @@ def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = No
     model = ModelConfig.from_dir(model_dir)
     max_len = min(model.max_position_embeddings, 4096)
     shapes = grid.shapes(max_len)
-    need = max(sum(-(-(s + n) // block_size) for s, n in sh.prefill_chunks)
-               + sum(-(-c // block_size) for c in sh.decode_context_lens) for sh in shapes)
+    need = max(sum(cdiv(s + n, block_size) for s, n in sh.prefill_chunks)
+               + sum(cdiv(c, block_size) for c in sh.decode_context_lens) for sh in shapes)
     engine = _engine(model_dir, device, dtype, need + 1, block_size, max_len)
     reps = repeats or grid.repeats
     say = log or (lambda m: None)

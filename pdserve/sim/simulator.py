@@ -2,11 +2,11 @@
 clock, with a latency model in place of the model executor (DESIGN.md "Simulator").
 
 Every instance is a real :class:`~pdserve.cluster.worker.InstanceWorker` whose executor returns
-the latency model's step time; the cluster is the real :class:`Controller`. The event loop
-mirrors the live runtime exactly: an idle instance that receives a command calls
-``handle(commands, now)`` at once; at ``now + elapsed`` (a step-end event) an instance with more
-work starts its next step with the commands queued so far, and then the report takes effect
-(commands it produces for the same instance go with the step after — the runtime's pipelining).
+the latency model's step time; the cluster is the real :class:`Controller`, and when each
+instance steps is decided by the driver core the live runtime uses too
+(:class:`~pdserve.cluster.driver.DriverCore`: an idle instance that receives a command steps at
+once; at a step's end an instance with more work starts its next step with the commands queued
+so far, and then the report takes effect — the pipelining of the live runtime).
 KV transfers take ``bytes / bandwidth + latency`` of the link between the two instances' nodes.
 
 Heap key: ``(time, event priority, sequence)`` — priority before sequence, so that at equal
@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdserve.cluster.controller import Action, Controller, Fail, Send, Transfer
+from pdserve.cluster.controller import Controller, Fail, Transfer
+from pdserve.cluster.driver import DriverCore, Effect, StartStep
 from pdserve.cluster.routing import InstanceView
-from pdserve.cluster.transport import Link, kv_bytes
-from pdserve.cluster.worker import ImportKV, InstanceWorker, StepReport
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.cluster.worker import InstanceWorker
+from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import LatencyModel
@@ -115,8 +115,6 @@ class SimResult:
 class _Inst:
     spec: SimInstance
     worker: InstanceWorker
-    commands: list = field(default_factory=list)
-    busy: bool = False
 
 
 class Simulator:
@@ -135,13 +133,13 @@ class Simulator:
         for spec in instances:
             ex = SimExecutor(spec.latency, spec.num_kv_blocks)
             worker = InstanceWorker(spec.instance_id, spec.engine, executor=ex,
-                                    load_tokenizer=False, stream_tokens=False,
-                                    log_batches=record_batches)
+                                    stream_tokens=False, log_batches=record_batches)
             self.insts[spec.instance_id] = _Inst(spec, worker)
         self.controller = Controller(
             [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
                           i.spec.engine.cache.block_size) for i in self.insts.values()],
             prefill_router, decode_router, keep_history=True)
+        self.core = DriverCore(self.controller, self.insts)
         self.num_gpus = sum(s.num_gpus for s in instances)
         self.record_batches = record_batches
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -159,26 +157,20 @@ class Simulator:
         for r in requests:
             self._push(r.arrival, ARRIVAL, r)
         now, n_events, done = 0.0, 0, 0
+        core = self.core
         while self._heap:
             now, prio, _, data = heapq.heappop(self._heap)
             n_events += 1
             if prio == STEP_END:
-                inst, rep = data
-                inst.busy = False
-                # as the live runtime: an instance with more work starts its next step at once,
-                # with the commands queued so far; the report is processed while it runs
-                if rep.stepped and rep.has_work:
-                    self._kick(inst, now)
-                self._apply(self._report(inst, rep), now)
-                self._kick(inst, now)
+                iid, rep = data
+                self._run(core.step_done(iid, rep), now)
             elif prio == TRANSFER_END:
                 rid, dst, payload = data
-                self.controller.on_transfer_done(rid, now)
-                self._apply([Send(dst, ImportKV(rid, payload))], now)
+                self._run(core.transfer_done(rid, dst, payload, now), now)
             else:
                 r = data
-                self._apply(self.controller.on_arrival(r.request_id, r.prompt_token_ids,
-                                                       r.sampling_params(), now), now)
+                self._run(core.dispatch(self.controller.on_arrival(
+                    r.request_id, r.prompt_token_ids, r.sampling_params(), now)), now)
             if progress is not None:
                 finished = len(self.controller.history) - len(self.controller.requests)
                 if finished != done:
@@ -197,53 +189,25 @@ class Simulator:
         return SimResult(records, now, n_events, stats,
                          self._batch_log if self.record_batches else None)
 
-    def _kick(self, inst: _Inst, now: float) -> None:
-        """Let an idle instance apply its commands and run one step starting ``now``."""
-        if inst.busy:
-            return
-        cmds, inst.commands = inst.commands, []
-        rep = inst.worker.handle(cmds, now)
-        if rep.stepped:
-            inst.busy = True
-            if self.record_batches:
-                self._batch_log.append((inst.spec.instance_id, now, rep.batch))
-            self._push(now + rep.elapsed, STEP_END, (inst, rep))
-        else:  # nothing to compute: the report takes effect now and the instance idles
-            self._apply(self._report(inst, rep), now)
-            if inst.commands:
-                self._kick(inst, now)
-
-    def _report(self, inst: _Inst, rep: StepReport) -> list[Action]:
-        acts, _ = self.controller.on_report(rep)
-        return acts
-
-    def _apply(self, actions: list[Action], now: float) -> None:
-        kicks: list[_Inst] = []
-        for a in actions:
-            if isinstance(a, Send):
-                inst = self.insts[a.instance_id]
-                inst.commands.append(a.command)
-                kicks.append(inst)
-            elif isinstance(a, Transfer):
-                src, dst = self.insts[a.src], self.insts[a.dst]
-                payload = src.worker.export_kv(a.request_id, a.first_block)
-                bs = dst.spec.engine.cache.block_size
-                nbytes = kv_bytes(self.model, self.kv_dtype, payload.num_blocks, bs)
+    def _run(self, effects: list[Effect], now: float) -> None:
+        """Carry out the driver core's effects at virtual time ``now``."""
+        for e in effects:
+            if isinstance(e, StartStep):
+                inst = self.insts[e.instance_id]
+                rep = inst.worker.handle(e.commands, now)
+                if rep.stepped:
+                    if self.record_batches:
+                        self._batch_log.append((e.instance_id, now, rep.batch))
+                    self._push(now + rep.elapsed, STEP_END, (e.instance_id, rep))
+                else:  # nothing to compute: the report takes effect now
+                    self._run(self.core.step_done(e.instance_id, rep), now)
+            elif isinstance(e, Transfer):
+                src, dst = self.insts[e.src], self.insts[e.dst]
+                payload = src.worker.export_kv(e.request_id, e.first_block)
+                nbytes = (payload.num_blocks * dst.spec.engine.cache.block_size
+                          * self.model.kv_bytes_per_token(self.kv_dtype))
                 link = self.intra if src.spec.node == dst.spec.node else self.inter
-                self._push(now + link.min_time(nbytes), TRANSFER_END, (a.request_id, a.dst,
-                                                                       payload))
-            elif isinstance(a, Fail):
-                self._errors[a.request_id] = a.message
-        for inst in kicks:
-            self._kick(inst, now)
-
-
-def sim_requests_from_lengths(lengths: Sequence[tuple[float, int, int]],
-                              vocab_size: int = 32000, seed: int = 0) -> list[SimRequest]:
-    """``(arrival, prompt_len, output_len)`` triples → requests with distinct random prompts
-    (no accidental prefix sharing)."""
-    import random
-
-    rng = random.Random(seed)
-    return [SimRequest(f"r{i}", t, [rng.randrange(vocab_size) for _ in range(p)], o)
-            for i, (t, p, o) in enumerate(lengths)]
+                self._push(now + link.min_time(nbytes), TRANSFER_END,
+                           (e.request_id, e.dst, payload))
+            elif isinstance(e, Fail):
+                self._errors[e.request_id] = e.message

@@ -1,46 +1,17 @@
-"""``--target sim``: benchmark workloads run through the simulator (DESIGN.md "Simulator").
+"""The simulator as a deployment target: a deployment spec plus what simulation adds.
 
-:class:`SimSetup` describes a simulated deployment; :func:`build_simulator` turns it into a
-:class:`~pdserve.sim.simulator.Simulator`; :class:`SimTarget` is the benchmark toolkit's
-``Target`` (``pdserve bench|goodput|compare --target sim``) and ``pdserve simulate`` uses the
-same pieces. Records carry the full simulated timeline (also as ``server_timeline``), so the
-latency breakdown works as it does for a live server.
+:class:`SimulationConfig` = a :class:`~pdserve.config.ClusterConfig` (the same spec the live
+runtime serves) + the latency source (a profile file, or a hardware spec for the analytic
+roofline model) + the serving-path overhead. :func:`build_simulator` turns it into a
+:class:`~pdserve.sim.simulator.Simulator`: every instance comes from
+:meth:`ClusterConfig.instance_specs`, its KV pool from :func:`~pdserve.config.kv_cache_blocks`
+on the hardware's memory. :class:`SimTarget` is the benchmark toolkit's ``Target``
+(``pdserve bench|goodput|compare --target sim``); ``pdserve simulate`` uses the same pieces.
+Records carry the full simulated timeline (also as ``server_timeline``), so the latency
+breakdown works as it does for a live server.
 
-``--target-option KEY=VALUE`` keys (``pdserve simulate`` has a flag for each, ``_`` → ``-``):
-
-=========================  =====================================================================
-``model``                  catalogue name (``opt-13b``, ``llama-2-7b``, ...) or a model directory
-                           (default ``opt-13b``)
-``profile``                a fitted profile: ours (``pdserve profile``) or DistServe's JSON as
-                           it is (the model's entry at each role's TP is picked)
-``hardware``               device for the analytic roofline model (``A100-80GB``, ``H100``, ...);
-                           default when no profile is given: ``A100-80GB``
-``strategy``               ``colocated`` (default) or ``disaggregated``
-``num_instances``          colocated instances (default 1)
-``num_prefill``            ``num_decode``: disaggregated instance counts (default 1 each)
-``tp`` ``pp``              parallelism of every instance (default 1); per role:
-                           ``prefill_tp`` ``prefill_pp`` ``decode_tp`` ``decode_pp``
-``block_size``             KV block size in tokens (default 16)
-``num_kv_blocks``          KV blocks per instance (default: device memory × ``memory_utilization``
-                           − weights, over the KV of one block; a CPU profile gets
-                           ``cpu_kv_gib`` GiB like the real executor; both capped at what
-                           ``max_num_seqs`` full-length requests can use)
-``memory_utilization``     share of device memory for weights + KV (default 0.9)
-``max_num_batched_tokens`` token budget per step (default 2048, or ``max_model_len`` without
-                           chunked prefill)
-``max_num_seqs``           requests per step (default 256)
-``max_model_len``          context limit (default the model's, at most 4096)
-``chunked_prefill``        ``true``/``false`` (default true; prefill instances never chunk)
-``prefill_token_target``   DistServe's ``L_m`` on prefill instances (default: the budget)
-``prefill_router``         ``shortest_queue`` (default) / ``round_robin`` / ``least_load``
-``decode_router``          ``least_load`` (default) / ...
-``link``                   the KV link between instances (default: the device's intra-node link,
-                           DistServe §4.2 low node-affinity; ``eth-25g`` for cross-node)
-``dtype``                  weights and KV dtype (default float16)
-``step_overhead_ms``       serving-path cost added to every step, and ``seq_overhead_ms`` per
-                           sequence in the step (:class:`~pdserve.sim.latency.DriverOverhead`;
-                           default 0)
-=========================  =====================================================================
+Simulation defaults that differ from a live CPU run: weights and KV in float16 (the engine's
+``dtype`` unless given), and the model ``opt-13b`` unless given.
 
 Pipeline parallelism uses :class:`~pdserve.sim.latency.PipelineModel`: a step takes the
 pipeline's latency (``base + (pp − 1)·send``); the engine runs one batch at a time, so the
@@ -49,176 +20,113 @@ extra throughput of micro-batches in flight on different stages is not modelled.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
-from pdserve.cluster.transport import Link
-from pdserve.config import DTYPE_BYTES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pdserve.sim.hardware import DeviceSpec, LinkSpec, get_device, get_link
-from pdserve.sim.latency import (
-    DriverOverhead,
-    FittedProfile,
-    LatencyModel,
-    PipelineModel,
-)
+from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
+from pdserve.sim.hardware import DeviceSpec, get_device, get_link
+from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
 from pdserve.sim.models import get_model_config
 from pdserve.sim.simulator import SimInstance, SimRequest, SimResult, Simulator
 
 DEFAULT_HARDWARE = "A100-80GB"
-MAX_DEFAULT_MODEL_LEN = 4096
+DEFAULT_MODEL = "opt-13b"
+PROFILES_ENV = "PDSERVE_PROFILES"
+_SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "data" / "profiles"
+
+
+def resolve_profile(name: str) -> str:
+    """A profile file: ``name`` as a path, else a file of that name (``.json`` optional) among
+    the profiles shipped with pdserve, in ``$PDSERVE_PROFILES`` or in a ``shared/profiles``
+    folder found walking up from the current directory (as traces are found)."""
+    if os.path.isfile(name):
+        return name
+    dirs = [_SHIPPED_PROFILES]
+    if os.environ.get(PROFILES_ENV):
+        dirs.append(Path(os.environ[PROFILES_ENV]))
+    cwd = Path.cwd().resolve()
+    dirs += [d / "shared" / "profiles" for d in (cwd, *cwd.parents)]
+    for d in dirs:
+        for cand in (d / name, d / f"{name}.json"):
+            if cand.is_file():
+                return str(cand)
+    shipped = sorted(p.name for p in _SHIPPED_PROFILES.glob("*.json"))
+    raise ValueError(f"profile {name!r} is neither a file nor a known profile (shipped: "
+                     f"{', '.join(shipped)}; also searched ${PROFILES_ENV} and shared/profiles)")
 
 
 @dataclass(frozen=True)
-class SimSetup:
-    """A simulated deployment (see the module docstring for every field)."""
+class SimulationConfig:
+    """A simulated deployment: ``deployment`` plus the latency source (``profile``: ours from
+    ``pdserve profile`` or DistServe's JSON, the model's entry at each instance's TP; or
+    ``hardware``: the analytic roofline on that device, default A100-80GB) and the serving-path
+    cost (``step_overhead_ms`` per step, ``seq_overhead_ms`` per sequence in a step;
+    :class:`~pdserve.sim.latency.DriverOverhead`)."""
 
-    model: str = "opt-13b"
+    deployment: ClusterConfig
     profile: str | None = None
     hardware: str | None = None
-    strategy: str = "colocated"
-    num_instances: int = 1
-    num_prefill: int = 1
-    num_decode: int = 1
-    tp: int = 1
-    pp: int = 1
-    prefill_tp: int | None = None
-    prefill_pp: int | None = None
-    decode_tp: int | None = None
-    decode_pp: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    memory_utilization: float = 0.9
-    cpu_kv_gib: float = 1.0
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    chunked_prefill: bool = True
-    prefill_token_target: int | None = None
-    prefill_router: str = "shortest_queue"
-    decode_router: str = "least_load"
-    link: str | None = None
-    dtype: str = "float16"
     step_overhead_ms: float = 0.0
     seq_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("colocated", "disaggregated"):
-            raise ValueError(f"strategy must be colocated or disaggregated, got "
-                             f"{self.strategy!r}")
         if self.profile is not None and self.hardware is not None:
-            raise ValueError("give either profile or hardware, not both")
-        if self.profile is not None and not os.path.isfile(self.profile):
-            raise ValueError(f"profile file {self.profile!r} does not exist")
-        for name in ("num_instances", "num_prefill", "num_decode", "tp", "pp", "prefill_tp",
-                     "prefill_pp", "decode_tp", "decode_pp", "block_size", "num_kv_blocks",
-                     "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                     "prefill_token_target"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if not 0 < self.memory_utilization <= 1:
-            raise ValueError(f"memory_utilization must be in (0, 1], got "
-                             f"{self.memory_utilization!r}")
+            raise ValueError("give either a profile or a hardware spec, not both")
+        if self.profile is not None:
+            object.__setattr__(self, "profile", resolve_profile(self.profile))
+        if self.hardware is not None:
+            get_device(self.hardware)  # a clear error for an unknown name
         for name in ("step_overhead_ms", "seq_overhead_ms"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
 
-    # ---- construction from KEY=VALUE options ----
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SimSetup:
-        """From ``--target-option`` pairs (strings are converted to each field's type)."""
-        known = {f.name: f for f in fields(cls)}
-        kw: dict[str, Any] = {}
-        for key, value in options.items():
-            name = key.strip().replace("-", "_")
-            if name not in known:
-                raise ValueError(f"unknown sim option {key!r}; known: {', '.join(known)}")
-            kw[name] = _convert(name, value, cls)
-        return cls(**kw)
-
-    def role_parallelism(self, role: str) -> tuple[int, int]:
-        if role == "prefill":
-            return self.prefill_tp or self.tp, self.prefill_pp or self.pp
-        if role == "decode":
-            return self.decode_tp or self.tp, self.decode_pp or self.pp
-        return self.tp, self.pp
-
-
-def _convert(name: str, value: Any, cls: type) -> Any:
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    default = getattr(cls, name, None) if name in cls.__dataclass_fields__ else None
-    if name == "chunked_prefill":
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-    if name in ("memory_utilization", "cpu_kv_gib"):
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if isinstance(default, int) or name in _INT_OPTIONS:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    return text or None
-
-
-_INT_OPTIONS = {"prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "num_kv_blocks",
-                "max_num_batched_tokens", "max_model_len", "prefill_token_target"}
+    def from_dict(cls, d: Mapping[str, Any]) -> SimulationConfig:
+        """From a deployment spec's mapping whose ``simulation`` section (or top level) holds
+        ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``."""
+        d = {k.replace("-", "_"): v for k, v in d.items() if v is not None}
+        sim = dict(d.pop("simulation", None) or {})
+        names = [f.name for f in fields(cls) if f.name != "deployment"]
+        unknown = set(sim) - set(names)
+        if unknown:
+            raise ValueError(f"unknown simulation setting(s) {sorted(unknown)}; known: {names}")
+        for k in names:
+            if k in d:
+                sim[k] = d.pop(k)
+        return cls(ClusterConfig.from_dict(d), **sim)
 
 
 # ------------------------------------------------------------------------- building blocks
-def load_model(spec: str) -> ModelConfig:
-    return get_model_config(spec)
-
-
-def _device_of(setup: SimSetup, base: LatencyModel) -> DeviceSpec | None:
-    name = setup.hardware
-    if name is None and isinstance(base, FittedProfile):
-        name = base.hardware or None
-    if name is None:
-        return None
-    try:
-        return get_device(name)
-    except ValueError:
-        return None  # a profile measured on a device the catalogue does not know
-
-
-def step_model(setup: SimSetup, model: ModelConfig, tp: int, pp: int) -> LatencyModel:
-    """The step-time model of one instance: a fitted profile or the analytic roofline at ``tp``,
+def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
+               dtype: str) -> LatencyModel:
+    """The step-time model of one instance: the profile or the analytic roofline at ``tp``,
     wrapped in a :class:`PipelineModel` when ``pp`` > 1 and in a :class:`DriverOverhead` when
-    ``step_overhead_ms`` > 0."""
+    an overhead is set."""
     from pdserve.sim.analytic import AnalyticModel
 
     base: LatencyModel
-    if setup.profile is not None:
-        base = FittedProfile.load(setup.profile, model, tp)
+    if sim.profile is not None:
+        base = FittedProfile.load(sim.profile, model, tp)
         if base.tp != tp:
-            raise ValueError(f"profile {setup.profile!r} was measured at tp={base.tp}, "
+            raise ValueError(f"profile {sim.profile!r} was measured at tp={base.tp}, "
                              f"not tp={tp}")
     else:
-        base = AnalyticModel(model, setup.hardware or DEFAULT_HARDWARE, tp, dtype=setup.dtype)
+        base = AnalyticModel(model, sim.hardware or DEFAULT_HARDWARE, tp, dtype=dtype)
     latency = base
     if pp > 1:
-        dev = _device_of(setup, base)
+        dev = device_of(sim, base)
         link = get_link(dev.intra_node_link) if dev is not None else None
-        latency = PipelineModel(base, pp, model, link, setup.dtype)
-    if setup.step_overhead_ms > 0 or setup.seq_overhead_ms > 0:
-        latency = DriverOverhead(latency, setup.step_overhead_ms / 1000,
-                                 setup.seq_overhead_ms / 1000)
+        latency = PipelineModel(base, pp, model, link, dtype)
+    if sim.step_overhead_ms > 0 or sim.seq_overhead_ms > 0:
+        latency = DriverOverhead(latency, sim.step_overhead_ms / 1000, sim.seq_overhead_ms / 1000)
     return latency
 
 
@@ -229,33 +137,25 @@ def base_model(latency: LatencyModel) -> LatencyModel:
     return latency
 
 
-def default_num_kv_blocks(setup: SimSetup, model: ModelConfig, device: DeviceSpec | None,
-                          tp: int, pp: int, max_model_len: int) -> int:
-    """KV blocks of one instance of ``tp × pp`` devices (module docstring)."""
-    block_bytes = setup.block_size * model.kv_bytes_per_token(setup.dtype)
-    useful = math.ceil(max_model_len / setup.block_size) * setup.max_num_seqs + 1
-    if device is None or device.name == "cpu":
-        budget = setup.cpu_kv_gib * (1 << 30)
-    else:
-        weights = model.num_params() * DTYPE_BYTES[setup.dtype]
-        budget = tp * pp * device.memory_bytes * setup.memory_utilization - weights
-    blocks = min(int(budget // block_bytes), useful)
-    if blocks < 1:
-        where = device.name if device is not None else "cpu"
-        raise ValueError(f"{model.name or 'the model'} does not fit on {tp * pp} × {where} "
-                         f"(tp={tp}, pp={pp}): no memory left for the KV cache")
-    return blocks
+def device_of(sim: SimulationConfig, base: LatencyModel) -> DeviceSpec | None:
+    """The simulated device: ``hardware``, else the profile's, else A100-80GB; ``None`` for a
+    CPU profile or a device the catalogue does not know (then pools are sized as on CPU)."""
+    name = sim.hardware
+    if name is None and isinstance(base, FittedProfile):
+        name = base.hardware or None
+    try:
+        dev = get_device(name or DEFAULT_HARDWARE)
+    except ValueError:
+        return None
+    return None if dev.name == "cpu" else dev
 
 
-def kv_link(setup: SimSetup, device: DeviceSpec | None, streams: int) -> Link:
-    """The KV link between two instances; a TP-sharded transfer uses ``streams`` links at once
-    (each GPU sends its own shard, DistServe §4.2)."""
-    if setup.link is not None:
-        spec: LinkSpec = get_link(setup.link)
-    elif device is not None and device.name != "cpu":
-        spec = get_link(device.intra_node_link)
-    else:
-        spec = get_link("loopback")
+def _resolve_link(link: Link | None, device: DeviceSpec | None, streams: int) -> Link:
+    """``link`` if the spec sets one, else the device's intra-node link; a TP-sharded transfer
+    uses ``streams`` such links at once (each GPU sends its own shard, DistServe §4.2)."""
+    if link is not None:
+        return link
+    spec = get_link(device.intra_node_link if device is not None else "loopback")
     return Link(spec.bandwidth_gbs * max(streams, 1), spec.latency_s)
 
 
@@ -267,54 +167,55 @@ class BuiltCluster:
     describe: dict[str, Any]
 
 
-def build_simulator(setup: SimSetup, record_batches: bool = False) -> BuiltCluster:
-    """A fresh simulator for ``setup`` (every run needs its own: request ids are per run)."""
-    model = load_model(setup.model)
-    max_len = setup.max_model_len or min(model.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-    if max_len > model.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_len} exceeds the model's "
-                         f"max_position_embeddings ({model.max_position_embeddings})")
-    if setup.strategy == "colocated":
-        roles = [("colocated", setup.num_instances)]
-    else:
-        roles = [("prefill", setup.num_prefill), ("decode", setup.num_decode)]
-    instances, info, devices, tps = [], {}, [], []
-    for role, count in roles:
-        tp, pp = setup.role_parallelism(role)
-        latency = step_model(setup, model, tp, pp)
-        base = base_model(latency)
-        device = _device_of(setup, base)
-        blocks = setup.num_kv_blocks or default_num_kv_blocks(setup, model, device, tp, pp,
-                                                              max_len)
-        engine = _engine_config(setup, role, max_len, blocks)
-        for i in range(count):
-            instances.append(SimInstance(f"{role}-{i}", engine, latency, blocks, tp * pp))
+@cache
+def _model(name: str) -> ModelConfig:
+    return get_model_config(name)
+
+
+def sim_deployment(sim: SimulationConfig) -> ClusterConfig:
+    """The deployment with the simulation defaults applied (module docstring)."""
+    dep = sim.deployment
+    engine = dict(dep.engine)
+    engine.setdefault("dtype", "float16")
+    return replace(dep, model=dep.model or DEFAULT_MODEL, engine=engine)
+
+
+def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> BuiltCluster:
+    """A fresh simulator for ``sim`` (every run needs its own: request ids are per run)."""
+    dep = sim_deployment(sim)
+    model = _model(dep.model)
+    specs: list[InstanceSpec] = dep.instance_specs(model.max_position_embeddings)
+    instances, info, devices = [], {}, []
+    for s in specs:
+        dtype = s.engine.dtype
+        latency = step_model(sim, model, s.tp, s.pp, dtype)
+        device = device_of(sim, base_model(latency))
+        blocks = kv_cache_blocks(model, s.engine, num_devices=s.num_gpus,
+                                 device_memory_bytes=device.memory_bytes if device else None)
+        instances.append(SimInstance(s.instance_id, s.engine, latency, blocks, s.num_gpus,
+                                     s.node))
         devices.append(device)
-        tps.append(tp)
-        info[role] = {"count": count, "tp": tp, "pp": pp, "num_kv_blocks": blocks,
-                      "latency_model": _describe_latency(latency),
-                      "device": device.name if device is not None else None}
-    link = kv_link(setup, devices[0], min(tps))
-    sim = Simulator(instances, model, setup.prefill_router, setup.decode_router,
-                    intra_node_link=link, inter_node_link=link, kv_dtype=setup.dtype,
-                    record_batches=record_batches)
-    describe = {"model": model.name, "strategy": setup.strategy, "roles": info,
-                "num_gpus": sim.num_gpus, "max_model_len": max_len,
-                "kv_link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_s": link.latency_s},
-                "routers": [setup.prefill_router, setup.decode_router]}
-    return BuiltCluster(sim, model, max_len, describe)
-
-
-def _engine_config(setup: SimSetup, role: str, max_len: int, blocks: int) -> EngineConfig:
-    chunked = setup.chunked_prefill and role != "prefill"
-    budget = setup.max_num_batched_tokens or (2048 if chunked else max(2048, max_len))
-    sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=setup.max_num_seqs,
-                            max_model_len=max_len, enable_chunked_prefill=chunked, role=role,
-                            prefill_token_target=setup.prefill_token_target
-                            if role == "prefill" else None)
-    return EngineConfig(model=setup.model, dtype=setup.dtype,
-                        cache=CacheConfig(block_size=setup.block_size, num_kv_blocks=blocks),
-                        scheduler=sched)
+        if s.role not in info:
+            info[s.role] = {"count": 0, "tp": s.tp, "pp": s.pp, "num_kv_blocks": blocks,
+                            "latency_model": _describe_latency(latency),
+                            "device": device.name if device is not None else None}
+        info[s.role]["count"] += 1
+    streams = min(s.tp for s in specs)
+    intra = _resolve_link(dep.kv_link, devices[0], streams)
+    inter = _resolve_link(dep.inter_node_link, devices[0], streams) \
+        if dep.inter_node_link is not None else intra
+    simulator = Simulator(instances, model, dep.prefill_router, dep.decode_router,
+                          intra_node_link=intra, inter_node_link=inter,
+                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches)
+    max_len = specs[0].engine.scheduler.max_model_len
+    describe = {"model": model.name, "strategy": dep.strategy, "roles": info,
+                "num_gpus": simulator.num_gpus, "max_model_len": max_len,
+                "kv_link": {"bandwidth_gb_per_s": intra.bandwidth_gb_per_s,
+                            "latency_s": intra.latency_s},
+                "routers": [dep.prefill_router, dep.decode_router],
+                "latency_source": sim.profile or sim.hardware or DEFAULT_HARDWARE,
+                "spec": dep.to_dict()}
+    return BuiltCluster(simulator, model, max_len, describe)
 
 
 def _describe_latency(m: LatencyModel) -> str:
@@ -365,10 +266,10 @@ def _timeline(w: WorkloadRequest) -> Any:
     return Timeline(arrival=w.arrival_time)
 
 
-def simulate(setup: SimSetup, requests: Sequence[WorkloadRequest],
+def simulate(sim: SimulationConfig, requests: Sequence[WorkloadRequest],
              progress: Callable[[int], None] | None = None,
              vocab_size: int = 32000) -> tuple[list[RequestRecord], SimResult, BuiltCluster]:
-    built = build_simulator(setup)
+    built = build_simulator(sim)
     result = built.simulator.run(to_sim_requests(requests, vocab_size), progress)
     return to_records(requests, result), result, built
 
@@ -376,9 +277,9 @@ def simulate(setup: SimSetup, requests: Sequence[WorkloadRequest],
 class SimTarget:
     """The benchmark toolkit's ``Target`` over the simulator (one fresh simulator per run)."""
 
-    def __init__(self, setup: SimSetup, name: str = "sim", progress: bool = True) -> None:
-        self.setup = setup
-        built = build_simulator(setup)  # validates the setup now
+    def __init__(self, sim: SimulationConfig, name: str = "sim", progress: bool = True) -> None:
+        self.sim = sim
+        built = build_simulator(sim)  # validates the deployment now
         self.name = name
         self.num_gpus = built.simulator.num_gpus
         self.max_model_len = built.max_model_len
@@ -389,7 +290,7 @@ class SimTarget:
 
     async def run(self, requests: list[WorkloadRequest]) -> list[RequestRecord]:
         with sim_progress(len(requests), self.name, self.progress) as advance:
-            records, result, _ = simulate(self.setup, requests, advance, self.vocab_size)
+            records, result, _ = simulate(self.sim, requests, advance, self.vocab_size)
         self.last_result = result
         return records
 
@@ -422,14 +323,47 @@ class sim_progress:  # noqa: N801 - used as a context manager function
 
 
 def make_sim_target(args: Any) -> SimTarget:
-    """``--target sim`` (see :func:`pdserve.bench.targets.register_target`): the deployment from
-    ``args.target_options``."""
-    options = dict(getattr(args, "target_options", None) or {})
+    """``--target sim`` (:func:`pdserve.bench.targets.register_target`): the deployment from
+    ``--target-option KEY=VALUE`` pairs (any deployment-spec key, ``config=FILE``, and the
+    simulation's ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``)."""
+    from pdserve.flags import deployment_dict
+
+    options = {k.replace("-", "_"): v for k, v in
+               (getattr(args, "target_options", None) or {}).items()}
     if "model" not in options and getattr(args, "model", None):
         options["model"] = args.model  # the client's --model names the simulated model
-    setup = SimSetup.from_options(options)
-    return SimTarget(setup, progress=not getattr(args, "no_progress", False))
+    d = deployment_dict(_typed_options(options))
+    return SimTarget(SimulationConfig.from_dict(d),
+                     progress=not getattr(args, "no_progress", False))
 
 
-def with_overrides(setup: SimSetup, **kw: Any) -> SimSetup:
-    return replace(setup, **{k: v for k, v in kw.items() if v is not None})
+def _typed_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings parsed as the matching flag would parse them."""
+    import argparse
+
+    from pdserve.flags import add_deployment_flags, nonnegative
+
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_deployment_flags(p, model_help="", live=False)
+    p.add_argument("--profile")
+    p.add_argument("--hardware")
+    p.add_argument("--step-overhead-ms", type=nonnegative)
+    p.add_argument("--seq-overhead-ms", type=nonnegative)
+    argv: list[str] = []
+    for k, v in options.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, str) and v.lower() in ("true", "false") and \
+                k in ("enable_prefix_caching", "enable_chunked_prefill"):
+            argv.append(flag if v.lower() == "true" else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(v)]
+    try:
+        ns, rest = p.parse_known_args(argv)
+    except (SystemExit, argparse.ArgumentError) as e:
+        raise ValueError(f"bad sim target option in {options}: {e}") from None
+    if rest:
+        raise ValueError(f"unknown sim target option(s): {rest}")
+    return {k: v for k, v in vars(ns).items() if v is not None}
+
+
+register_target("sim", make_sim_target)

@@ -42,6 +42,9 @@ class Borrowed(InstanceClient):
         self.instance_id, self.role = inner.instance_id, inner.role
         self.num_kv_blocks, self.block_size = inner.num_kv_blocks, inner.block_size
 
+    def start_step(self, commands: Any, now: float) -> Any:
+        return self.inner.start_step(commands, now)
+
     async def handle(self, commands: Any, now: float) -> Any:
         return await self.inner.handle(commands, now)
 
@@ -63,9 +66,10 @@ async def runtime_over(model_dir: str, clients: list[InstanceClient],
     """A started runtime over existing instance clients (borrowed: shutdown leaves them up)."""
     roles = [c.role for c in clients]
     disagg = "prefill" in roles
-    cfg = ClusterConfig(engine=engine, strategy="disaggregated" if disagg else "colocated",
-                        num_instances=len(clients), num_prefill=max(roles.count("prefill"), 1),
-                        num_decode=max(roles.count("decode"), 1), backend="ray")
+    cfg = ClusterConfig.from_dict({
+        "engine": engine, "strategy": "disaggregated" if disagg else "colocated",
+        "num_instances": len(clients), "num_prefill": max(roles.count("prefill"), 1),
+        "num_decode": max(roles.count("decode"), 1), "backend": "ray"})
     rt = ClusterRuntime(cfg, [Borrowed(c) for c in clients], load_tokenizer(model_dir),
                         ModelConfig.from_dir(model_dir))
     await rt.start()

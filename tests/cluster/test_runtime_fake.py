@@ -20,11 +20,11 @@ MODEL = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=8, intermediat
 def cluster(strategy="colocated", n=1, p=1, d=1, blocks=32, bs=4, **kw):
     eng = EngineConfig(cache=CacheConfig(block_size=bs, num_kv_blocks=blocks),
                        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=128))
-    cfg = ClusterConfig(engine=eng, strategy=strategy, num_instances=n, num_prefill=p,
-                        num_decode=d, **kw)
-    clients = [InProcessInstance(InstanceWorker(iid, ec, executor=FakeExecutor(blocks, bs, VOCAB,
-                                                                              0.001)))
-               for iid, ec in cfg.instance_configs()]
+    cfg = ClusterConfig.from_dict({"engine": eng, "strategy": strategy, "num_instances": n,
+                                   "num_prefill": p, "num_decode": d, **kw})
+    clients = [InProcessInstance(InstanceWorker(s.instance_id, s.engine,
+                                                executor=FakeExecutor(blocks, bs, VOCAB, 0.001)))
+               for s in cfg.instance_specs()]
     return ClusterRuntime(cfg, clients, tokenizer=None, model_config=MODEL, model_name="fake")
 
 
@@ -83,12 +83,17 @@ async def test_dead_decode_instance_recomputes_elsewhere():
     rt = cluster("disaggregated", p=1, d=2)
     await rt.start()
     try:
-        tasks = [asyncio.create_task(collect(rt, f"r{i}", pr, 30)) for i, pr in enumerate(PROMPTS)]
-        await asyncio.sleep(0.02)
-        rt.instances["decode-0"].client.kill()
+        tasks = [asyncio.create_task(collect(rt, f"r{i}", pr, 60)) for i, pr in enumerate(PROMPTS)]
+        dec = rt.instances["decode-0"]
+        for _ in range(2000):  # kill it while it decodes (a fixed sleep races a loaded CPU)
+            if dec.view.active:
+                break
+            await asyncio.sleep(0.001)
+        assert dec.view.active, "decode-0 never got a request"
+        dec.client.kill()
         res = await asyncio.wait_for(asyncio.gather(*tasks), 20)
         for pr, outs in zip(PROMPTS, res):
-            assert [t for o in outs for t in o.new_token_ids] == reference_generate(pr, 30, VOCAB)
+            assert [t for o in outs for t in o.new_token_ids] == reference_generate(pr, 60, VOCAB)
         assert not rt.instances["decode-0"].view.alive
         await rt.drain()
     finally:

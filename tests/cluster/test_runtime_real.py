@@ -79,8 +79,9 @@ INPROC = [("colocated", 1, 1, 1), ("colocated", 2, 1, 1), ("disaggregated", 1, 1
                          ids=["colocated-1", "colocated-2", "disagg-1P1D", "disagg-2P1D"])
 async def test_inproc_outputs_match_offline(model_dir: str, reference: dict[int, list[str]],
                                             strategy: str, n: int, p: int, d: int) -> None:
-    cfg = ClusterConfig(engine=engine_config(model_dir), strategy=strategy, num_instances=n,
-                        num_prefill=p, num_decode=d, backend="inproc")
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "strategy": strategy,
+                                   "num_instances": n, "num_prefill": p, "num_decode": d,
+                                   "backend": "inproc"})
     rt = await build_runtime(cfg)
     async with serving(rt) as url:
         assert await complete_all(url, SHORT) == reference[SHORT]
@@ -117,8 +118,8 @@ async def hang_up_midway(rt: Any, url: str, ps: list[list[int]]) -> None:
 
 
 async def test_cancelled_streams_free_every_block(model_dir: str) -> None:
-    cfg = ClusterConfig(engine=engine_config(model_dir, num_kv_blocks=40),
-                        strategy="disaggregated", backend="inproc")
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir, num_kv_blocks=40),
+                                   "strategy": "disaggregated", "backend": "inproc"})
     rt = await build_runtime(cfg)
     async with serving(rt) as url:
         await hang_up_midway(rt, url, [pr + pr[:60] for pr in prompts()[1:]] * 2)
@@ -133,9 +134,11 @@ def ray_instances(model_dir: str) -> Any:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = ClusterConfig(engine=engine_config(model_dir), strategy="disaggregated",
-                            num_prefill=2, num_decode=2, backend="ray")
-        actors = {iid: RayInstance.start_actor(iid, ec) for iid, ec in cfg.instance_configs()}
+        cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir),
+                                       "strategy": "disaggregated", "num_prefill": 2,
+                                       "num_decode": 2, "backend": "ray"})
+        actors = {s.instance_id: RayInstance.start_actor(s.instance_id, s.engine)
+                  for s in cfg.instance_specs()}
         infos = ray.get([a.info.remote() for a in actors.values()])
         yield {iid: RayInstance(a, iid, info) for (iid, a), info in zip(actors.items(), infos)}
     finally:

@@ -154,7 +154,7 @@ def test_engine_end_to_end_matches_transformers(tiny_dirs, hf_models):
         cache=CacheConfig(block_size=16, num_kv_blocks=128),
         scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=4, max_model_len=512),
     )
-    engine = Engine(cfg)
+    engine = Engine(cfg, ModelExecutor(cfg))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     for i, p in enumerate(prompts):
         engine.add_request(f"q{i}", p, params)
@@ -179,7 +179,7 @@ def test_cuda_sizing_and_kv_round_trip(tiny_dirs):
     sched = SchedulerConfig(max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=512)
     ex = ModelExecutor(EngineConfig(model=tiny_dirs["llama"], device="cuda", dtype="bfloat16",
                                     scheduler=sched,
-                                    cache=CacheConfig(memory_utilization=0.05)))
+                                    cache=CacheConfig(gpu_memory_utilization=0.05)))
     assert 1 <= ex.num_kv_blocks <= 64 * 256 + 1
     assert ex.kv_cache.is_cuda and ex.kv_cache.dtype == torch.bfloat16
     ex.kv_cache[:, :, :, :4].normal_()

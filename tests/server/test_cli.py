@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.config import EngineConfig
+from pdserve import flags
+from pdserve.config import ClusterConfig, EngineConfig, Link
 from pdserve.server import cli
 from tests.server.conftest import _free_port
 from tests.server.fakes import FakeRuntime
@@ -38,64 +39,114 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_engine_flags_are_generated_from_kwargs() -> None:
     parser = argparse.ArgumentParser()
-    cli.add_engine_args(parser)
+    flags.add_engine_flags(parser, exclude=())
     dests = {a.dest for a in parser._actions} - {"help"}
     assert dests == set(EngineConfig.KWARGS)
     args = parser.parse_args(["--block-size", "8", "--no-enable-prefix-caching", "--dtype",
-                              "bfloat16", "--memory-utilization", "0.5", "--role", "prefill",
+                              "bfloat16", "--gpu-memory-utilization", "0.5", "--role", "prefill",
                               "--enable-chunked-prefill"])
-    assert cli.engine_kwargs_from_args(args) == {
+    assert flags.engine_kwargs_from_args(args) == {
         "block_size": 8, "enable_prefix_caching": False, "dtype": "bfloat16",
-        "memory_utilization": 0.5, "role": "prefill", "enable_chunked_prefill": True}
-    assert cli.engine_kwargs_from_args(parser.parse_args([])) == {}
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--role", "nonsense"])
+        "gpu_memory_utilization": 0.5, "role": "prefill", "enable_chunked_prefill": True}
+    assert flags.engine_kwargs_from_args(parser.parse_args([])) == {}
+    for bad in (["--role", "nonsense"], ["--block-size", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    # every flag says what it does and its default
+    for a in parser._actions:
+        if a.dest != "help":
+            assert a.help and "default" in a.help, a.dest
 
 
 def test_config_from_args(model_dir: str) -> None:
     args = parse("--model", model_dir, "--strategy", "disaggregated", "--num-prefill", "2",
                  "--num-decode", "3", "--prefill-token-target", "512", "--backend", "inproc",
-                 "--link-bandwidth", "25", "--link-latency", "0.5", "--max-waiting-requests",
+                 "--kv-link", "25:0.5", "--max-waiting-requests",
                  "7", "--decode-router", "round_robin", "--max-model-len", "128",
-                 "--num-kv-blocks", "40", "--no-enable-chunked-prefill")
+                 "--num-kv-blocks", "40", "--no-enable-chunked-prefill", "-tp", "2",
+                 "--decode-tp", "1")
     cfg = cli.config_from_args(args)
-    assert (cfg.strategy, cfg.num_prefill, cfg.num_decode, cfg.prefill_token_target) == \
+    pre, dec = cfg.role("prefill"), cfg.role("decode")
+    assert (cfg.strategy, pre.count, dec.count, pre.engine["prefill_token_target"]) == \
         ("disaggregated", 2, 3, 512)
-    assert (cfg.backend, cfg.link_bandwidth_gbps, cfg.link_latency_ms) == ("inproc", 25.0, 0.5)
+    assert (pre.tp, dec.tp, cfg.num_gpus) == (2, 1, 7)
+    assert (cfg.backend, cfg.kv_link) == ("inproc", Link(25.0, 0.0005))
     assert (cfg.max_waiting_requests, cfg.decode_router, cfg.prefill_router) == \
         (7, "round_robin", "shortest_queue")
-    assert cfg.engine.model == model_dir and cfg.engine.cache.num_kv_blocks == 40
-    assert cfg.engine.scheduler.max_model_len == 128
-    assert cfg.engine.scheduler.enable_chunked_prefill is False
+    specs = cfg.instance_specs(256)
+    assert [s.instance_id for s in specs] == ["prefill-0", "prefill-1", "decode-0", "decode-1",
+                                              "decode-2"]
+    eng = specs[-1].engine
+    assert eng.model == model_dir and eng.cache.num_kv_blocks == 40
+    assert eng.scheduler.max_model_len == 128 and eng.scheduler.role == "decode"
+    assert eng.scheduler.enable_chunked_prefill is False
+    assert specs[0].engine.scheduler.prefill_token_target == 512
     default = cli.config_from_args(parse("--model", model_dir))
     assert default.backend == "ray" and default.strategy == "colocated"
-    assert default.engine.scheduler.max_model_len == 256  # the model's max_position_embeddings
+    assert default.instance_specs(256)[0].engine.scheduler.max_model_len == 256
+
+
+def test_config_file_and_flags_override_it(model_dir: str, tmp_path: Path) -> None:
+    spec = tmp_path / "d.yaml"
+    spec.write_text(f"""
+model: {model_dir}
+engine: {{max_model_len: 64, enable_prefix_caching: false}}
+roles:
+  - {{role: prefill, count: 1, tp: 2, engine: {{prefill_token_target: 256}}}}
+  - {{role: decode, count: 2}}
+decode_router: round_robin
+simulation: {{profile: ignored-when-live}}
+""")
+    cfg = cli.config_from_args(parse("--config", str(spec), "--num-decode", "3",
+                                     "--max-model-len", "100"))
+    assert cfg.role("decode").count == 3 and cfg.role("prefill").tp == 2
+    assert cfg.decode_router == "round_robin"
+    eng = cfg.instance_specs(256)[0].engine
+    assert eng.scheduler.max_model_len == 100 and eng.cache.enable_prefix_caching is False
+    assert eng.scheduler.prefill_token_target == 256
+    # the spec round-trips through its file form
+    assert ClusterConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_demo_uses_the_tiny_model(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.ModuleType("pdserve.model.tiny")
     fake.default_model_dir = lambda: model_dir  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pdserve.model.tiny", fake)
-    assert cli.config_from_args(parse("--demo")).engine.model == model_dir
+    assert cli.config_from_args(parse("--demo")).model == model_dir
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     ((), "give --model"),
     (("--demo", "--model", "x"), "either --model or --demo"),
     (("--model", "/nonexistent/dir"), "has no config.json"),
-    (("--num-instances", "0"), "num_instances must be >= 1"),
     (("--max-model-len", "1000"), "exceeds the model's max_position_embeddings"),
-    (("--block-size", "0"), "block_size must be >= 1"),
-    (("--link-bandwidth", "-1"), "link_bandwidth_gbps must be > 0"),
+    (("--config", "/nonexistent/d.yaml"), "/nonexistent/d.yaml"),
+    (("--kv-link", "-1"), "link bandwidth must be > 0"),
 ])
-def test_bad_flags_exit_2(model_dir: str, capsys: pytest.CaptureFixture[str],
-                          argv: tuple[str, ...], message: str) -> None:
+def test_bad_values_exit_2(model_dir: str, capsys: pytest.CaptureFixture[str],
+                           argv: tuple[str, ...], message: str) -> None:
     if argv and argv[0].startswith("--") and argv[0] not in ("--demo", "--model"):
         argv = ("--model", model_dir, *argv)
-    args = parse(*argv)
-    assert args.func(args) == 2
+    try:
+        args = parse(*argv)
+    except SystemExit as e:  # rejected by the flag's type: one line, exit 2
+        assert e.code == 2
+    else:
+        assert args.func(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err, err
+    assert "error: " in err and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--num-instances", "0"), "'0'"),
+    (("--block-size", "0"), "'0'"),
+    (("--strategy", "partial"), "'partial'"),
+])
+def test_bad_flag_values_are_refused_by_the_parser(argv: tuple[str, ...], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 async def test_serve_and_shutdown(model_dir: str, monkeypatch: pytest.MonkeyPatch,

@@ -38,8 +38,9 @@ def reference(model_dir: str) -> dict[str, tuple[str, int]]:
 
 @pytest.fixture
 async def served(model_dir: str) -> AsyncIterator[tuple[str, object]]:
-    rt = await build_runtime(ClusterConfig(engine=engine_config(model_dir, num_kv_blocks=64),
-                                           strategy="disaggregated", backend="inproc"))
+    rt = await build_runtime(ClusterConfig.from_dict({
+        "engine": engine_config(model_dir, num_kv_blocks=64), "strategy": "disaggregated",
+        "backend": "inproc"}))
     async with serving(rt) as url:
         yield url, rt
         await assert_pools_clean(rt)

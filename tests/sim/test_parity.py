@@ -70,8 +70,8 @@ def cluster_config(strategy: str, n: int = 1) -> ClusterConfig:
     eng = EngineConfig(cache=CacheConfig(block_size=8, num_kv_blocks=256),
                        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
                                                  max_model_len=512))
-    return ClusterConfig(engine=eng, strategy=strategy, num_instances=n, num_prefill=1,
-                         num_decode=1)
+    return ClusterConfig.from_dict({"engine": eng, "strategy": strategy, "num_instances": n,
+                                    "num_prefill": 1, "num_decode": 1})
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -79,8 +79,8 @@ def prompt(i: int, n: int) -> list[int]:
 
 
 def run_sim(cfg: ClusterConfig, reqs: list[tuple[float, int, int]]):
-    insts = [SimInstance(iid, ec, FixedStep(STEP[ec.scheduler.role]), 256)
-             for iid, ec in cfg.instance_configs()]
+    insts = [SimInstance(s.instance_id, s.engine, FixedStep(STEP[s.role]), 256)
+             for s in cfg.instance_specs()]
     sim = Simulator(insts, MODEL, record_batches=True)
     res = sim.run([SimRequest(f"r{i}", t, prompt(i, p), o) for i, (t, p, o) in enumerate(reqs)])
     assert all(r.error is None and r.finish_reason == "length" for r in res.records)
@@ -89,8 +89,8 @@ def run_sim(cfg: ClusterConfig, reqs: list[tuple[float, int, int]]):
 
 async def run_live(cfg: ClusterConfig, reqs: list[tuple[float, int, int]]):
     clients = [InProcessInstance(InstanceWorker(
-        iid, ec, executor=SleepingExecutor(STEP[ec.scheduler.role], 256), load_tokenizer=False))
-        for iid, ec in cfg.instance_configs()]
+        s.instance_id, s.engine, executor=SleepingExecutor(STEP[s.role], 256)))
+        for s in cfg.instance_specs()]
     rt = ClusterRuntime(cfg, clients, tokenizer=None, model_config=MODEL, model_name="fixed")
     rt.batch_log = []
     await rt.start()
@@ -161,7 +161,7 @@ async def test_same_batches_as_live_runtime(strategy: str, n: int) -> None:
     cfg = cluster_config(strategy, n)
     reqs, res = race_free(cfg, reqs, strategy)
     sim_batches = per_instance(res.batch_log)
-    assert len(sim_batches) == len(cfg.instance_configs())  # every instance worked
+    assert len(sim_batches) == len(cfg.instance_specs())  # every instance worked
     assert any(len(b) > 1 for bs in sim_batches.values() for b in bs)  # real batching
     live_batches = per_instance(await run_live(cfg, reqs))
     assert live_batches == sim_batches

@@ -4,8 +4,7 @@ import random
 
 import pytest
 
-from pdserve.cluster.transport import Link
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, Link, ModelConfig, SchedulerConfig
 from pdserve.sim.simulator import SimInstance, SimRequest, Simulator
 
 MODEL = ModelConfig(family="llama", vocab_size=1000, hidden_size=64, intermediate_size=128,

@@ -11,14 +11,15 @@ import pytest
 
 from pdserve.bench.cli import main as bench_main
 from pdserve.cli import main as pdserve_main
+from pdserve.config import ClusterConfig
 from pdserve.sim.latency import FittedProfile
-from pdserve.sim.target import SimSetup, build_simulator
+from pdserve.sim.target import SimulationConfig, build_simulator
 
 DISTSERVE = Path(__file__).resolve().parents[3] / "shared" / "profiles" / \
     "distserve_profiler-a100-80g.distserve.json"
 needs_distserve = pytest.mark.skipif(not DISTSERVE.is_file(), reason="DistServe profile missing")
 DISAGG = ["--target-option", "strategy=disaggregated", "--target-option", "num_prefill=2",
-          "--target-option", "hardware=A100-80GB", "--target-option", "link=eth-25g"]
+          "--target-option", "hardware=A100-80GB", "--target-option", "kv_link=eth-25g"]
 
 
 def test_bench_target_sim_end_to_end(tmp_path: Path, capsys) -> None:
@@ -102,8 +103,9 @@ def test_simulate_pipeline_parallel_hardware(tmp_path: Path) -> None:
     (["--profile", "/nonexistent/p.json"], "/nonexistent/p.json"),
     (["--model", "gpt-17"], "gpt-17"),
     (["--prefill-router", "fastest"], "fastest"),
-    (["--link", "carrier-pigeon"], "carrier-pigeon"),
-    (["--memory-utilization", "1.5"], "'1.5'"),
+    (["--kv-link", "carrier-pigeon"], "carrier-pigeon"),
+    (["--gpu-memory-utilization", "1.5"], "1.5"),
+    (["--config", "/nonexistent/d.yaml"], "/nonexistent/d.yaml"),
     (["--num-kv-blocks", "0"], "'0'"),
 ])
 def test_simulate_bad_values_exit_2_with_one_line(flags, bad, capsys) -> None:
@@ -148,7 +150,8 @@ def test_profile_quick_on_tiny_model(tmp_path: Path, capsys) -> None:
     assert prof.prefill_time([256]) > prof.prefill_time([16]) > 0
     assert prof.decode_time([128] * 16) > prof.decode_time([128]) > 0
     # the profile drives the simulator (CPU: KV pool sized like the real executor's)
-    built = build_simulator(SimSetup(model=model, profile=str(out), num_instances=2))
+    built = build_simulator(SimulationConfig(ClusterConfig.from_dict(
+        {"model": model, "num_instances": 2}), profile=str(out)))
     assert built.simulator.num_gpus == 2 and built.max_model_len == 1024
     rc = pdserve_main(["simulate", "--profile", str(out), "--model", model, "--workload",
                        "fixed:input=32,output=8", "--num-requests", "20", "--rate", "5",

@@ -1,0 +1,110 @@
+"""The driver core: instance command queues, the pipelined-step policy and action dispatch,
+written once (sans-IO) for both drivers — the live runtime (:mod:`pdserve.cluster.runtime`)
+and the simulator (:mod:`pdserve.sim.simulator`).
+
+A driver feeds it events (a step's report came back, an instance failed, a KV transfer ended,
+controller actions) and carries out the effects it returns:
+
+- :class:`StartStep` — send these commands to the instance and run one step there;
+- :class:`~pdserve.cluster.controller.Transfer` — move a request's KV between two instances;
+- :class:`~pdserve.cluster.controller.Fail` — end a request with an error;
+- :class:`Deliver` — the token deltas the controller accepted from a report (streams).
+
+**Pipelining.** When a report says its instance has more work, the instance's next step starts
+at once with the commands queued so far, *before* the report is processed; commands that
+processing the report produces for the same instance go with the step after. So an instance
+never idles while the driver runs the controller, streams tokens or writes SSE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdserve.cluster.controller import Action, ClusterRequest, Controller, Fail, Send, Transfer
+from pdserve.cluster.worker import Command, ImportKV, StepReport, TokenDelta
+
+
+@dataclass(slots=True)
+class StartStep:
+    instance_id: str
+    commands: list[Command]
+
+
+@dataclass(slots=True)
+class Deliver:
+    report: StepReport
+    accepted: list[tuple[TokenDelta, ClusterRequest]]
+
+
+Effect = StartStep | Transfer | Fail | Deliver
+
+
+class DriverCore:
+    """At most one step in flight per instance; commands queue while it runs."""
+
+    def __init__(self, controller: Controller, instance_ids: Iterable[str]) -> None:
+        self.controller = controller
+        self.queues: dict[str, list[Command]] = {iid: [] for iid in instance_ids}
+        self.busy: dict[str, bool] = dict.fromkeys(self.queues, False)
+
+    def idle(self, instance_id: str) -> bool:
+        """No step in flight and no command waiting."""
+        return not self.busy[instance_id] and not self.queues[instance_id]
+
+    def dispatch(self, actions: Iterable[Action]) -> list[Effect]:
+        """Queue the controller's commands; idle instances that got one start a step."""
+        out: list[Effect] = []
+        kicks: dict[str, None] = {}
+        for a in actions:
+            if isinstance(a, Send):
+                self.queues[a.instance_id].append(a.command)
+                kicks[a.instance_id] = None
+            else:
+                out.append(a)
+        for iid in kicks:
+            out += self.kick(iid)
+        return out
+
+    def kick(self, instance_id: str) -> list[Effect]:
+        """Start a step on ``instance_id`` if it is idle and has commands."""
+        if self.busy[instance_id] or not self.queues[instance_id]:
+            return []
+        return [self._start(instance_id)]
+
+    def start(self, instance_id: str) -> StartStep:
+        """Start a step now (the instance must be idle), with whatever commands are queued."""
+        assert not self.busy[instance_id], f"{instance_id} already has a step in flight"
+        return self._start(instance_id)
+
+    def _start(self, instance_id: str) -> StartStep:
+        self.busy[instance_id] = True
+        cmds, self.queues[instance_id] = self.queues[instance_id], []
+        return StartStep(instance_id, cmds)
+
+    def step_done(self, instance_id: str, report: StepReport) -> list[Effect]:
+        """A step's report came back (module docstring: pipelining)."""
+        self.busy[instance_id] = False
+        out: list[Effect] = []
+        if report.stepped and report.has_work:
+            out.append(self._start(instance_id))
+        actions, accepted = self.controller.on_report(report)
+        out.append(Deliver(report, accepted))
+        out += self.dispatch(actions)
+        out += self.kick(instance_id)
+        return out
+
+    def transfer_done(self, request_id: str, dst: str, payload: object, now: float | None,
+                      ) -> list[Effect]:
+        """The KV of ``request_id`` arrived for ``dst``: hand it over with the next step.
+        ``now`` dates the end of the move; ``None`` when the driver reports it separately."""
+        if now is not None:
+            self.controller.on_transfer_done(request_id, now)
+        self.queues[dst].append(ImportKV(request_id, payload))
+        return self.kick(dst)
+
+    def instance_failed(self, instance_id: str, now: float) -> list[Effect]:
+        """The instance is gone: its requests are recomputed elsewhere (or fail)."""
+        self.busy[instance_id] = False
+        self.queues[instance_id].clear()
+        return self.dispatch(self.controller.on_instance_failed(instance_id, now))

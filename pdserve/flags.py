@@ -1,0 +1,298 @@
+"""One set of command-line flags for every subcommand, generated from the config dataclasses,
+and one error wrapper.
+
+- :func:`add_engine_flags`: one flag per :attr:`EngineConfig.KWARGS` name (vLLM's names,
+  ``--enable-prefix-caching/--no-enable-prefix-caching`` for booleans), help from the fields'
+  ``metadata["help"]``, every default shown.
+- :func:`add_deployment_flags`: ``--config FILE`` (YAML/JSON deployment spec), the engine flags
+  and the cluster flags (strategy, counts, TP/PP, routers, links, nodes, backend).
+- :func:`deployment_from_args`: the file, overlaid with the flags the user gave, through
+  :meth:`ClusterConfig.from_dict` — the one construction path of a deployment.
+- :func:`guarded`: runs a subcommand; bad values print ``pdserve CMD: error: ...`` and exit 2,
+  run failures ``pdserve CMD: failed: ...`` and exit 1.
+
+Every flag's default is ``None`` (= "not given"), so that a flag overrides the file only when
+the user typed it; the help text shows the effective default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pdserve.config import (
+    BACKENDS,
+    DTYPES,
+    STRATEGIES,
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    Link,
+    SchedulerConfig,
+)
+
+_FIELDS = {f.name: (cls, f) for cls in (EngineConfig, CacheConfig, SchedulerConfig)
+           for f in fields(cls)}
+_CHOICES: dict[str, Iterable[str]] = {"dtype": DTYPES}
+
+
+def say(msg: str) -> None:
+    """A line on stderr (progress, notes, errors)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------- value types
+def _number(text: str, kind: type = float) -> float:
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def positive(text: str) -> float:
+    v = _number(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    v = int(_number(text, int))
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
+def nonnegative(text: str) -> float:
+    v = _number(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return v
+
+
+def share(text: str) -> float:
+    v = positive(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return v
+
+
+def link_value(text: str) -> Any:
+    """``GBps[:latency_ms]`` (numbers) → :class:`Link`, else a catalogue link name (kept as a
+    string; the simulator resolves it)."""
+    bw, _, lat = text.partition(":")
+    try:
+        bandwidth = float(bw)
+    except ValueError:
+        if lat:
+            raise argparse.ArgumentTypeError(f"expected GBps[:ms] or a link name, "
+                                             f"got {text!r}") from None
+        return text
+    try:
+        return Link(bandwidth, _number(lat) / 1000 if lat else 0.0)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ------------------------------------------------------------------------------------ engine
+def _flag_type(hint: Any) -> tuple[Any, list[str] | None]:
+    """``(argparse type, choices)`` of a field's type hint (``int | None`` → ``int``)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return str, [str(a) for a in args]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if hint is int:
+        return positive_int, None
+    if hint is float:
+        return positive, None
+    return hint, None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser,
+                     exclude: Iterable[str] = ("role", "prefill_token_target"),
+                     ) -> argparse._ArgumentGroup:
+    """One flag per :attr:`EngineConfig.KWARGS` name minus ``exclude`` (``--block-size N``...)."""
+    group = parser.add_argument_group("engine (every instance)")
+    skip = set(exclude)
+    for name in EngineConfig.KWARGS:
+        if name in skip:
+            continue
+        cls, f = _FIELDS[name]
+        kind, choices = _flag_type(typing.get_type_hints(cls)[name])
+        if name == "seed":
+            kind = int
+        default = f.default if f.default is not MISSING else None
+        help_ = f.metadata.get("help", name)
+        if default is not None and "default:" not in help_:
+            help_ += f" (default: {default})"
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_)
+        else:
+            group.add_argument(flag, dest=name, type=kind, default=None,
+                               choices=list(_CHOICES.get(name, choices or [])) or None,
+                               help=help_)
+    return group
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine keyword arguments the user set (for ``EngineConfig.from_kwargs``)."""
+    return {k: getattr(args, k) for k in EngineConfig.KWARGS
+            if getattr(args, k, None) is not None}
+
+
+# -------------------------------------------------------------------------------- deployment
+_DEFAULT = ClusterConfig()
+
+
+def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
+                         live: bool = True) -> None:
+    """``--config``, ``--model``, the engine flags and the cluster flags (module docstring).
+    ``live=False`` (the simulator) leaves out the backend and Ray flags and the engine's
+    ``--device`` and ``--seed`` (a simulated step samples nothing)."""
+    from pdserve.cluster.routing import ROUTERS
+
+    d = parser.add_argument_group("deployment (flags override --config)")
+    d.add_argument("--config", metavar="FILE",
+                   help="deployment spec, YAML or JSON (ClusterConfig.from_dict keys: model, "
+                        "engine, roles, routers, links; `pdserve plan` writes one)")
+    d.add_argument("--model", metavar="NAME|DIR", help=model_help)
+    d.add_argument("--strategy", choices=STRATEGIES,
+                   help="colocated (vLLM-style) or disaggregated (DistServe) "
+                        "(default: colocated)")
+    d.add_argument("--num-instances", type=positive_int,
+                   help="colocated instances (default: 1)")
+    d.add_argument("--num-prefill", type=positive_int,
+                   help="prefill instances when disaggregated (default: 1)")
+    d.add_argument("--num-decode", type=positive_int,
+                   help="decode instances when disaggregated (default: 1)")
+    d.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=positive_int,
+                   help="tensor-parallel degree of every instance (default: 1)")
+    d.add_argument("-pp", "--pp", "--pipeline-parallel-size", dest="pp", type=positive_int,
+                   help="pipeline-parallel degree of every instance (default: 1)")
+    for role in ("prefill", "decode"):
+        for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
+            d.add_argument(f"--{role}-{dim}", type=positive_int,
+                           help=f"{what}-parallel degree of {role} instances (default: -{dim})")
+    d.add_argument("--prefill-token-target", type=positive_int, metavar="L_M",
+                   help="DistServe's L_m: prefill instances batch whole prompts up to this "
+                        "many tokens (default: the token budget)")
+    d.add_argument("--prefill-router", choices=sorted(ROUTERS),
+                   help=f"picks the prefill (or colocated) instance "
+                        f"(default: {_DEFAULT.prefill_router})")
+    d.add_argument("--decode-router", choices=sorted(ROUTERS),
+                   help=f"picks the decode instance (default: {_DEFAULT.decode_router})")
+    d.add_argument("--kv-link", type=link_value, metavar="GBps[:ms]|NAME",
+                   help="KV link between instances on one node: bandwidth in GB/s and latency "
+                        "in ms, or a catalogue link (nvlink3, pcie4, eth-25g...) (default: live "
+                        "unlimited; simulated the device's intra-node link)")
+    d.add_argument("--inter-node-link", type=link_value, metavar="GBps[:ms]|NAME",
+                   help="KV link between nodes (default: as --kv-link)")
+    d.add_argument("--gpus-per-node", type=positive_int,
+                   help="instances fill nodes of this many GPUs in order (default: one node)")
+    if live:
+        d.add_argument("--backend", choices=BACKENDS,
+                       help=f"instances as Ray actors or threads in this process "
+                            f"(default: {_DEFAULT.backend})")
+        d.add_argument("--ray-address", help="join this Ray cluster (default: start one)")
+        d.add_argument("--max-waiting-requests", type=positive_int,
+                       help=f"waiting requests beyond this get HTTP 429 "
+                            f"(default: {_DEFAULT.max_waiting_requests})")
+    add_engine_flags(parser, ("role", "prefill_token_target") if live
+                     else ("role", "prefill_token_target", "device", "seed"))
+
+
+_CLUSTER_FLAGS = ("model", "strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
+                  "prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "prefill_token_target",
+                  "prefill_router", "decode_router", "kv_link", "inter_node_link",
+                  "gpus_per_node", "backend", "ray_address", "max_waiting_requests")
+
+
+def deployment_dict(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
+    """The ``--config`` file's mapping overlaid with the flags the user gave."""
+    values = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    spec = load_file(values["config"], "deployment spec") if values.get("config") else {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"deployment spec {values['config']!r} must be a mapping")
+    spec = dict(spec)
+    engine = dict(spec.pop("engine", None) or {})
+    for k in EngineConfig.KWARGS:
+        if values.get(k) is not None:
+            engine[k] = values[k]
+    for k in _CLUSTER_FLAGS:
+        if values.get(k) is not None:
+            spec[k] = values[k]
+    spec["engine"] = engine
+    return spec
+
+
+def deployment_from_args(args: argparse.Namespace | dict[str, Any]) -> ClusterConfig:
+    d = deployment_dict(args)
+    d.pop("simulation", None)  # what `pdserve simulate` adds to a spec; a live run ignores it
+    return ClusterConfig.from_dict(d)
+
+
+def load_file(path: str, what: str) -> Any:
+    """A YAML (``.yaml``/``.yml``) or JSON file's content; ``ValueError`` naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} {path!r} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return yaml.safe_load(text)
+        return json.loads(text)
+    except Exception as e:  # a syntax error
+        raise ValueError(f"cannot read {what} {path!r}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------- running
+class UsageError(ValueError):
+    """A bad command-line value."""
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse prints the usage and the message; pdserve prints only the message."""
+
+    def error(self: argparse.ArgumentParser, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+    p.error = types.MethodType(error, p)  # type: ignore[method-assign]
+    return p
+
+
+def guarded(cmd: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[Any], int]:
+    """``fn`` as a subcommand ``func``: bad values → exit 2, failed runs → exit 1, one line."""
+
+    def run(args: argparse.Namespace) -> int:
+        from pdserve.bench.traces import TraceNotFoundError
+
+        try:
+            return int(fn(args))
+        except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
+                TraceNotFoundError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+            say(f"pdserve {cmd}: error: {msg}")
+            return 2
+        except (ConnectionError, RuntimeError) as e:
+            say(f"pdserve {cmd}: failed: {e}")
+            return 1
+
+    return run
