@@ -18,7 +18,7 @@ never idles while the driver runs the controller, streams tokens or writes SSE.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.cluster.controller import Action, ClusterRequest, Controller, Fail, Send, Transfer
@@ -82,17 +82,19 @@ class DriverCore:
         cmds, self.queues[instance_id] = self.queues[instance_id], []
         return StartStep(instance_id, cmds)
 
-    def step_done(self, instance_id: str, report: StepReport) -> list[Effect]:
-        """A step's report came back (module docstring: pipelining)."""
+    def step_done(self, instance_id: str, report: StepReport,
+                  run: Callable[[list[Effect]], None]) -> None:
+        """A step's report came back (module docstring: pipelining). ``run`` carries out
+        effects; it is called first with the next step (if the instance has more work), so that
+        the step is under way before the report is processed, then with the report's effects."""
         self.busy[instance_id] = False
-        out: list[Effect] = []
         if report.stepped and report.has_work:
-            out.append(self._start(instance_id))
+            run([self._start(instance_id)])
         actions, accepted = self.controller.on_report(report)
-        out.append(Deliver(report, accepted))
+        out: list[Effect] = [Deliver(report, accepted)]
         out += self.dispatch(actions)
         out += self.kick(instance_id)
-        return out
+        run(out)
 
     def transfer_done(self, request_id: str, dst: str, payload: object, now: float | None,
                       ) -> list[Effect]:

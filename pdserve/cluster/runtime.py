@@ -211,7 +211,7 @@ class ClusterRuntime:
             return
         inst.step_end = rep.now + rep.elapsed
         try:
-            self._run(self.core.step_done(iid, rep))
+            self.core.step_done(iid, rep, self._run)
         except Exception:  # a bug in the driver must not silently stall the instance
             log.exception("processing a report from %s failed", iid)
 

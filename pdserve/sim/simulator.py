@@ -163,7 +163,7 @@ class Simulator:
             n_events += 1
             if prio == STEP_END:
                 iid, rep = data
-                self._run(core.step_done(iid, rep), now)
+                core.step_done(iid, rep, lambda effects, now=now: self._run(effects, now))
             elif prio == TRANSFER_END:
                 rid, dst, payload = data
                 self._run(core.transfer_done(rid, dst, payload, now), now)
@@ -200,7 +200,8 @@ class Simulator:
                         self._batch_log.append((e.instance_id, now, rep.batch))
                     self._push(now + rep.elapsed, STEP_END, (e.instance_id, rep))
                 else:  # nothing to compute: the report takes effect now
-                    self._run(self.core.step_done(e.instance_id, rep), now)
+                    self.core.step_done(e.instance_id, rep,
+                                        lambda effects: self._run(effects, now))
             elif isinstance(e, Transfer):
                 src, dst = self.insts[e.src], self.insts[e.dst]
                 payload = src.worker.export_kv(e.request_id, e.first_block)

@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdserve.bench.presets import distserve_filter
 from pdserve.bench.traces import load_trace
+from pdserve.cli import main as pdserve_main
 from pdserve.sim.latency import FittedProfile
 from pdserve.sim.models import get_model_config
+from pdserve.sim.target import build_simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "distserve_headline.py"
@@ -38,12 +41,12 @@ def model():
     return get_model_config("opt-13b")
 
 
-def test_filter_is_distserves_pruning(hl):
+def test_filter_is_distserves_pruning():
     inp = np.array([3, 3, 4, 100, 1000, 1047, 1048, 2047])
     out = np.array([3, 4, 3, 100, 1000, 1000, 1000, 1])
     # both < 4 dropped; prompt + output >= 2048 dropped
-    assert hl.distserve_filter(inp, out).tolist() == [False, True, True, True, True, True,
-                                                      False, False]
+    assert distserve_filter(inp, out).tolist() == [False, True, True, True, True, True,
+                                                   False, False]
 
 
 def test_chatbot_recipe_statistics(hl, model):
@@ -86,12 +89,13 @@ def test_output_scale_only_scales_outputs(hl, model):
 
 
 def test_kv_capacity_from_memory(hl, model):
-    tp1, tp2 = hl.kv_tokens(model, 1), hl.kv_tokens(model, 2)
+    tp1, tp2 = hl.kv_blocks(model, 1) * 16, hl.kv_blocks(model, 2) * 16
     per_token = model.kv_bytes_per_token("float16")
     assert per_token == 2 * 40 * 5120 * 2
     weights = 2 * model.num_params()
     assert 24e9 < weights < 27e9  # OPT-13B fp16
-    assert tp1 == int((80 * 2**30 * 0.9 - weights) // per_token)
+    assert tp1 // 16 == int((80 * 2**30 * 0.9 - weights) // (16 * per_token)) == 3937
+    assert tp2 // 16 == int((2 * 80 * 2**30 * 0.9 - weights) // (16 * per_token))
     # weights are paid once per instance, so TP2 holds more than twice TP1
     assert tp2 > 2 * tp1
     # within 10 % of DistServe's own max_num_tokens for OPT-13B (66144 / 163008)
@@ -100,48 +104,50 @@ def test_kv_capacity_from_memory(hl, model):
 
 @needs_profile
 def test_placements(hl, model):
-    pl = hl.make_placements(PROFILE, model)
+    pl = hl.make_placements(PROFILE)
     colo, dis = pl["colocated"], pl["disaggregated"]
     assert colo.num_gpus == 1 and dis.num_gpus == 3
-    (c,) = colo.instances
-    assert c.engine.scheduler.role == "colocated"
-    assert not c.engine.scheduler.enable_chunked_prefill  # vLLM v0: whole-prompt prefill first
-    assert c.engine.scheduler.max_num_batched_tokens >= 2048
-    assert c.engine.cache.block_size == 16 and not c.engine.cache.enable_prefix_caching
-    pre = [s for s in dis.instances if s.engine.scheduler.role == "prefill"]
-    dec = [s for s in dis.instances if s.engine.scheduler.role == "decode"]
-    assert len(pre) == 1 and len(dec) == 1
+    (c,) = build_simulator(colo.sim).simulator.insts.values()
+    sc = c.spec.engine.scheduler
+    assert sc.role == "colocated"
+    assert not sc.enable_chunked_prefill  # vLLM v0: whole-prompt prefill first
+    assert sc.token_budget == 2048
+    assert c.spec.engine.cache.block_size == 16 and not c.spec.engine.cache.enable_prefix_caching
+    insts = build_simulator(dis.sim).simulator.insts
+    pre, dec = insts["prefill-0"].spec, insts["decode-0"].spec
+    assert set(insts) == {"prefill-0", "decode-0"}
     tp1 = FittedProfile.from_distserve_json(PROFILE, model, tp=1)
     tp2 = FittedProfile.from_distserve_json(PROFILE, model, tp=2)
     assert tp1.prefill != tp2.prefill
-    # prefill runs on DistServe's TP=2 coefficients, 2 GPUs, batching up to L_m
-    assert pre[0].latency.tp == 2 and pre[0].latency.prefill == tp2.prefill
-    assert pre[0].num_gpus == 2 and pre[0].engine.scheduler.prefill_token_target == 512
-    assert not pre[0].engine.scheduler.enable_chunked_prefill
+    # prefill runs on DistServe's TP=2 coefficients, 2 GPUs, whole prompts up to L_m
+    assert pre.latency.tp == 2 and pre.latency.prefill == tp2.prefill
+    assert pre.num_gpus == 2 and pre.engine.scheduler.prefill_token_target == 512
+    assert not pre.engine.scheduler.enable_chunked_prefill
     # decode and colocated on TP=1 coefficients
-    assert dec[0].latency.tp == 1 and dec[0].latency.decode_small == tp1.decode_small
-    assert c.latency.tp == 1 and c.latency.prefill == tp1.prefill
-    assert pre[0].num_kv_blocks == hl.kv_tokens(model, 2) // 16
-    assert dec[0].num_kv_blocks == c.num_kv_blocks == hl.kv_tokens(model, 1) // 16
-    assert pre[0].node == dec[0].node  # one node: the KV goes over NVLink
-    link = hl.nvlink()
-    assert link.bandwidth_gbps == 300.0
+    assert dec.latency.tp == 1 and dec.latency.decode_small == tp1.decode_small
+    assert dec.engine.scheduler.enable_chunked_prefill
+    assert c.spec.latency.tp == 1 and c.spec.latency.prefill == tp1.prefill
+    assert pre.num_kv_blocks == hl.kv_blocks(model, 2)
+    assert dec.num_kv_blocks == c.spec.num_kv_blocks == hl.kv_blocks(model, 1) == 3937
+    assert pre.node == dec.node  # one node: the KV goes over NVLink
+    link = build_simulator(dis.sim).simulator.intra
+    assert link.bandwidth_gb_per_s == 300.0
     # replica counts
-    pl2 = hl.make_placements(PROFILE, model, num_colocated=2, num_decode=2)
+    pl2 = hl.make_placements(PROFILE, num_colocated=2, num_decode=2)
     assert pl2["colocated"].num_gpus == 2 and pl2["disaggregated"].num_gpus == 4
 
 
 @needs_profile
 def test_small_run_both_placements(hl, model):
     wl, _ = hl.chatbot_workload(40, seed=1, vocab_size=model.vocab_size)
-    pl = hl.make_placements(PROFILE, model)
+    pl = hl.make_placements(PROFILE)
     runner = hl.Runner(model, wl, pl, hl.SLO_CHATBOT, 0.9, show_progress=False)
     for name in ("colocated", "disaggregated"):
         run = runner.run(name, 0.5, keep_records=True)
-        for crit in hl.CRITERIA:
-            assert 0.0 <= run.attainment[crit] <= 1.0
-        assert run.attainment["distserve"] >= run.attainment["both"]
         assert run.summary["num_failed"] == 0 and len(run.records) == 40
+        # attainment is the share of records meeting both SLOs, recounted here by hand
+        met = sum(1 for r in run.records if r.ttft <= 0.25 and (r.tpot is None or r.tpot <= 0.1))
+        assert run.attainment["both"] == met / 40
     recs = {n: {r.request_id: r for r in runner.run(n, 0.5, keep_records=True).records}
             for n in ("colocated", "disaggregated")}
     req = wl.requests[0]
@@ -158,3 +164,24 @@ def test_small_run_both_placements(hl, model):
     # cached: the same (placement, rate) is not simulated twice
     assert runner.run("colocated", 0.5) is runner.cache[("colocated", 0.5)]
 
+
+
+def test_readme_example_pins_the_headline_row(tmp_path, monkeypatch):
+    """The README's simulate example is the headline's disaggregated placement at 2.5 req/s,
+    seed 0; its deterministic result is pinned (benchmarks/distserve_headline.py prints the
+    same row: attainment 99.1 %, P90 TTFT 121.2 ms, P90 TPOT 55.9 ms)."""
+    import json
+
+    monkeypatch.chdir(tmp_path)  # as a newcomer runs it: the profile resolves by name
+    out = tmp_path / "s.json"
+    rc = pdserve_main([
+        "simulate", "--model", "opt-13b", "--profile", "distserve_profiler-a100-80g.distserve",
+        "--strategy", "disaggregated", "--prefill-tp", "2", "--decode-tp", "1",
+        "--prefill-token-target", "512", "--no-enable-prefix-caching", "--max-model-len",
+        "2048", "--workload", "distserve-chatbot", "--num-requests", "1000", "--rate", "2.5",
+        "--no-progress", "--output-json", str(out)])
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["num_ok"] == 1000 and s["attainment"] == pytest.approx(0.991)
+    assert s["ttft"]["p90"] == pytest.approx(0.1212, abs=5e-5)
+    assert s["tpot"]["p90"] == pytest.approx(0.0559, abs=5e-5)
