@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from typing import Any
 
 import numpy as np
@@ -271,6 +272,7 @@ def gguf_model_dir(gguf_path: str, name: str | None = None) -> str:
         return path
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    print(f"pdserve: converting {gguf_path} into {path} (once)", file=sys.stderr, flush=True)
     try:
         convert_gguf(gguf_path, tmp)
     except BaseException:
