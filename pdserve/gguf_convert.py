@@ -3,18 +3,21 @@
 :func:`gguf_model_dir` turns ``model.gguf`` into a cached directory in the layout the loader,
 tokenizer and chat-template code already read:
 
-- ``config.json`` / ``generation_config.json`` from the GGUF metadata (``{arch}.*`` keys);
+- ``config.json`` / ``generation_config.json`` from the GGUF metadata (``{arch}.*`` keys; a
+  ``rope_freqs`` tensor becomes Llama 3 ``rope_scaling`` when it matches it exactly);
 - ``model.safetensors``: every tensor dequantized to float32 with the ``gguf`` package and renamed
   to its Hugging Face name. llama.cpp stores Llama's Q and K projections with the rows of each
   head interleaved (``[x0, x_{d/2}, x1, x_{d/2+1}, ...]``, the rotate-every-two layout of its RoPE
   kernel); they are put back into the rotate-half order Hugging Face's Llama expects (Qwen2 is
   stored unpermuted);
 - ``tokenizer.json`` + ``tokenizer_config.json`` with the chat template, converted from the
-  ``tokenizer.ggml.*`` metadata by transformers' GGUF tokenizer conversion.
+  ``tokenizer.ggml.*`` metadata by transformers' GGUF tokenizer conversion (plus the
+  digit-by-digit split of SmolLM's pre-tokenizer, which that conversion lacks).
 
 The cache lives under ``$PDSERVE_CACHE`` (or ``~/.cache/pdserve``) in ``gguf/<key>/<name>``, the
-key a hash of the file's absolute path, size and modification time (and this converter's
-version), so a changed file is converted again. No torch here: numpy and safetensors' numpy API.
+key a hash of the file's absolute path, size and modification time (and the versions of this
+converter and of transformers), so a changed file is converted again. No torch here: numpy and
+safetensors' numpy API.
 """
 
 from __future__ import annotations
@@ -263,8 +266,12 @@ def gguf_model_dir(gguf_path: str, name: str | None = None) -> str:
     file name without ``.gguf``."""
     if not os.path.isfile(gguf_path):
         raise ValueError(f"GGUF file {gguf_path!r} does not exist")
+    from importlib.metadata import version
+
     st = os.stat(gguf_path)
-    ident = f"{os.path.abspath(gguf_path)}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
+    # transformers writes the tokenizer files, in its version's format
+    ident = (f"{os.path.abspath(gguf_path)}\0{st.st_size}\0{st.st_mtime_ns}\0"
+             f"{CONVERTER_VERSION}\0{version('transformers')}")
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     name = name or os.path.basename(gguf_path).removesuffix(".gguf")
     path = os.path.join(cache_root(), "gguf", key, name)
