@@ -85,7 +85,9 @@ def make_workload(n: int, seed: int, vocab: int, in_lo: int, in_hi: int, out_lo:
 
 def model_dir(args: argparse.Namespace) -> str:
     if args.model:
-        return args.model
+        from pdserve.checkpoints import resolve_model
+
+        return resolve_model(args.model)  # a directory, a .gguf file or a built-in name
     name = (f"bench-llama-v{args.vocab_size}-h{args.hidden_size}-i{args.intermediate_size}"
             f"-l{args.num_layers}-a{args.num_heads}-kv{args.num_kv_heads}")
     root = os.environ.get("PDSERVE_CACHE") or os.path.join(tempfile.gettempdir(), "pdserve")
@@ -211,7 +213,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len-max", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     m = p.add_argument_group("model (ignored with --model)")
-    m.add_argument("--model", default=None, help="an existing model directory")
+    m.add_argument("--model", default=None,
+                   help="an existing model directory, .gguf file or built-in name "
+                        "(smollm2-135m-instruct)")
     m.add_argument("--vocab-size", type=int, default=32000)
     m.add_argument("--hidden-size", type=int, default=512)
     m.add_argument("--intermediate-size", type=int, default=1408)

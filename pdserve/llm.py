@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.checkpoints import resolve_model
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
 from pdserve.request import RequestOutput, SamplingParams
@@ -16,13 +17,16 @@ from pdserve.tokenizer import load_tokenizer
 class LLM:
     """A model instance for offline generation.
 
-    ``model`` is a local Hugging Face directory (config.json, *.safetensors, tokenizer.json).
+    ``model`` is a local Hugging Face directory (config.json, *.safetensors, tokenizer.json), a
+    ``.gguf`` file or a built-in name such as ``smollm2-135m-instruct`` (see
+    :func:`pdserve.checkpoints.resolve_model`).
     Keyword arguments: ``device``, ``dtype``, ``seed``, ``block_size``, ``num_kv_blocks`` (None =
     size from available memory), ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
     ``enable_chunked_prefill``, ``enable_prefix_caching`` (see :class:`EngineConfig`).
     """
 
     def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        model = resolve_model(model)
         model_config = ModelConfig.from_dir(model)
         self.config = EngineConfig.from_kwargs(
             model, model_max_len=model_config.max_position_embeddings, **engine_kwargs)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from pdserve.checkpoints import resolve_model
 from pdserve.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.opt import OPTForCausalLM
@@ -117,11 +118,13 @@ def load_model(model_dir: str, dtype: str = "float32",
                device: str = "cpu") -> tuple[nn.Module, ModelConfig]:
     """Build the model described by ``model_dir/config.json`` and load its weights.
 
+    ``model_dir`` may also be a ``.gguf`` file or a built-in model name
+    (:func:`pdserve.checkpoints.resolve_model`).
+
     ``dtype``: ``float32``, ``bfloat16`` or ``float16``; ``device``: ``cpu`` or ``cuda[:N]``.
     Returns ``(model, config)``; the model is in eval mode without gradients.
     """
-    if not os.path.isdir(model_dir):
-        raise ValueError(f"model directory {model_dir!r} does not exist")
+    model_dir = resolve_model(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     files = weight_files(model_dir)
     model = build_model(cfg, dtype, device)
