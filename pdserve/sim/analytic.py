@@ -127,7 +127,8 @@ class AnalyticModel(LatencyModel):
     def breakdown(self, prefill_chunks: Chunks,
                   decode_context_lens: Sequence[int]) -> dict[str, float]:
         """Seconds per component: ``linear``, ``moe`` (routed experts), ``attn_prefill``,
-        ``attn_decode``, ``allreduce``, ``overhead``. Their sum is :meth:`step_time`."""
+        ``attn_decode``, ``allreduce``, ``launch`` (per-layer fixed cost), ``overhead``. Their
+        sum is :meth:`step_time`."""
         if not prefill_chunks and not decode_context_lens:
             return {}
         m, e, nb, L = self.model, self.eff, self.bytes_el, self.model.num_layers
@@ -161,6 +162,8 @@ class AnalyticModel(LatencyModel):
             out["attn_decode"] = self._roof(f, b, e.mfu_attention, e.mbu_kv)
         if self.tp > 1:
             out["allreduce"] = 2 * L * self.allreduce_time(tokens * m.hidden_size * nb)
+        if e.layer_overhead_s:
+            out["launch"] = e.layer_overhead_s * L
         out["overhead"] = e.step_overhead_s + e.seq_overhead_s * sampled
         return out
 

@@ -54,10 +54,13 @@ class Efficiency:
     * ``mfu_attention`` — the same for attention FLOPs;
     * ``mbu_weights`` — achieved share of memory bandwidth streaming weights/activations;
     * ``mbu_kv`` — the same for paged KV reads in decode attention (scattered blocks);
-    * ``comm`` — achieved share of the link bandwidth in an all-reduce / all-to-all;
+    * ``comm`` — achieved share of the link bandwidth in an all-reduce, relative to a ring
+      (up to 2: NVSwitch in-network reduction, NCCL's NVLS, moves about half a ring's bytes);
     * ``comm_latency_s`` — fixed seconds per collective (``None``: ``2·(tp−1)`` link
-      latencies, the ring's hops);
+      latencies, one per ring hop);
     * ``step_overhead_s`` — fixed seconds per iteration (DistServe App. A's ``C_3``);
+    * ``layer_overhead_s`` — fixed seconds per layer per iteration (kernel launches: the floor
+      small batches hit; it makes the fixed cost scale with depth);
     * ``seq_overhead_s`` — seconds per sequence in the iteration (sampling, metadata);
     * ``attn_q_tile`` — query rows per attention tile (K/V re-read per tile).
 
@@ -71,17 +74,19 @@ class Efficiency:
     comm: float = 0.60
     comm_latency_s: float | None = None
     step_overhead_s: float = 4e-3
+    layer_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
     attn_q_tile: int = 128
 
     def __post_init__(self) -> None:
         for f in ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm"):
-            v = getattr(self, f)
-            if not 0.0 < v <= 1.0:
-                raise ValueError(f"{f} must be in (0, 1], got {v}")
-        if self.step_overhead_s < 0 or self.seq_overhead_s < 0 or self.attn_q_tile < 1:
-            raise ValueError("step_overhead_s and seq_overhead_s must be >= 0 and "
-                             "attn_q_tile >= 1")
+            v, top = getattr(self, f), 2.0 if f == "comm" else 1.0
+            if not 0.0 < v <= top:
+                raise ValueError(f"{f} must be in (0, {top:g}], got {v}")
+        if min(self.step_overhead_s, self.layer_overhead_s, self.seq_overhead_s) < 0 \
+                or self.attn_q_tile < 1:
+            raise ValueError("step_overhead_s, layer_overhead_s and seq_overhead_s must be "
+                             ">= 0 and attn_q_tile >= 1")
         if self.comm_latency_s is not None and self.comm_latency_s < 0:
             raise ValueError(f"comm_latency_s must be >= 0, got {self.comm_latency_s}")
 
