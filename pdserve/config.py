@@ -28,7 +28,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
     "OPTForCausalLM": "opt",
 }
 
@@ -55,7 +59,15 @@ GiB = 1 << 30
 class ModelConfig:
     """Architecture of a decoder-only transformer, as far as serving needs it.
 
-    ``family`` is one of ``llama`` (Llama 2/3, Mistral), ``qwen2`` (Llama + QKV bias) or ``opt``.
+    ``family`` is one of ``llama`` (Llama 2/3, Mistral, Mixtral), ``qwen2`` (Llama + QKV bias),
+    ``qwen3`` (Llama + per-head RMSNorm of Q and K, ``qk_norm``, and an explicit ``head_dim``)
+    or ``opt``.
+
+    Mixture of experts (``num_experts`` > 0; Mixtral, Qwen2-MoE, Qwen3-MoE): each of the
+    ``num_moe_layers`` sparse layers routes every token to ``num_experts_per_tok`` of
+    ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, plus, where the model
+    has them, always-on shared experts of total width ``shared_expert_intermediate_size``
+    (Qwen2-MoE). The other layers keep a dense MLP of width ``intermediate_size``.
     """
 
     family: str
@@ -74,12 +86,33 @@ class ModelConfig:
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_moe_layers: int = -1  # -1 = every layer when num_experts > 0
     name: str = ""
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _require(self.family in ("llama", "qwen2", "opt"),
+        _require(self.family in ("llama", "qwen2", "qwen3", "opt"),
                  f"unsupported model family {self.family!r}")
+        if self.num_experts:
+            _require(self.family != "opt", "OPT has no mixture-of-experts variant")
+            _require(0 < self.num_experts_per_tok <= self.num_experts,
+                     f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                     f"1..num_experts={self.num_experts}")
+            _require(self.moe_intermediate_size > 0,
+                     f"moe_intermediate_size must be > 0, got {self.moe_intermediate_size}")
+            if self.num_moe_layers < 0:
+                object.__setattr__(self, "num_moe_layers", self.num_layers)
+            _require(self.num_moe_layers <= self.num_layers,
+                     f"num_moe_layers={self.num_moe_layers} > num_layers={self.num_layers}")
+        else:
+            _require(self.num_experts_per_tok == 0 and self.shared_expert_intermediate_size == 0,
+                     "num_experts_per_tok / shared experts need num_experts > 0")
+            object.__setattr__(self, "num_moe_layers", 0)
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "max_position_embeddings"):
             _require(getattr(self, f) > 0, f"{f} must be > 0, got {getattr(self, f)}")
@@ -96,20 +129,32 @@ class ModelConfig:
         """Bytes of K and V for one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings included)."""
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embeddings included); ``active``: only what one token uses (its
+        ``num_experts_per_tok`` routed experts, not all of them)."""
         h, i, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h
+        attn = h * q + 2 * h * kv + q * h + (2 * self.head_dim if self.qk_norm else 0)
         if self.family == "opt":
             mlp = 2 * h * i
             extra = self.max_position_embeddings * h
         else:
             mlp = 3 * h * i
             extra = 0
+        moe = 0
+        if self.is_moe:
+            experts = self.num_experts_per_tok if active else self.num_experts
+            moe = (experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+                   + 3 * h * self.shared_expert_intermediate_size
+                   + (h if self.shared_expert_intermediate_size else 0))  # shared-expert gate
+        dense = n - self.num_moe_layers
         head = 0 if self.tie_word_embeddings else v * h
-        return n * (attn + mlp) + v * h + head + extra
+        return n * attn + dense * mlp + self.num_moe_layers * moe + v * h + head + extra
 
     # ---- loading ----
     @classmethod
@@ -118,8 +163,9 @@ class ModelConfig:
         arch = archs[0] if archs else ""
         family = SUPPORTED_ARCHITECTURES.get(arch)
         if family is None:
-            mt = d.get("model_type", "")
-            family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "opt": "opt"}.get(mt)
+            family = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
+                      "qwen2_moe": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3",
+                      "opt": "opt"}.get(d.get("model_type", ""))
         if family is None:
             raise ValueError(
                 f"unsupported architecture {arch or d.get('model_type')!r}; supported: "
@@ -145,11 +191,27 @@ class ModelConfig:
                 name=name,
                 hf_config=d,
             )
+        num_experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+        moe: dict[str, Any] = {}
+        if num_experts:
+            layers = d["num_hidden_layers"]
+            step = int(d.get("decoder_sparse_step") or 1)
+            dense = set(d.get("mlp_only_layers") or [])
+            moe = {
+                "num_experts": num_experts,
+                "num_experts_per_tok": int(d.get("num_experts_per_tok") or 0),
+                "moe_intermediate_size": int(d.get("moe_intermediate_size")
+                                             or d["intermediate_size"]),
+                "shared_expert_intermediate_size": int(
+                    d.get("shared_expert_intermediate_size") or 0),
+                "num_moe_layers": sum(1 for i in range(layers)
+                                      if i not in dense and (i + 1) % step == 0),
+            }
         return cls(
             family=family,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
+            intermediate_size=d.get("intermediate_size") or moe.get("moe_intermediate_size", 0),
             num_layers=d["num_hidden_layers"],
             num_heads=d["num_attention_heads"],
             num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
@@ -162,8 +224,10 @@ class ModelConfig:
             attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            qk_norm=family == "qwen3",
             name=name,
             hf_config=d,
+            **moe,
         )
 
     @classmethod

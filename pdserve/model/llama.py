@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): GQA, RoPE, RMSNorm, SwiGLU.
 
 Q/K/V and gate/up projections are fused into one matrix each; :meth:`hf_weight_spec` tells the
-loader where each Hugging Face tensor goes. Qwen2 adds a bias to Q/K/V; Llama's
+loader where each Hugging Face tensor goes. Qwen2 adds a bias to Q/K/V; Qwen3 normalises each
+head of Q and K with its own RMSNorm (``q_norm``/``k_norm``, weights of ``head_dim``) before
+RoPE, and may set ``head_dim`` apart from ``hidden_size / heads``; Llama's
 ``attention_bias`` adds one to all four attention projections and ``mlp_bias`` to the MLP.
 Mistral's sliding window is applied through the attention metadata (see
 :func:`pdserve.engine.model_executor.sliding_window`).
@@ -49,15 +51,21 @@ class LlamaAttention(nn.Module):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qk_size = q + kv
         qkv_bias = cfg.attention_bias
-        o_bias = cfg.family == "llama" and cfg.attention_bias
+        o_bias = cfg.family in ("llama", "qwen3") and cfg.attention_bias
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=qkv_bias)
         self.o_proj = Linear(q, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([self.qk_size, self.qk_size - h * hd], dim=-1)
-        q, k = apply_rope(qk.view(t, -1, hd), cos, sin).split([h, self.num_kv_heads], dim=1)
+        qk = qk.view(t, -1, hd)
+        if self.q_norm is not None:
+            q, k = qk.split([h, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = apply_rope(qk, cos, sin).split([h, self.num_kv_heads], dim=1)
         o = paged_attention(q, k, v.view(t, self.num_kv_heads, hd), kv_cache, meta)
         return self.o_proj(o)
 
@@ -89,7 +97,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Paged-attention Llama/Mistral/Qwen2 for serving.
+    """Paged-attention Llama/Mistral/Qwen2/Qwen3 for serving (dense models only).
 
     ``forward(meta, kv_cache)`` runs the flattened tokens of a whole mixed batch and returns the
     final hidden states of the rows in ``meta.sample_indices`` only; :meth:`compute_logits`
@@ -98,6 +106,10 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.is_moe:
+            raise ValueError(f"model {cfg.name or cfg.family!r} is a mixture of experts "
+                             f"({cfg.num_experts} experts): the engine runs dense models only; "
+                             "simulate it instead (pdserve simulate)")
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         theta, scaling = rope_params(cfg)
@@ -144,6 +156,9 @@ class LlamaForCausalLM(nn.Module):
                 spec[f"{hf}mlp.down_proj.{kind}"] = (f"{me}mlp.down_proj.{kind}", 0)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 spec[f"{hf}{norm}.weight"] = (f"{me}{norm}.weight", 0)
+            if cfg.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    spec[f"{hf}self_attn.{norm}.weight"] = (f"{me}self_attn.{norm}.weight", 0)
         return spec
 
     @staticmethod

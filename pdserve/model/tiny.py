@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
 )
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "opt": "OPTForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "opt": "OPTForCausalLM"}
 
 # Training text for the tokenizer: plain English, chat turns and a little code.
 CORPUS = """\
@@ -93,7 +93,7 @@ def _train_tokenizer(vocab_size: int, add_bos: bool) -> Any:
 
 
 def _hf_config(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int,
-               kv_heads: int, max_pos: int, tie: bool) -> dict[str, Any]:
+               kv_heads: int, max_pos: int, tie: bool, head_dim: int) -> dict[str, Any]:
     common: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -134,10 +134,12 @@ def _hf_config(arch: str, vocab: int, hidden: int, inter: int, layers: int, head
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
     })
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         common.update({"use_sliding_window": False, "sliding_window": None,
                        "max_window_layers": layers})
-    else:
+    if arch == "qwen3":
+        common.update({"head_dim": head_dim, "attention_bias": False})
+    elif arch == "llama":
         common.update({"attention_bias": False, "mlp_bias": False})
     return common
 
@@ -146,7 +148,7 @@ def _random_weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, torc
     g = torch.Generator().manual_seed(seed)
     h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
-    hd = h // heads
+    hd = cfg.get("head_dim") or h // heads
     w: dict[str, torch.Tensor] = {}
 
     def normal(name: str, *shape: int, std: float) -> None:
@@ -198,6 +200,9 @@ def _random_weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, torc
         normal(lp + "mlp.down_proj.weight", h, inter, std=2.0 / inter**0.5)
         norm(lp + "input_layernorm")
         norm(lp + "post_attention_layernorm")
+        if arch == "qwen3":
+            for qk in ("q_norm", "k_norm"):
+                w[lp + f"self_attn.{qk}.weight"] = 1.0 + 0.2 * torch.randn(hd, generator=g)
     norm("model.norm")
     w["model.norm.weight"] *= 4.0
     if not cfg["tie_word_embeddings"]:
@@ -224,12 +229,16 @@ def make_tiny_model(
     num_kv_heads: int | None = None,
     max_position_embeddings: int | None = None,
     tie_word_embeddings: bool | None = None,
+    head_dim: int | None = None,
 ) -> str:
-    """Write a randomly initialised ``arch`` model (``llama``, ``qwen2`` or ``opt``) to ``path``.
+    """Write a randomly initialised ``arch`` model (``llama``, ``qwen2``, ``qwen3`` or ``opt``)
+    to ``path``.
 
-    Defaults: vocab 512, hidden 64, 2 layers, 4 heads (2 KV heads for llama/qwen2: GQA),
-    intermediate 128, 1024 positions; qwen2 ties its embeddings, llama and opt do not unless asked
-    (real OPT checkpoints tie; ``tie_word_embeddings=True`` reproduces that). Returns ``path``.
+    Defaults: vocab 512, hidden 64, 2 layers, 4 heads (2 KV heads for llama/qwen2/qwen3: GQA),
+    intermediate 128, 1024 positions; qwen2 and qwen3 tie their embeddings, llama and opt do not
+    unless asked (real OPT checkpoints tie; ``tie_word_embeddings=True`` reproduces that).
+    qwen3 has per-head Q/K RMSNorms and an explicit ``head_dim`` (default 32, so
+    ``heads * head_dim`` differs from ``hidden``, as in Qwen3-0.6B). Returns ``path``.
     """
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; "
@@ -240,15 +249,18 @@ def make_tiny_model(
     kv_heads = heads if arch == "opt" else (num_kv_heads or max(1, heads // 2))
     if arch == "opt" and num_kv_heads not in (None, heads):
         raise ValueError("OPT has no grouped-query attention: num_kv_heads must equal num_heads")
-    if hidden % heads:
+    if head_dim is not None and arch != "qwen3":
+        raise ValueError("an explicit head_dim is only written for qwen3")
+    hd = head_dim or 32
+    if hidden % heads and arch != "qwen3":
         raise ValueError(f"hidden_size={hidden} is not divisible by num_heads={heads}")
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} is not a multiple of num_kv_heads={kv_heads}")
     if vocab < 300:
         raise ValueError(f"vocab_size={vocab} is too small for a byte-level tokenizer (>= 300)")
-    tie = (arch == "qwen2") if tie_word_embeddings is None else tie_word_embeddings
+    tie = (arch in ("qwen2", "qwen3")) if tie_word_embeddings is None else tie_word_embeddings
     cfg = _hf_config(arch, vocab, hidden, intermediate_size or 2 * hidden, num_layers or 2,
-                     heads, kv_heads, max_position_embeddings or 1024, tie)
+                     heads, kv_heads, max_position_embeddings or 1024, tie, hd)
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
@@ -261,7 +273,7 @@ def make_tiny_model(
     save_file({k: t.contiguous() for k, t in sorted(weights.items())},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
-    tok = _train_tokenizer(vocab, add_bos=arch != "qwen2")
+    tok = _train_tokenizer(vocab, add_bos=arch not in ("qwen2", "qwen3"))
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
         f.write(tok.to_str(pretty=True))
     _write_json(os.path.join(path, "tokenizer_config.json"), {
@@ -270,7 +282,7 @@ def make_tiny_model(
         "eos_token": "</s>",
         "unk_token": "<unk>",
         "pad_token": "<pad>",
-        "add_bos_token": arch != "qwen2",
+        "add_bos_token": arch not in ("qwen2", "qwen3"),
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg["max_position_embeddings"],

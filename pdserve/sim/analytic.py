@@ -14,21 +14,31 @@ argues which side binds) and the groups add up:
 * **tensor parallelism**: two all-reduces per layer (after attention and after the MLP,
   Megatron-style) of ``tokens × hidden`` activations, ring algorithm:
   ``2·(tp−1)/tp · bytes / (link bandwidth · comm) + 2·(tp−1) · link latency``.
-* a fixed **per-step overhead** (scheduler, Python, kernel launches; DistServe's ``C_3``).
+* **mixture of experts** (Mixtral, Qwen3-MoE): a sparse layer's router sends each token to
+  ``k`` of ``E`` experts; FLOPs are ``2·tokens·k·expert_params``, and the weights read are the
+  experts actually touched — ``E·(1 − (1 − k/E)^tokens)`` of them under uniform routing (one
+  decoded token reads ``k`` experts, a long prefill reads all ``E``). Shared experts are dense.
+  **Expert parallelism** (``ep`` > 1, ``ep`` dividing ``tp`` and ``E``): experts sit whole on
+  ``ep`` GPUs instead of being sharded ``tp`` ways; attention stays tensor-parallel and the
+  post-MoE all-reduce combines the experts' outputs, so the traffic is unchanged, but the step
+  waits for the busiest GPU: ``m + σ·√(2 ln ep)`` token-expert pairs for a binomial mean ``m``.
+* a fixed **per-step overhead** (scheduler, Python, kernel launches; DistServe's ``C_3``) and a
+  **per-sequence overhead** (sampling, metadata).
 
-The defaults of :class:`Efficiency` were chosen once, on OPT-13B / TP 1 / A100-80GB against
-DistServe's measured profile (``docs/fidelity.md``), and are not tuned per shape or per TP.
+The factors (:class:`~pdserve.sim.hardware.Efficiency`) come with the device
+(``DeviceSpec.efficiency``): A100-80GB's were chosen once on OPT-13B / TP 1 against DistServe's
+measured profile (``docs/fidelity.md``); ``pdserve calibrate`` fits them for any device.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 from pdserve.config import DTYPE_BYTES, ModelConfig
-from pdserve.sim.hardware import DeviceSpec, LinkSpec, get_device, get_link
+from pdserve.sim.hardware import DeviceSpec, Efficiency, LinkSpec, get_device, get_link
 from pdserve.sim.latency import (
     DISTSERVE_DECODE_THRESHOLD,
     Chunks,
@@ -39,50 +49,26 @@ from pdserve.sim.latency import (
 )
 
 
-@dataclass(frozen=True)
-class Efficiency:
-    """Named efficiency factors of the roofline (fractions of peak) and fixed costs.
-
-    * ``mfu_gemm`` — achieved share of peak tensor FLOP/s in the linear layers (large GEMMs on
-      A100 reach 70–80 %);
-    * ``mfu_attention`` — the same for prefill attention (FlashAttention-2 forward on A100 reaches
-      50–70 % in its paper; DistServe's own kernel is slower);
-    * ``mbu_weights`` — achieved share of memory bandwidth when streaming weights/activations;
-    * ``mbu_kv`` — the same for paged KV reads in decode attention (scattered blocks: lower);
-    * ``comm`` — achieved share of the link bandwidth in an all-reduce (NCCL bus bandwidth);
-    * ``step_overhead_s`` — fixed seconds per iteration (DistServe App. A's ``C_3``);
-    * ``attn_q_tile`` — query rows per attention tile (K/V re-read per tile).
-    """
-
-    mfu_gemm: float = 0.70
-    mfu_attention: float = 0.35
-    mbu_weights: float = 0.80
-    mbu_kv: float = 0.65
-    comm: float = 0.60
-    step_overhead_s: float = 4e-3
-    attn_q_tile: int = 128
-
-    def __post_init__(self) -> None:
-        for f in ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm"):
-            v = getattr(self, f)
-            if not 0.0 < v <= 1.0:
-                raise ValueError(f"{f} must be in (0, 1], got {v}")
-        if self.step_overhead_s < 0 or self.attn_q_tile < 1:
-            raise ValueError("step_overhead_s must be >= 0 and attn_q_tile >= 1")
-
-
 class AnalyticModel(LatencyModel):
-    """Roofline step time of ``model`` on ``tp`` GPUs of type ``device``.
+    """Roofline step time of ``model`` on ``tp`` GPUs of type ``device`` (a catalogue name, a
+    hardware file or a :class:`DeviceSpec`).
 
     ``link`` joins the TP group (default: the device's intra-node link, e.g. NVLink 3 on A100);
-    ``efficiency`` (or keyword overrides of its fields) sets the factors.
+    ``efficiency`` (default: the device's own) or keyword overrides of its fields set the
+    factors; ``ep``: expert-parallel degree of a mixture-of-experts model (1 = experts
+    sharded ``tp`` ways).
     """
 
     def __init__(self, model: ModelConfig, device: DeviceSpec | str, tp: int = 1,
                  link: LinkSpec | str | None = None, dtype: str = "float16",
-                 efficiency: Efficiency | None = None, **factors: Any) -> None:
+                 efficiency: Efficiency | None = None, ep: int = 1, **factors: Any) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
+        if ep < 1 or tp % ep:
+            raise ValueError(f"ep={ep} must be >= 1 and divide tp={tp}")
+        if ep > 1 and (not model.is_moe or model.num_experts % ep):
+            raise ValueError(f"ep={ep} needs a mixture-of-experts model whose num_experts "
+                             f"({model.num_experts}) it divides")
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
         if model.num_heads % tp:
@@ -93,9 +79,10 @@ class AnalyticModel(LatencyModel):
         self.model = model
         self.device = get_device(device)
         self.tp = tp
-        self.link = get_link(link if link is not None else self.device.intra_node_link)
+        self.ep = ep
+        self.link = get_link(link) if link is not None else self.device.intra_link
         self.dtype = dtype
-        self.eff = replace(efficiency or Efficiency(), **factors)
+        self.eff = replace(efficiency or self.device.efficiency, **factors)
         self._precompute()
 
     def _precompute(self) -> None:
@@ -105,11 +92,19 @@ class AnalyticModel(LatencyModel):
         self.kv_dim = math.ceil(m.num_kv_heads / tp) * hd  # KV heads replicate when kv < tp
         gated = m.family != "opt"
         mlp_in = (2 if gated else 1) * inter // tp
-        # Per layer per GPU: weight elements, and activation elements in + out per token.
-        self.layer_params = (h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-                             + h * mlp_in + (inter // tp) * h)
-        self.layer_act = ((h + self.q_dim + 2 * self.kv_dim) + (self.q_dim + h)
-                          + (h + mlp_in) + (inter // tp + h))
+        attn_params = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        attn_act = (h + self.q_dim + 2 * self.kv_dim) + (self.q_dim + h)
+        # Per GPU, summed over layers: weight elements, activation elements in + out per token.
+        dense = m.num_layers - m.num_moe_layers
+        self.linear_params = m.num_layers * attn_params + dense * (h * mlp_in + inter // tp * h)
+        self.linear_act = m.num_layers * attn_act + dense * ((h + mlp_in) + (inter // tp + h))
+        if m.is_moe:  # router (replicated) and shared experts (dense, TP-sharded)
+            shared = m.shared_expert_intermediate_size // tp
+            self.linear_params += m.num_moe_layers * (h * m.num_experts + 3 * h * shared)
+            self.linear_act += m.num_moe_layers * (h + m.num_experts + 2 * h + 3 * shared)
+            # one routed expert, per GPU that holds (a shard of) it
+            self.expert_params = 3 * h * m.moe_intermediate_size // (tp // self.ep)
+            self.expert_act = 2 * h + 3 * m.moe_intermediate_size // (tp // self.ep)
         self.head_params = m.vocab_size * h // tp
         self.bytes_el = nb
         self.flops = self.device.flops_per_s(self.dtype)
@@ -118,19 +113,36 @@ class AnalyticModel(LatencyModel):
     def _roof(self, flops: float, nbytes: float, mfu: float, mbu: float) -> float:
         return max(flops / (self.flops * mfu), nbytes / (self.bw * mbu))
 
+    def _experts(self, tokens: int) -> tuple[float, float]:
+        """``(token-expert pairs, experts touched)`` on the busiest GPU of one sparse layer."""
+        m, ep = self.model, self.ep
+        k, n_exp = m.num_experts_per_tok, m.num_experts
+        pairs = tokens * k / ep
+        if ep > 1:  # binomial load of one GPU's expert group; expected max over ep GPUs
+            pairs += math.sqrt(pairs * (1 - 1 / ep) * 2 * math.log(ep))
+        touched = n_exp / ep * -math.expm1(tokens * math.log1p(-k / n_exp)) \
+            if k < n_exp else n_exp / ep
+        return min(pairs, tokens * k), touched
+
     def breakdown(self, prefill_chunks: Chunks,
                   decode_context_lens: Sequence[int]) -> dict[str, float]:
-        """Seconds per component: ``linear``, ``attn_prefill``, ``attn_decode``, ``allreduce``,
-        ``overhead``. Their sum is :meth:`step_time`."""
+        """Seconds per component: ``linear``, ``moe`` (routed experts), ``attn_prefill``,
+        ``attn_decode``, ``allreduce``, ``launch`` (per-layer fixed cost), ``overhead``. Their
+        sum is :meth:`step_time`."""
         if not prefill_chunks and not decode_context_lens:
             return {}
         m, e, nb, L = self.model, self.eff, self.bytes_el, self.model.num_layers
         tokens = sum(n for _, n in prefill_chunks) + len(decode_context_lens)
         sampled = len(prefill_chunks) + len(decode_context_lens)
-        lin_flops = 2.0 * (tokens * self.layer_params * L + sampled * self.head_params)
-        lin_bytes = nb * ((self.layer_params + tokens * self.layer_act) * L
+        lin_flops = 2.0 * (tokens * self.linear_params + sampled * self.head_params)
+        lin_bytes = nb * (self.linear_params + tokens * self.linear_act
                           + self.head_params + sampled * m.hidden_size)
         out = {"linear": self._roof(lin_flops, lin_bytes, e.mfu_gemm, e.mbu_weights)}
+        if m.is_moe:
+            pairs, touched = self._experts(tokens)
+            f = 2.0 * pairs * self.expert_params * m.num_moe_layers
+            b = nb * m.num_moe_layers * (touched * self.expert_params + pairs * self.expert_act)
+            out["moe"] = self._roof(f, b, e.mfu_gemm, e.mbu_weights)
 
         pairs = kv_read = qo = 0.0
         for start, n in prefill_chunks:
@@ -149,13 +161,21 @@ class AnalyticModel(LatencyModel):
             b = nb * L * 2 * ctx * self.kv_dim
             out["attn_decode"] = self._roof(f, b, e.mfu_attention, e.mbu_kv)
         if self.tp > 1:
-            nbytes = tokens * m.hidden_size * nb
-            ring = 2 * (self.tp - 1)
-            one = ring / self.tp * nbytes / (self.link.bytes_per_s * e.comm) \
-                + ring * self.link.latency_s
-            out["allreduce"] = 2 * L * one
-        out["overhead"] = e.step_overhead_s
+            out["allreduce"] = 2 * L * self.allreduce_time(tokens * m.hidden_size * nb)
+        if e.layer_overhead_s:
+            out["launch"] = e.layer_overhead_s * L
+        out["overhead"] = e.step_overhead_s + e.seq_overhead_s * sampled
         return out
+
+    def allreduce_time(self, nbytes: float) -> float:
+        """One ring all-reduce of ``nbytes`` over the TP group:
+        ``2(tp−1)/tp · bytes / (bandwidth · comm)`` plus ``comm_latency_s`` (default: one link
+        latency per ring hop, ``2(tp−1)``)."""
+        if self.tp == 1:
+            return 0.0
+        e, ring = self.eff, 2 * (self.tp - 1)
+        lat = ring * self.link.latency_s if e.comm_latency_s is None else e.comm_latency_s
+        return ring / self.tp * nbytes / (self.link.bytes_per_s * e.comm) + lat
 
     def step_time(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
         return sum(self.breakdown(prefill_chunks, decode_context_lens).values())
@@ -171,5 +191,6 @@ class AnalyticModel(LatencyModel):
                              source=f"analytic:{self.eff}")
 
     def __repr__(self) -> str:
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
         return (f"AnalyticModel({self.model.name or self.model.family}, {self.device.name}, "
-                f"tp={self.tp}, link={self.link.name}, {self.eff})")
+                f"tp={self.tp}{ep}, link={self.link.name}, {self.eff})")

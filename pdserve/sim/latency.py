@@ -441,12 +441,3 @@ def pipeline_finish_times(stage_times: Sequence[float], pp: int) -> list[float]:
         out.append(cur[-1])
     return out
 
-
-def __getattr__(name: str) -> Any:
-    # ``from pdserve.sim.latency import AnalyticModel`` works; the class lives in analytic.py
-    # (imported lazily: analytic.py itself imports this module).
-    if name in ("AnalyticModel", "Efficiency"):
-        from pdserve.sim import analytic
-
-        return getattr(analytic, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

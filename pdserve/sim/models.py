@@ -4,8 +4,11 @@ Each entry is the relevant subset of the model's Hugging Face ``config.json`` an
 :meth:`ModelConfig.from_hf_dict`, the same path a real checkpoint directory takes. Numbers are
 from the published configs: OPT (Zhang et al. 2022, ``facebook/opt-*``), Llama 2 (Touvron et al.
 2023, ``meta-llama/Llama-2-*-hf``), Llama 3 / 3.1 (``meta-llama/Meta-Llama-3-*``,
-``meta-llama/Llama-3.1-*``), Mistral 7B v0.1 (``mistralai/Mistral-7B-v0.1``) and Qwen2 7B
-(``Qwen/Qwen2-7B``).
+``meta-llama/Llama-3.1-*``), Mistral 7B v0.1 (``mistralai/Mistral-7B-v0.1``), Qwen2 7B
+(``Qwen/Qwen2-7B``), Qwen3 (``Qwen/Qwen3-*``: q/k norms, explicit ``head_dim``; the MoE ones
+``Qwen/Qwen3-30B-A3B`` and ``Qwen/Qwen3-235B-A22B``: 128 experts, 8 active, no shared expert)
+and Mixtral (``mistralai/Mixtral-8x7B-v0.1``, ``mistralai/Mixtral-8x22B-v0.1``: 8 experts,
+2 active).
 """
 
 from __future__ import annotations
@@ -42,6 +45,28 @@ def _llama(hf_id: str, hidden: int, inter: int, layers: int, heads: int, kv_head
     return d
 
 
+def _qwen3(hf_id: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
+           tie: bool, max_pos: int = 40960, **moe: Any) -> dict[str, Any]:
+    arch, mt = ("Qwen3MoeForCausalLM", "qwen3_moe") if moe else ("Qwen3ForCausalLM", "qwen3")
+    return _llama(hf_id, hidden, inter, layers, heads, kv_heads, 151936, max_pos, 1000000.0,
+                  151643, 151645, arch=arch, model_type=mt, eps=1e-6, head_dim=128,
+                  attention_bias=False, tie_word_embeddings=tie, **moe)
+
+
+def _qwen3_moe(hf_id: str, hidden: int, layers: int, heads: int, kv_heads: int,
+               moe_inter: int) -> dict[str, Any]:
+    return _qwen3(hf_id, hidden, 6144 if hidden == 2048 else 12288, layers, heads, kv_heads,
+                  False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=moe_inter,
+                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+
+
+def _mixtral(hf_id: str, hidden: int, inter: int, layers: int, heads: int, vocab: int,
+             max_pos: int, theta: float) -> dict[str, Any]:
+    return _llama(hf_id, hidden, inter, layers, heads, 8, vocab, max_pos, theta, 1, 2,
+                  arch="MixtralForCausalLM", model_type="mixtral", num_local_experts=8,
+                  num_experts_per_tok=2)
+
+
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -71,6 +96,15 @@ CATALOGUE: dict[str, dict[str, Any]] = {
                          sliding_window=4096),
     "qwen2-7b": _llama("Qwen/Qwen2-7B", 3584, 18944, 28, 28, 4, 152064, 131072, 1000000.0,
                        151643, 151643, arch="Qwen2ForCausalLM", model_type="qwen2", eps=1e-6),
+    "qwen3-0.6b": _qwen3("Qwen/Qwen3-0.6B", 1024, 3072, 28, 16, 8, True),
+    "qwen3-8b": _qwen3("Qwen/Qwen3-8B", 4096, 12288, 36, 32, 8, False),
+    "qwen3-32b": _qwen3("Qwen/Qwen3-32B", 5120, 25600, 64, 64, 8, False),
+    "qwen3-30b-a3b": _qwen3_moe("Qwen/Qwen3-30B-A3B", 2048, 48, 32, 4, 768),
+    "qwen3-235b-a22b": _qwen3_moe("Qwen/Qwen3-235B-A22B", 4096, 94, 64, 4, 1536),
+    "mixtral-8x7b": _mixtral("mistralai/Mixtral-8x7B-v0.1", 4096, 14336, 32, 32, 32000, 32768,
+                             1000000.0),
+    "mixtral-8x22b": _mixtral("mistralai/Mixtral-8x22B-v0.1", 6144, 16384, 56, 48, 32768,
+                              65536, 1000000.0),
 }
 
 # Alternative spellings → catalogue name (after lower-casing and dropping an ``org/`` prefix).
@@ -81,6 +115,7 @@ _ALIASES = {
     "meta-llama-3.1-70b": "llama-3.1-70b", "mistral-7b-v0.1": "mistral-7b",
     "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b", "llama2-70b": "llama-2-70b",
     "llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b",
 }
 
 

@@ -117,13 +117,12 @@ def measure(engine, sample: ProfileSample, repeats: int) -> float:
     return statistics.median(times)
 
 
-def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = None,
-                     quick: bool = False, repeats: int | None = None,
-                     max_tokens: int | None = None, block_size: int = 16,
-                     decode_threshold: int | None = None,
-                     log: Callable[[str], None] | None = None,
-                     progress: bool = True, threads: int | None = 1) -> FittedProfile:
-    """Measure ``model_dir`` on ``device`` over the quick or full grid and fit a profile.
+def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = None,
+                    grid: ProfileGrid = FULL_GRID, repeats: int | None = None,
+                    block_size: int = 16, log: Callable[[str], None] | None = None,
+                    progress: bool = True, threads: int | None = 1) -> list[ProfileSample]:
+    """Time every shape of ``grid`` on ``model_dir``'s real executor; the raw samples (what
+    ``pdserve calibrate`` fits efficiency factors to).
 
     ``threads``: torch CPU threads while measuring (default 1, as each Ray instance actor runs;
     ``None`` keeps torch's setting)."""
@@ -139,10 +138,6 @@ def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = No
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     dtype = dtype or ("float32" if device == "cpu" else "float16")
-    grid = QUICK_GRID if quick else FULL_GRID
-    if max_tokens is not None:
-        grid = ProfileGrid(grid.prefill_lens, grid.prefill_batches, grid.decode_batches,
-                           grid.decode_ctx, grid.mixed, max_tokens, grid.repeats)
     model = ModelConfig.from_dir(model_dir)
     max_len = min(model.max_position_embeddings, 4096)
     shapes = grid.shapes(max_len)
@@ -164,8 +159,34 @@ def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = No
             t = measure(engine, sh, reps)
             samples.append(ProfileSample(sh.prefill_chunks, sh.decode_context_lens, t))
             bar.update(task, advance=1)
+    return samples
+
+
+def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = None,
+                     quick: bool = False, repeats: int | None = None,
+                     max_tokens: int | None = None, block_size: int = 16,
+                     decode_threshold: int | None = None,
+                     log: Callable[[str], None] | None = None,
+                     progress: bool = True, threads: int | None = 1) -> FittedProfile:
+    """Measure ``model_dir`` on ``device`` over the quick or full grid and fit a profile
+    (see :func:`measure_samples`)."""
+    grid = QUICK_GRID if quick else FULL_GRID
+    if max_tokens is not None:
+        grid = ProfileGrid(grid.prefill_lens, grid.prefill_batches, grid.decode_batches,
+                           grid.decode_ctx, grid.mixed, max_tokens, grid.repeats)
+    samples = measure_samples(model_dir, device, dtype, grid, repeats, block_size, log,
+                              progress, threads)
     max_batch = max(len(s.decode_context_lens) for s in samples)
     threshold = decode_threshold or max(max_batch + 1, 2)  # one decode form unless asked
-    hw = "cpu" if device == "cpu" else torch.cuda.get_device_name(torch.device(device))
-    return fit_profile(samples, threshold, model=model.name, hardware=hw, tp=1, dtype=dtype,
+    if device == "cpu":
+        hw = "cpu"
+    else:
+        import torch
+
+        hw = torch.cuda.get_device_name(torch.device(device))
+    from pdserve.config import ModelConfig
+
+    return fit_profile(samples, threshold, model=ModelConfig.from_dir(model_dir).name,
+                       hardware=hw, tp=1, dtype=dtype or ("float32" if device == "cpu"
+                                                          else "float16"),
                        source=f"pdserve profile {'--quick ' if quick else ''}{model_dir}")

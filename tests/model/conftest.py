@@ -8,7 +8,7 @@ import torch
 
 from pdserve.model.tiny import make_tiny_model
 
-ARCHS = ("llama", "qwen2", "opt")
+ARCHS = ("llama", "qwen2", "qwen3", "opt")
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,557 @@
+"""Fit a device's efficiency factors to measurements (``pdserve calibrate``; torch-free).
+
+The analytic roofline (:class:`~pdserve.sim.analytic.AnalyticModel`) has a handful of named
+factors per device (:class:`~pdserve.sim.hardware.Efficiency`: GEMM and attention MFU, weight
+and KV bandwidth utilisation, collective efficiency and latency, per-step and per-sequence
+overhead). :func:`calibrate` fits them by bounded nonlinear least squares on **relative** error
+(``scipy.optimize.least_squares``; fractions on a log scale) to :class:`Measurement` s, and
+reports the fit error and the leave-one-out error. Factors the measurements cannot see (no
+TP > 1 sample: ``comm``; no decode: ``mbu_kv`` …) keep the base device's values.
+
+Measurements come from:
+
+* raw step samples — ``pdserve-step-samples`` JSON (:func:`load_samples`), what
+  ``pdserve calibrate --measure MODEL_DIR`` records on this machine with the profiler;
+* fitted profiles — ours (``pdserve profile``) or DistServe's published A100 JSON:
+  the coefficients are evaluated on the shapes they were fitted over (:func:`from_profile`);
+* SplitwiseSim's measured ``perf_model.csv`` (prompt and per-token times; :func:`from_splitwise`);
+* Vidur's per-operator H100 profiles (linear layers vs tokens, all-reduce vs size;
+  :func:`from_vidur_mlp`, :func:`from_vidur_allreduce`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from pdserve.config import ModelConfig
+from pdserve.sim.analytic import AnalyticModel
+from pdserve.sim.hardware import DeviceSpec, Efficiency, load_hardware, save_hardware
+from pdserve.sim.latency import FittedProfile, ProfileSample
+
+SAMPLES_FORMAT = "pdserve-step-samples"
+FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm")
+SECONDS = ("comm_latency_s", "step_overhead_s", "layer_overhead_s", "seq_overhead_s")
+FACTORS = FRACTIONS + SECONDS
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured time and what produced it.
+
+    A whole engine step (``sample``: its prefill chunks, decode contexts and seconds) of
+    ``model`` at ``tp`` (``ep``) in ``dtype`` — or, with ``components``, only those parts of
+    :meth:`AnalyticModel.breakdown` (an operator-level profile such as Vidur's linear layers) —
+    or, with ``allreduce_bytes`` > 0, one all-reduce of that many bytes over ``tp`` GPUs.
+    ``group`` labels where it came from (held-out splits and reports group by it).
+    """
+
+    sample: ProfileSample
+    model: ModelConfig
+    tp: int = 1
+    ep: int = 1
+    dtype: str = "float16"
+    components: tuple[str, ...] = ()
+    allreduce_bytes: float = 0.0
+    group: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.sample.seconds
+
+
+@dataclass
+class Calibration:
+    """The fitted device, which factors were fitted, and its errors (relative, fractions)."""
+
+    device: DeviceSpec
+    fitted: tuple[str, ...]
+    fit_errors: list[float]
+    loo_errors: list[float] | None = None
+    n: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"n": self.n, "fitted": list(self.fitted),
+                               "fit": error_stats(self.fit_errors)}
+        if self.loo_errors is not None:
+            out["loo"] = error_stats(self.loo_errors)
+        out["efficiency"] = {k: getattr(self.device.efficiency, k) for k in FACTORS}
+        return out
+
+
+def error_stats(errors: Sequence[float]) -> dict[str, float]:
+    """``mean``, ``p90`` and ``max`` of absolute relative errors, and the signed ``bias``."""
+    a = np.abs(np.asarray(errors, dtype=float))
+    if not len(a):
+        return {"mean": float("nan"), "p90": float("nan"), "max": float("nan"),
+                "bias": float("nan"), "n": 0}
+    return {"mean": float(a.mean()), "p90": float(np.percentile(a, 90)), "max": float(a.max()),
+            "bias": float(np.mean(errors)), "n": int(len(a))}
+
+
+# ------------------------------------------------------------------------------ predicting
+class _Predictor:
+    """Analytic models for a set of measurements, built once; factors swapped per evaluation."""
+
+    def __init__(self, device: DeviceSpec, ms: Sequence[Measurement]) -> None:
+        self.ms = list(ms)
+        self.models: dict[tuple[int, int, int, str], AnalyticModel] = {}
+        self.keys = []
+        for m in self.ms:
+            key = (id(m.model), m.tp, m.ep, m.dtype)
+            if key not in self.models:
+                self.models[key] = AnalyticModel(m.model, device, m.tp, dtype=m.dtype, ep=m.ep)
+            self.keys.append(key)
+
+    def __call__(self, eff: Efficiency) -> np.ndarray:
+        for am in self.models.values():
+            am.eff = eff
+        out = np.empty(len(self.ms))
+        for i, (m, key) in enumerate(zip(self.ms, self.keys)):
+            am = self.models[key]
+            if m.allreduce_bytes:
+                out[i] = am.allreduce_time(m.allreduce_bytes)
+                continue
+            parts = am.breakdown(m.sample.prefill_chunks, m.sample.decode_context_lens)
+            out[i] = sum(parts.get(c, 0.0) for c in m.components) if m.components \
+                else sum(parts.values())
+        return out
+
+
+def predict(device: DeviceSpec, ms: Sequence[Measurement]) -> np.ndarray:
+    """Seconds the analytic model of ``device`` (its own factors) predicts for ``ms``."""
+    return _Predictor(device, ms)(device.efficiency)
+
+
+def relative_errors(device: DeviceSpec, ms: Sequence[Measurement]) -> list[float]:
+    """``predicted / measured − 1`` per measurement."""
+    y = np.array([m.seconds for m in ms])
+    return list(predict(device, ms) / y - 1)
+
+
+# ------------------------------------------------------------------------------ fitting
+_UPPER = {"comm": 2.0}  # see Efficiency.comm
+
+
+def _pack(eff: Efficiency, names: Sequence[str]) -> np.ndarray:
+    out = []
+    for n in names:
+        v = getattr(eff, n)
+        if n == "comm_latency_s" and v is None:
+            v = 5e-6
+        out.append(math.log(v) if n in FRACTIONS else v * 1e6)  # seconds fitted in µs
+    return np.array(out, dtype=float)
+
+
+def _unpack(x: np.ndarray, base: Efficiency, names: Sequence[str]) -> Efficiency:
+    kw: dict[str, float] = {}
+    for n, v in zip(names, x):
+        kw[n] = math.exp(v) if n in FRACTIONS else max(float(v), 0.0) * 1e-6
+    return replace(base, **kw)
+
+
+def _bounds(names: Sequence[str]) -> tuple[list[float], list[float]]:
+    lo = [math.log(1e-4) if n in FRACTIONS else 0.0 for n in names]
+    hi = [math.log(_UPPER.get(n, 1.0)) if n in FRACTIONS else 1e6 for n in names]
+    return lo, hi
+
+
+def identifiable(device: DeviceSpec, ms: Sequence[Measurement],
+                 names: Sequence[str] = FACTORS) -> tuple[str, ...]:
+    """The factors in ``names`` that move some prediction of ``ms`` (others cannot be fitted)."""
+    pred = _Predictor(device, ms)
+    base_eff = device.efficiency
+    probes = [base_eff, replace(base_eff, mfu_gemm=0.05, mbu_weights=0.05, mfu_attention=0.05,
+                                mbu_kv=0.05, comm=0.05),
+              replace(base_eff, mfu_gemm=1.0, mbu_weights=1.0, mfu_attention=1.0, mbu_kv=1.0)]
+    out = []
+    for n in names:
+        moved = False
+        for eff in probes:
+            x = _pack(eff, FACTORS)
+            y0 = pred(_unpack(x, eff, FACTORS))
+            x2 = x.copy()
+            i = FACTORS.index(n)
+            x2[i] = x2[i] + (-0.3 if n in FRACTIONS else 1000.0)
+            if np.max(np.abs(pred(_unpack(x2, eff, FACTORS)) / y0 - 1)) > 1e-6:
+                moved = True
+                break
+        if moved:
+            out.append(n)
+    return tuple(out)
+
+
+def fit_efficiency(device: DeviceSpec, ms: Sequence[Measurement],
+                   names: Sequence[str] | None = None, starts: int = 3,
+                   x0: np.ndarray | None = None) -> tuple[Efficiency, tuple[str, ...]]:
+    """Least-squares factors for ``ms`` (relative residuals), starting from the device's own
+    and ``starts − 1`` other points (the roofline's ``max`` makes the objective non-smooth).
+    Returns the fitted :class:`Efficiency` and the names fitted."""
+    from scipy.optimize import least_squares
+
+    if not ms:
+        raise ValueError("no measurements to calibrate on")
+    if any(m.seconds <= 0 for m in ms):
+        raise ValueError("measured times must be > 0")
+    names = tuple(names) if names is not None else identifiable(device, ms)
+    base = device.efficiency
+    if not names:
+        return base, ()
+    pred = _Predictor(device, ms)
+    y = np.array([m.seconds for m in ms])
+
+    def resid(x: np.ndarray) -> np.ndarray:
+        return pred(_unpack(x, base, names)) / y - 1
+
+    lo, hi = _bounds(names)
+    if x0 is not None:
+        inits = [x0]
+    else:  # the device's own factors plus the best of a log-uniform random search
+        rng = np.random.default_rng(0)
+        cand = []
+        for _ in range(48):
+            x = np.array([rng.uniform(math.log(0.02), h) if n in FRACTIONS
+                          else math.exp(rng.uniform(math.log(0.1), math.log(5e4)))
+                          for n, h in zip(names, hi)])
+            cand.append((float(np.sum(resid(x) ** 2)), x))
+        cand.sort(key=lambda c: c[0])
+        inits = [_pack(base, names)] + [x for _, x in cand[: max(starts - 1, 0)]]
+    best = None
+    for x in inits:
+        x = np.clip(x, lo, hi)
+        r = least_squares(resid, x, bounds=(lo, hi), x_scale="jac", max_nfev=400)
+        if best is None or r.cost < best.cost:
+            best = r
+    return _unpack(best.x, base, names), names
+
+
+def calibrate(device: DeviceSpec, ms: Sequence[Measurement], names: Sequence[str] | None = None,
+              loo: bool = False, name: str | None = None,
+              log: Callable[[str], None] | None = None) -> Calibration:
+    """Fit ``device``'s factors to ``ms``; ``loo`` also refits once per left-out measurement
+    (warm-started from the full fit) and records its error on the one left out."""
+    eff, fitted = fit_efficiency(device, ms, names)
+    dev = replace(device, efficiency=eff, name=name or device.name)
+    cal = Calibration(dev, fitted, relative_errors(dev, ms), n=len(ms))
+    if loo and len(ms) > 1:
+        x_full = _pack(eff, fitted)
+        errs = []
+        for i in range(len(ms)):
+            rest = [m for j, m in enumerate(ms) if j != i]
+            e_i, _ = fit_efficiency(device, rest, fitted, x0=x_full)
+            errs.append(relative_errors(replace(device, efficiency=e_i), [ms[i]])[0])
+            if log and (i + 1) % 50 == 0:
+                log(f"leave-one-out {i + 1}/{len(ms)}")
+        cal.loo_errors = errs
+    return cal
+
+
+# ------------------------------------------------------------------------------ sources
+def _model(spec: str | ModelConfig) -> ModelConfig:
+    if isinstance(spec, ModelConfig):
+        return spec
+    from pdserve.sim.models import get_model_config
+
+    return get_model_config(spec)
+
+
+def load_samples(path: str | os.PathLike[str], model: str | ModelConfig | None = None
+                 ) -> list[Measurement]:
+    """A ``pdserve-step-samples`` JSON file (``model``: catalogue name or directory, unless
+    the file names one)."""
+    p = os.fspath(path)
+    try:
+        with open(p) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read samples file {p!r}: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != SAMPLES_FORMAT:
+        raise ValueError(f"{p!r} is not a {SAMPLES_FORMAT} file")
+    spec = model or d.get("model_dir") or d.get("model")
+    if not spec:
+        raise ValueError(f"{p!r} names no model: pass one")
+    cfg = _model(spec)
+    out = []
+    for i, s in enumerate(d.get("samples") or []):
+        try:
+            sample = ProfileSample(tuple((int(a), int(b)) for a, b in s["prefill_chunks"]),
+                                   tuple(int(c) for c in s["decode_context_lens"]),
+                                   float(s["seconds"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{p!r}: samples[{i}] is malformed ({e!r})") from None
+        out.append(Measurement(sample, cfg, int(d.get("tp", 1)), 1, d.get("dtype", "float16"),
+                               group=d.get("group", os.path.basename(p))))
+    if not out:
+        raise ValueError(f"{p!r} has no samples")
+    return out
+
+
+def save_samples(path: str | os.PathLike[str], samples: Sequence[ProfileSample],
+                 **meta: Any) -> None:
+    """Write raw samples as ``pdserve-step-samples`` JSON (``meta``: model, model_dir,
+    hardware, dtype, tp, source)."""
+    doc = {"format": SAMPLES_FORMAT, "version": 1, **meta,
+           "samples": [{"prefill_chunks": [list(c) for c in s.prefill_chunks],
+                        "decode_context_lens": list(s.decode_context_lens),
+                        "seconds": s.seconds} for s in samples]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def profile_shapes(max_prefill_tokens: int = 4096, max_decode_batch: int = 128,
+                   max_ctx: int = 2048) -> list[ProfileSample]:
+    """Shapes a fitted profile is evaluated on to become measurements: DistServe's profiler
+    range (prefill batches of 1–8 prompts of 16–2048 tokens; decode batches of 1–max at
+    context 64–2048)."""
+    out = [ProfileSample.prefill([n] * b, 0.0) for n in (16, 64, 128, 256, 512, 1024, 2048)
+           for b in (1, 2, 4, 8) if n * b <= max_prefill_tokens]
+    out += [ProfileSample.decode([c] * b, 0.0) for b in (1, 4, 16, 32, 64, 96, 128)
+            for c in (64, 256, 512, 1024, 2048) if b <= max_decode_batch and c <= max_ctx]
+    return out
+
+
+def from_profile(profile: FittedProfile, model: str | ModelConfig,
+                 shapes: Sequence[ProfileSample] | None = None, group: str = ""
+                 ) -> list[Measurement]:
+    """Measurements from a fitted profile's predictions on ``shapes`` (default
+    :func:`profile_shapes`) — when only coefficients were published (DistServe)."""
+    cfg = _model(model)
+    out = []
+    for s in shapes or profile_shapes():
+        t = profile.step_time(s.prefill_chunks, s.decode_context_lens)
+        out.append(Measurement(replace(s, seconds=t), cfg, profile.tp, 1, profile.dtype,
+                               group=group or f"{cfg.name} tp{profile.tp}"))
+    return out
+
+
+def from_distserve_json(path: str | os.PathLike[str],
+                        models: Sequence[str] | None = None) -> list[Measurement]:
+    """Every (model, TP) entry of a ``simdistserve`` profile file whose model the catalogue
+    knows (or only ``models``), evaluated on :func:`profile_shapes`."""
+    from pdserve.sim.models import canonical_model_name
+
+    with open(path) as f:
+        data = json.load(f)
+    out = []
+    for key, entries in data.items():
+        canon = canonical_model_name(key)
+        if canon is None or (models and canon not in models):
+            continue
+        for tp in sorted(entries, key=int):
+            prof = FittedProfile.from_distserve_json(path, key, int(tp))
+            out += from_profile(prof, canon, group=f"{canon} tp{tp}")
+    if not out:
+        raise ValueError(f"{os.fspath(path)!r}: no entry for a known model {models or ''}")
+    return out
+
+
+SPLITWISE_MODELS = {"llama2-70b": "llama-2-70b"}
+
+
+def from_splitwise(path: str | os.PathLike[str], hardware: str) -> list[Measurement]:
+    """SplitwiseSim's ``perf_model.csv`` rows for ``hardware`` (``a100-80gb``, ``h100-80gb``,
+    ``h100-80gb-pcap``), median over repeats per shape:
+
+    * ``prompt_time`` → a prefill step of ``batch_size`` prompts of ``prompt_size`` tokens;
+    * ``token_time`` (mean time per generated token) → a decode step of ``batch_size``
+      sequences at the mean context ``prompt_size + token_size / 2`` (exact for a model linear
+      in the context, as decode attention is).
+
+    Some rows are faster than any GPU could be (``64 × 512`` prompts in 0.36 s on two H100s);
+    :func:`drop_unphysical` removes them."""
+    rows: dict[tuple[str, int, int, int, int], list[tuple[float, float]]] = defaultdict(list)
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["hardware"] != hardware or r["model"] not in SPLITWISE_MODELS:
+                continue
+            key = (r["model"], int(r["tensor_parallel"]), int(r["prompt_size"]),
+                   int(r["batch_size"]), int(r["token_size"]))
+            rows[key].append((float(r["prompt_time"]), float(r["token_time"])))
+    if not rows:
+        raise ValueError(f"{os.fspath(path)!r}: no rows for hardware {hardware!r} "
+                         f"(models {sorted(SPLITWISE_MODELS)})")
+    out = []
+    for (mname, tp, prompt, batch, tokens), vals in sorted(rows.items()):
+        cfg = _model(SPLITWISE_MODELS[mname])
+        pt = float(np.median([v[0] for v in vals])) * 1e-3
+        tt = float(np.median([v[1] for v in vals])) * 1e-3
+        grp = f"{mname} tp{tp}"
+        out.append(Measurement(ProfileSample.prefill([prompt] * batch, pt), cfg, tp,
+                               group=grp))
+        ctx = prompt + tokens // 2
+        out.append(Measurement(ProfileSample.decode([ctx] * batch, tt), cfg, tp, group=grp))
+    return out
+
+
+VIDUR_LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+                    "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+
+
+def from_vidur_mlp(path: str | os.PathLike[str], model: str | ModelConfig = "llama-2-7b"
+                   ) -> list[Measurement]:
+    """Vidur's per-operator profile (``<model>_mlp.csv.gz``): per ``(num_tokens, TP)`` the
+    median times of one layer's token-level operators (QKV, RoPE, output projection, MLP, norms,
+    residual add; attention itself is not in the file) × layers + the embedding, compared with
+    the roofline's ``linear`` component of a ``num_tokens``-token step. Duplicate rows
+    (repeated profiling runs) are averaged."""
+    cfg = _model(model)
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    acc: dict[tuple[int, int], list[float]] = defaultdict(list)
+    with opener(path, "rt") as f:
+        for r in csv.DictReader(f):
+            per_layer = sum(float(r[f"time_stats.{op}.median"]) for op in VIDUR_LINEAR_OPS)
+            total = per_layer * cfg.num_layers + float(r["time_stats.emb.median"])
+            acc[(int(r["num_tokens"]), int(r["num_tensor_parallel_workers"]))].append(total)
+    out = []
+    for (tokens, tp), ts in sorted(acc.items()):
+        s = ProfileSample.prefill([tokens], float(np.mean(ts)) * 1e-3)
+        out.append(Measurement(s, cfg, tp, components=("linear", "launch"),
+                               group=f"linear tp{tp}"))
+    return out
+
+
+def from_vidur_allreduce(path: str | os.PathLike[str], model: str | ModelConfig = "llama-2-7b",
+                         min_bytes: float = 0.0) -> list[Measurement]:
+    """Vidur's all-reduce profile: median seconds per ``(num_workers, size)`` — ``size`` in
+    FP16 elements (Vidur's ``GraphedCollective`` buffer), so bytes = 2 · size."""
+    cfg = _model(model)
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    out = []
+    with opener(path, "rt") as f:
+        for r in csv.DictReader(f):
+            nbytes = 2.0 * int(r["size"])
+            if nbytes < min_bytes:
+                continue
+            tp = int(r["num_workers"])
+            s = ProfileSample((), (), float(r["time_stats.all_reduce.median"]) * 1e-3)
+            out.append(Measurement(s, cfg, tp, allreduce_bytes=nbytes,
+                                   group=f"allreduce tp{tp}"))
+    return out
+
+
+def drop_unphysical(device: DeviceSpec, ms: Sequence[Measurement]) -> list[Measurement]:
+    """Measurements not faster than the roofline at 100 % of every peak with no overheads."""
+    ideal = Efficiency(mfu_gemm=1.0, mfu_attention=1.0, mbu_weights=1.0, mbu_kv=1.0, comm=2.0,
+                       comm_latency_s=0.0, step_overhead_s=0.0, seq_overhead_s=0.0)
+    floor = _Predictor(device, ms)(ideal)
+    return [m for m, f in zip(ms, floor) if m.seconds >= f]
+
+
+# ------------------------------------------------------------------------------ CLI
+def _measure(args: argparse.Namespace) -> list[Measurement]:
+    from pdserve.sim.profiler import FULL_GRID, QUICK_GRID, measure_samples
+
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    samples = measure_samples(args.measure, args.device, None, grid, threads=args.threads,
+                              log=print)
+    dtype = "float32" if args.device == "cpu" else "float16"
+    if args.save_samples:
+        save_samples(args.save_samples, samples, model=os.path.basename(args.measure),
+                     model_dir=os.path.abspath(args.measure), hardware=args.device,
+                     dtype=dtype, tp=1, source=f"pdserve calibrate --measure {args.measure}")
+    cfg = _model(args.measure)
+    return [Measurement(s, cfg, 1, 1, dtype, group="measured") for s in samples]
+
+
+def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
+    ms: list[Measurement] = []
+    for p in args.samples or []:
+        ms += load_samples(p, args.model)
+    for p in args.profile or []:
+        with open(p) as f:
+            is_ours = json.load(f).get("format") == "pdserve-latency-profile"
+        if is_ours:
+            if not args.model:
+                raise ValueError(f"--profile {p}: pass --model (catalogue name or directory)")
+            prof = FittedProfile.load(p)
+            ms += from_profile(prof, args.model)
+        else:
+            ms += from_distserve_json(p, [args.model] if args.model else None)
+    if args.splitwise:
+        ms += drop_unphysical(device, from_splitwise(args.splitwise, args.splitwise_hardware))
+    if args.vidur:
+        ms += from_vidur_mlp(os.path.join(args.vidur, "Llama-2-7b-hf_mlp.csv.gz"))
+        ms += from_vidur_allreduce(os.path.join(args.vidur, "h100_dgx_all_reduce.csv.gz"),
+                                   min_bytes=args.vidur_min_bytes)
+    if args.measure:
+        ms += _measure(args)
+    if not ms:
+        raise ValueError("no measurements: give --samples, --profile, --splitwise, --vidur or "
+                         "--measure")
+    return ms
+
+
+def run(args: argparse.Namespace) -> int:
+    base = load_hardware(args.hardware)
+    ms = _gather(args, base.device)
+    names = args.fit.split(",") if args.fit else None
+    if names:
+        bad = sorted(set(names) - set(FACTORS))
+        if bad:
+            raise ValueError(f"--fit: unknown factor(s) {bad}; choose from {list(FACTORS)}")
+    cal = calibrate(base.device, ms, names, loo=args.loo, name=args.name, log=print)
+    s = cal.summary()
+    print(f"calibrated {base.device.name} on {cal.n} measurements; fitted {', '.join(cal.fitted)}")
+    for k, v in s["efficiency"].items():
+        print(f"  {k:16s} {v}")
+    for part in ("fit", "loo"):
+        if part in s:
+            e = s[part]
+            print(f"  {part:4s} error: mean {e['mean']:.1%}  P90 {e['p90']:.1%}  "
+                  f"max {e['max']:.1%}  bias {e['bias']:+.1%}")
+    if args.output:
+        sources = [*base.device.sources,
+                   f"efficiency: pdserve calibrate on {cal.n} measurements "
+                   f"({', '.join(sorted({m.group for m in ms}))}); fit mean "
+                   f"{s['fit']['mean']:.1%}" + (f", leave-one-out mean {s['loo']['mean']:.1%}"
+                                               if "loo" in s else "")]
+        dev = replace(cal.device, sources=tuple(sources))
+        save_hardware(args.output, dev, replace(base, device=dev),
+                      header=f"written by pdserve calibrate; base spec {args.hardware}")
+        print(f"wrote {args.output}")
+    if args.report_json:
+        with open(args.report_json, "w") as f:
+            json.dump(s, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="fit a device's efficiency factors to measurements, write a spec",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--hardware", required=True,
+                   help="base device: catalogue name or hardware file (its peaks are kept)")
+    p.add_argument("--samples", action="append", help="pdserve-step-samples JSON (repeatable)")
+    p.add_argument("--profile", action="append",
+                   help="pdserve profile JSON (needs --model) or DistServe profile JSON")
+    p.add_argument("--model", help="model for --samples/--profile: catalogue name or directory")
+    p.add_argument("--splitwise", help="SplitwiseSim perf_model.csv")
+    p.add_argument("--splitwise-hardware", default="a100-80gb",
+                   help="its hardware column (a100-80gb, h100-80gb, h100-80gb-pcap)")
+    p.add_argument("--vidur", help="directory with Vidur's H100 profiles")
+    p.add_argument("--vidur-min-bytes", type=float, default=0.0)
+    p.add_argument("--measure", metavar="MODEL_DIR",
+                   help="measure this model's executor here (pdserve profile's grid)")
+    p.add_argument("--device", default="cpu", help="with --measure: cpu or cuda[:N]")
+    p.add_argument("--quick", action="store_true", help="with --measure: the quick grid")
+    p.add_argument("--threads", type=int, default=1, help="with --measure on CPU")
+    p.add_argument("--save-samples", help="with --measure: also write the raw samples here")
+    p.add_argument("--fit", help=f"comma list of factors to fit (default: all the data "
+                                 f"constrains, of {','.join(FACTORS)})")
+    p.add_argument("--loo", action="store_true", help="also report leave-one-out error")
+    p.add_argument("--name", help="name of the calibrated device (default: the base's)")
+    p.add_argument("--output", "-o", help="write the calibrated spec (.yaml or .json)")
+    p.add_argument("--report-json", help="write the fit summary as JSON")
+    p.set_defaults(func=run)
