@@ -200,9 +200,10 @@ class E2Router(Router):
                 self.decisions["exploit"] += 1
         if inst is None:
             inst = self._explore(m, n, by_id)
-            if key_hash is None and n >= bs:  # a new prefix: its first block names it
+            if key_hash is None and n >= bs:  # a new prefix (the whole prompt is Preble's
+                # new leaf node): its first block names it
                 key_hash = hash_block(NO_PARENT, tuple(request.prompt_token_ids[:bs]))
-                self.key_tokens.setdefault(key_hash, bs)
+                self.key_tokens.setdefault(key_hash, n - n % bs)
         self._record(request, inst.instance_id, m, key_hash, now)
         self._rebalance(candidates)
         return inst
