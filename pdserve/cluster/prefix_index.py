@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent, hash_block
+from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent
 
 
 class Node:
@@ -194,8 +194,9 @@ class PrefixIndex:
         segments: list[tuple[int, int]] = []
         live = -1  # instances holding every block so far
         parent, start = NO_PARENT, 0
-        for i in range(len(token_ids) // bs):
-            h = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+        toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        for i in range(len(toks) // bs):
+            h = hash((parent, toks[i * bs:(i + 1) * bs]))  # = hash_block, inlined (hot loop)
             node = nodes.get(h)
             held = live & node.mask if node is not None else 0
             dropped = live & ~held if i else 0

@@ -184,13 +184,15 @@ class E2Router(Router):
     # ------------------------------------------------------------------ select
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
         now = request.arrival
-        self._expire(now)
-        self._observe_ttfts()
+        if self._win and self._win[0].t < now - self.window:
+            self._expire(now)
+        if self._pending:
+            self._observe_ttfts()
         bs = candidates[0].block_size
         m = self._index(bs).match(request.prompt_token_ids)
         by_id = {c.instance_id: c for c in candidates}
         n = m.num_tokens
-        cached = max((m.cached_tokens(c) for c in by_id), default=0)
+        cached = max((k for i, k in m.lengths.items() if i in by_id), default=0) * bs
         key = m.key_portion()
         key_hash = m.hashes[key[1] - 1] if key is not None else None
         inst = None
@@ -205,7 +207,7 @@ class E2Router(Router):
                 key_hash = hash_block(NO_PARENT, tuple(request.prompt_token_ids[:bs]))
                 self.key_tokens.setdefault(key_hash, n - n % bs)
         self._record(request, inst.instance_id, m, key_hash, now)
-        self._rebalance(candidates)
+        self._rebalance(by_id)
         return inst
 
     def _exploit(self, m: PrefixMatch, key: tuple[int, int], by_id: dict[str, InstanceView],
@@ -245,14 +247,25 @@ class E2Router(Router):
                     self.decisions["pd_balance"] += 1
                     return by_id[top]
         self.decisions["explore"] += 1
+        # cost_i = L_i + R_i + M_i; M_i >= 0 is the costly term, so it is computed only for
+        # instances whose L_i + R_i is below the best total so far (in increasing order)
+        load, lengths, bs = self.load, m.lengths, m.block_size
+        pt_all = pt(n)
+        bounds = []
+        for pos, iid in enumerate(by_id):  # ties: candidate order
+            k = lengths.get(iid)
+            miss = n - k * bs if k else n
+            bounds.append((load.get(iid, 0.0) + (pt(miss) if k else pt_all), pos, miss, iid))
+        bounds.sort()
         best, best_cost = None, 0.0
-        for iid, inst in by_id.items():
-            miss_i = n - m.cached_tokens(iid)
-            cost = self.load.get(iid, 0.0) + self._evict_cost(inst, miss_i) + pt(miss_i)
+        for bound, _, miss, iid in bounds:
+            if best is not None and bound >= best_cost:
+                break
+            cost = bound + self._evict_cost(by_id[iid], miss)
             if best is None or cost < best_cost:
-                best, best_cost = inst, cost
+                best, best_cost = iid, cost
         assert best is not None
-        return best
+        return by_id[best]
 
     def _evict_cost(self, inst: InstanceView, missed_tokens: int) -> float:
         """M_i: recomputing the prefixes the request's missed blocks would evict (LRU order)."""
@@ -327,20 +340,18 @@ class E2Router(Router):
             self.replicas.pop(e.key, None)
 
     # ------------------------------------------------------------------ adjustment
-    def _rebalance(self, candidates: list[InstanceView]) -> None:
+    def _rebalance(self, by_id: dict[str, InstanceView]) -> None:
         """Th_bal check after an assignment (Preble §4.2, "load adjustment")."""
-        if len(candidates) < 2 or self.num_routed < self.rebalance_min_per_instance * len(
-                candidates):
+        if len(by_id) < 2 or self.num_routed < self.rebalance_min_per_instance * len(by_id):
             return
-        ids = [c.instance_id for c in candidates]
-        hi = max(ids, key=lambda i: self.load.get(i, 0.0))
-        lo = min(ids, key=lambda i: self.load.get(i, 0.0))
-        l_hi, l_lo = self.load.get(hi, 0.0), self.load.get(lo, 0.0)
+        loads = [(self.load.get(i, 0.0), i) for i in by_id]
+        (l_hi, hi), (l_lo, lo) = max(loads), min(loads)
         if l_hi <= self.balance_threshold * l_lo or l_hi <= 0:
             return
         gap = (l_hi - l_lo) / 2
-        keys = [(st[hi][1], k) for k, st in self.key_stats.items()
-                if hi in st and self.moved.get(k, hi) == hi]
+        stats = self.key_stats
+        keys = [(stats[k][hi][1], k) for k in self._lru.get(hi, ())
+                if self.moved.get(k, hi) == hi]
         fitting = [kc for kc in keys if kc[0] <= gap]
         if not fitting:
             return
