@@ -101,7 +101,8 @@ class E2Router(Router):
 
     Prefill/decode balancing (§4.2): a request whose missed part is at least ``pd_tokens`` long
     goes straight to the most decode-heavy candidate when that candidate's decode share of
-    ``L`` exceeds the others' mean by ``pd_margin`` (the paper gives no numbers; ours).
+    ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is not above the mean (the
+    paper gives no numbers or guard; these are ours).
 
     Post-assignment adjustment (§4.2): once ``rebalance_min_per_instance`` requests per instance
     have been routed (50, Preble's implementation), whenever the busiest instance's ``L``
@@ -238,14 +239,10 @@ class E2Router(Router):
         pt = self.prefill_time
         missed = n - m.num_cached_tokens
         if missed >= self.pd_tokens and len(by_id) > 1:
-            shares = {i: self.decode_load.get(i, 0.0) / self.load[i]
-                      for i in by_id if self.load.get(i, 0.0) > 0}
-            if shares:
-                top = max(shares, key=shares.__getitem__)
-                rest = [shares.get(i, 0.0) for i in by_id if i != top]
-                if shares[top] - sum(rest) / len(rest) >= self.pd_margin:
-                    self.decisions["pd_balance"] += 1
-                    return by_id[top]
+            top = self._decode_heavy(by_id)
+            if top is not None:
+                self.decisions["pd_balance"] += 1
+                return by_id[top]
         self.decisions["explore"] += 1
         # cost_i = L_i + R_i + M_i; M_i >= 0 is the costly term, so it is computed only for
         # instances whose L_i + R_i is below the best total so far (in increasing order)
@@ -266,6 +263,22 @@ class E2Router(Router):
                 best, best_cost = iid, cost
         assert best is not None
         return by_id[best]
+
+    def _decode_heavy(self, by_id: dict[str, InstanceView]) -> str | None:
+        """The candidate whose window load is most decode-heavy, when it stands out: its decode
+        share of ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is at most the
+        mean ``L`` (a busy instance is no place for a long prefill, whatever its mix). ``None``
+        while some candidate has no load in the window (nothing to balance yet)."""
+        load, dec = self.load, self.decode_load
+        loads = [load.get(i, 0.0) for i in by_id]
+        if min(loads) <= 0:
+            return None
+        shares = {i: dec.get(i, 0.0) / li for i, li in zip(by_id, loads)}
+        top = max(shares, key=shares.__getitem__)
+        rest = (sum(shares.values()) - shares[top]) / (len(shares) - 1)
+        if shares[top] - rest >= self.pd_margin and load[top] <= sum(loads) / len(loads):
+            return top
+        return None
 
     def _evict_cost(self, inst: InstanceView, missed_tokens: int) -> float:
         """M_i: recomputing the prefixes the request's missed blocks would evict (LRU order)."""

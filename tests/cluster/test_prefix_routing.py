@@ -98,14 +98,23 @@ def test_eviction_cost_steers_away_from_a_full_instance():
 
 
 def test_long_missed_prompt_goes_to_a_decode_heavy_instance():
+    """Decode shares of L: a 0.9, b 0.2, c 1/6; a's L (10) is below the mean (15). Explore's
+    cost alone would pick b (5 + 32 < 10 + 32); a's decode-heavy mix stands out."""
+    loads, decode = {"a": 10.0, "b": 5.0, "c": 30.0}, {"a": 9.0, "b": 1.0, "c": 5.0}
+    cands = views("a", "b", "c")
     r = e2(pd_tokens=16, pd_margin=0.2)
-    r.load, r.decode_load = {"a": 10.0, "b": 1.0}, {"a": 9.0, "b": 0.1}
-    # explore cost alone would pick b (1 + 32 < 10 + 32); a's decode share 0.9 vs 0.1 stands out
-    assert r.select(creq("x", S1), views("a", "b")).instance_id == "a"
+    r.load, r.decode_load = dict(loads), dict(decode)
+    assert r.select(creq("x", S1), cands).instance_id == "a"
     assert r.decisions["pd_balance"] == 1
     r = e2(pd_tokens=64)  # 32 missed tokens are not "long": plain explore
-    r.load, r.decode_load = {"a": 10.0, "b": 1.0}, {"a": 9.0, "b": 0.1}
-    assert r.select(creq("x", S1), views("a", "b")).instance_id == "b"
+    r.load, r.decode_load = dict(loads), dict(decode)
+    assert r.select(creq("x", S1), cands).instance_id == "b"
+    r = e2(pd_tokens=16)  # a busy decode-heavy instance does not take it
+    r.load, r.decode_load = {**loads, "a": 20.0}, {**decode, "a": 19.0}
+    assert r.select(creq("x", S1), cands).instance_id == "b"
+    r = e2(pd_tokens=16)  # an idle instance: nothing to balance, explore (it wins)
+    r.load, r.decode_load = {"a": 10.0, "b": 5.0}, {"a": 9.0, "b": 1.0}
+    assert r.select(creq("x", S1), cands).instance_id == "c"
 
 
 def test_rebalance_moves_a_prefix_subtrees_future_requests():
