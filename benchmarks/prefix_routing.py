@@ -8,8 +8,9 @@ Colocated OPT-13B instances (TP=1) with DistServe's A100-80GB profile
   private suffix; ``--prefix-spec`` sets its parameters), Poisson arrivals at
   ``--rate-per-instance`` × instances;
 * ``mooncake`` — the Mooncake (Kimi) conversation trace, its 512-token prefix blocks shared
-  exactly, lengths scaled to fit OPT's 2,048-token context, its own arrival times compressed by
-  ``--mooncake-speedup``.
+  exactly; prompts longer than OPT's 2,048-token context lose their tail (a clipped prompt is
+  still a prefix of the full one, so leading shared blocks stay shared); its own arrival times,
+  compressed by ``--mooncake-speedup`` × instances / 2 (the trace's 3.4 req/s per 2 instances).
 
 Routers: ``round_robin``, ``shortest_queue`` (fewest unfinished requests), ``kv_overlap``
 (Dynamo's cost), ``sglang_cache_aware``, ``preble`` (E2, prefill time from the same profile),
@@ -77,10 +78,9 @@ def workload(name: str, n: int, num_instances: int, args: argparse.Namespace) ->
     if name == "prefix":
         return make_workload(args.prefix_spec, n, seed=args.seed,
                              rate=args.rate_per_instance * num_instances, max_model_len=MAX_LEN)
-    w = make_workload("mooncake", n, seed=args.seed, max_model_len=MAX_LEN, length_scale="fit",
-                      traces_dir=TRACES)
-    reqs = [dataclasses.replace(r, arrival_time=r.arrival_time / args.mooncake_speedup)
-            for r in w.requests]
+    w = make_workload("mooncake", n, seed=args.seed, max_model_len=MAX_LEN, traces_dir=TRACES)
+    speedup = args.mooncake_speedup * num_instances / 2  # the trace's rate per 2 instances
+    reqs = [dataclasses.replace(r, arrival_time=r.arrival_time / speedup) for r in w.requests]
     return dataclasses.replace(w, requests=reqs)
 
 
