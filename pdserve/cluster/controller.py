@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.cluster.routing import InstanceView, make_router
+from pdserve.cluster.routing import InstanceView, Router, make_router
 from pdserve.cluster.worker import (
     Abort,
     AddRequest,
@@ -88,8 +88,9 @@ class ClusterRequest:
 
 
 class Controller:
-    def __init__(self, instances: list[InstanceView], prefill_router: str = "shortest_queue",
-                 decode_router: str = "least_load", keep_history: bool = False) -> None:
+    def __init__(self, instances: list[InstanceView],
+                 prefill_router: str | Router = "shortest_queue",
+                 decode_router: str | Router = "least_load", keep_history: bool = False) -> None:
         if not instances:
             raise ValueError("a cluster needs at least one instance")
         roles = {i.role for i in instances}
@@ -100,13 +101,20 @@ class Controller:
         else:
             raise ValueError(f"instances must be all colocated or prefill + decode, got {roles}")
         self.instances = {i.instance_id: i for i in instances}
-        self.prefill_router = make_router(prefill_router)
-        self.decode_router = make_router(decode_router)
+        # a name, or a router built by the caller (e.g. Preble's with a latency model)
+        self.prefill_router = (make_router(prefill_router) if isinstance(prefill_router, str)
+                               else prefill_router)
+        self.decode_router = (make_router(decode_router) if isinstance(decode_router, str)
+                              else decode_router)
         self.requests: dict[str, ClusterRequest] = {}
         # every request ever seen, finished ones included (the simulator reports from it)
         self.history: dict[str, ClusterRequest] | None = {} if keep_history else None
 
     # ------------------------------------------------------------------ helpers
+    def _router_of(self, instance_id: str) -> Router:
+        role = self.instances[instance_id].role
+        return self.decode_router if role == "decode" else self.prefill_router
+
     def _live(self, role: str) -> list[InstanceView]:
         return [i for i in self.instances.values() if i.alive and i.role == role]
 
@@ -183,6 +191,8 @@ class Controller:
         accepted: list[tuple[TokenDelta, ClusterRequest]] = []
         if rep.stats is not None:
             self.instances[iid].stats = rep.stats
+        if rep.kv_events and self.instances[iid].alive:  # for a router's prefix index
+            self._router_of(iid).on_kv_events(iid, rep.kv_events)
         for rid in rep.imported:
             acts += self.on_imported(iid, rid, rep.now)
         for rid, msg in rep.errors:
@@ -308,6 +318,7 @@ class Controller:
         if not inst.alive:
             return []
         inst.alive = False
+        self._router_of(instance_id).on_instance_removed(instance_id)
         acts: list[Action] = []
         for req in list(self.requests.values()):
             if instance_id not in req.placed:

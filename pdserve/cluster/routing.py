@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.engine import EngineStats
+from pdserve.engine.kv_cache import KVEvent
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
@@ -47,12 +48,24 @@ class InstanceView:
 
 
 class Router:
-    """Picks one of ``candidates`` (live instances of the right role, in a fixed order)."""
+    """Picks one of ``candidates`` (live instances of the right role, in a fixed order).
+
+    A router that sets ``wants_kv_events`` gets every instance's KV events (blocks stored /
+    evicted, :mod:`pdserve.engine.kv_cache`) through :meth:`on_kv_events`; drivers must then
+    build the workers with ``record_events=True``. Every router hears of a dead instance through
+    :meth:`on_instance_removed`."""
 
     name = ""
+    wants_kv_events = False
 
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
         raise NotImplementedError
+
+    def on_kv_events(self, instance_id: str, events: list[KVEvent]) -> None:
+        """KV events of one instance, in emission order."""
+
+    def on_instance_removed(self, instance_id: str) -> None:
+        """``instance_id`` died: forget what it cached."""
 
 
 ROUTERS: dict[str, type[Router]] = {}
@@ -63,11 +76,16 @@ def register(cls: type[Router]) -> type[Router]:
     return cls
 
 
-def make_router(name: str) -> Router:
+def make_router(name: str, **params: Any) -> Router:
+    """The router registered as ``name``, built with ``params`` (its constructor's keywords)."""
     try:
-        return ROUTERS[name]()
+        cls = ROUTERS[name]
     except KeyError:
         raise ValueError(f"unknown router {name!r}; available: {sorted(ROUTERS)}") from None
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise ValueError(f"bad parameters for router {name!r}: {e}") from None
 
 
 @register
@@ -106,3 +124,7 @@ class LeastLoad(Router):
 
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
         return min(candidates, key=lambda i: (i.kv_load, i.active))
+
+
+# the prefix-aware routers register themselves in ROUTERS (they import this module)
+import pdserve.cluster.prefix_routing  # noqa: E402, F401

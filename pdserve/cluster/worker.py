@@ -15,6 +15,7 @@ from typing import Any
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine, EngineStats, KVPayload, StepResult
 from pdserve.engine.executor import Executor
+from pdserve.engine.kv_cache import KVEvent
 from pdserve.request import RequestStatus, SamplingParams, Timeline
 
 
@@ -106,6 +107,8 @@ class StepReport:
     stepped: bool = False  # a batch was computed
     batch: list[tuple[str, int, int]] = field(default_factory=list)  # (request, start, tokens)
     stats: EngineStats | None = None
+    # blocks stored / evicted since the last report (only when built with record_events=True)
+    kv_events: list[KVEvent] = field(default_factory=list)
     has_work: bool = False
     has_unfinished: bool = False
 
@@ -124,6 +127,7 @@ class InstanceWorker:
         self.stream_tokens = stream_tokens
         self.log_batches = log_batches  # fill StepReport.batch (tests, parity checks)
         self._reported: dict[str, int] = {}
+        self.record_events = record_events  # forward the block pool's KV events in reports
         self.engine = Engine(config, executor=executor, tokenizer=tokenizer,
                              record_events=record_events)
 
@@ -148,6 +152,8 @@ class InstanceWorker:
         if self.role == "decode":  # blocks freed by this step may admit pending transfers
             rep.pulls += eng.reserve_pulls(now + rep.elapsed)
         rep.stats = eng.stats()
+        if self.record_events:
+            rep.kv_events = eng.scheduler.pool.take_events()
         rep.has_work = eng.has_work()
         rep.has_unfinished = eng.has_unfinished()
         return rep

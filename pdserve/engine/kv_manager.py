@@ -37,8 +37,19 @@ class KVCacheManager:
         token to compute (its logits are needed). Takes no references."""
         if not self.pool.enable_caching:
             return []
-        n_max = (req.num_tokens - 1) // self.block_size
         self.prefix_queries += req.num_tokens
+        hits = self._longest_prefix(req)
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Tokens :meth:`match_prefix` would find now (without counting a query)."""
+        if not self.pool.enable_caching:
+            return 0
+        return len(self._longest_prefix(req)) * self.block_size
+
+    def _longest_prefix(self, req: Request) -> list[Block]:
+        n_max = (req.num_tokens - 1) // self.block_size
         if n_max == 0:
             return []
         hashes = self._hashes(req)
@@ -50,7 +61,6 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.prefix_hits += len(hits) * bs
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:

@@ -30,6 +30,7 @@ from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch, ScheduledSeq
 from pdserve.engine.kv_cache import BlockPool
 from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.policies import make_policy
 from pdserve.request import Request, RequestStatus
 
 S = RequestStatus
@@ -38,8 +39,7 @@ S = RequestStatus
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: Iterable[int] = (), record_events: bool = False) -> None:
-        if config.policy != "fcfs":
-            raise ValueError(f"unknown scheduling policy {config.policy!r}; available: ['fcfs']")
+        self.policy = make_policy(config.policy)  # orders the waiting queue (policies.py)
         self.config = config
         self.role = config.role
         self.block_size = cache_config.block_size
@@ -86,12 +86,14 @@ class Scheduler:
     def schedule(self, now: float) -> ScheduledBatch:
         self.step_id += 1
         batch = ScheduledBatch(self.step_id)
+        limit = (self.policy.arrange(self.waiting, self.kv.cached_prefix_tokens)
+                 if self.waiting else None)
         if self.chunked:
             budget = self._schedule_running(batch, self.budget)
             if not batch.preempted:
-                self._schedule_waiting(batch, budget, now)
+                self._schedule_waiting(batch, budget, now, limit)
         else:
-            self._schedule_waiting(batch, self.budget, now)
+            self._schedule_waiting(batch, self.budget, now, limit)
             if batch.empty:
                 self._schedule_running(batch, self.budget)
         return batch
@@ -119,9 +121,16 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, now: float) -> int:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, now: float,
+                          limit: int | None = None) -> int:
+        """Admit from the head of the waiting queue (at most ``limit`` requests, the policy's
+        quota) while the budget, ``max_num_seqs`` and the free blocks allow."""
         waiting, kv = self.waiting, self.kv
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if limit is not None:
+                if limit <= 0:
+                    break
+                limit -= 1
             req = waiting[0]
             fresh = req.num_computed_tokens == 0 and not req.block_ids
             hits = kv.match_prefix(req) if fresh else []

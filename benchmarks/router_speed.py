@@ -1,0 +1,152 @@
+"""Routing-decision speed of the prefix-aware routers, and the prefix index's memory.
+
+Builds a global prefix index of ~1 M distinct cached tokens spread over 64 instances (shared
+"system" prefixes with several continuations each, every prefix cached on 1–2 instances, every
+instance's cache full), then times ``router.select`` per request on a mix of prompts that hit
+(exploit) and fresh ones (explore). The E2 router runs its whole decision: expiring the window,
+matching, the cost model, recording, rebalancing checks.
+
+    python benchmarks/router_speed.py [--instances 64] [--tokens 1000000] [--requests 20000]
+
+Targets (issue 11): median ≤ 50 µs, P99 ≤ 200 µs for 64 instances and 1 M cached tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+
+from pdserve.cluster.controller import ClusterRequest
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.prefix_routing import prompt_hashes
+from pdserve.cluster.routing import InstanceView, make_router
+from pdserve.engine.kv_cache import NO_PARENT, BlockStored
+from pdserve.request import SamplingParams, Timeline
+
+BS = 16
+PREFIX, CONT = 2048, 512  # tokens of a shared prefix and of each continuation
+
+
+def build_corpus(total_tokens: int, rng: random.Random,
+                 prefix_len: int = PREFIX) -> list[tuple[list[int], list[list[int]]]]:
+    """Shared prefixes with 6 continuations each, ~``total_tokens`` distinct tokens overall."""
+    per = prefix_len + 6 * CONT
+    out, tok = [], 1
+    for _ in range(max(total_tokens // per, 1)):
+        prefix = list(range(tok, tok + prefix_len))
+        tok += prefix_len
+        conts = []
+        for _ in range(6):
+            conts.append(list(range(tok, tok + CONT)))
+            tok += CONT
+        out.append((prefix, conts))
+    rng.shuffle(out)
+    return out
+
+
+def events_for(tokens: list[int]) -> list[BlockStored]:
+    hs = prompt_hashes(tokens, BS)
+    return [BlockStored(hs, NO_PARENT, tokens[:len(hs) * BS], BS)]
+
+
+def populate(router, corpus, views: list[InstanceView], rng: random.Random) -> None:
+    ids = [v.instance_id for v in views]
+    for prefix, conts in corpus:
+        holders = rng.sample(ids, rng.choice((1, 2)))
+        for c in conts:
+            router.on_kv_events(rng.choice(holders), events_for(prefix + c))
+        for h in holders:
+            router.on_kv_events(h, events_for(prefix))
+
+
+def requests(corpus, n: int, rng: random.Random, explore_share: float, fresh_len: int):
+    sp = SamplingParams(max_tokens=128, ignore_eos=True)
+    fresh = 10**8
+    out = []
+    for i in range(n):
+        if rng.random() < explore_share:
+            prompt = list(range(fresh, fresh + fresh_len))
+            fresh += fresh_len
+        else:
+            prefix, conts = rng.choice(corpus)
+            prompt = prefix + rng.choice(conts)[:rng.randrange(0, CONT)] + [7] * 64
+        out.append(ClusterRequest(f"r{i}", prompt, sp, Timeline(arrival=i * 0.01)))
+    return out
+
+
+def run(name: str, n_inst: int, tokens: int, n_req: int, explore_share: float,
+        prefix_len: int = PREFIX, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    corpus = build_corpus(tokens, rng, prefix_len)
+    distinct = sum(len(p) + sum(len(c) for c in cs) for p, cs in corpus)
+    router = make_router(name)
+    views = [InstanceView(f"i{k}", "colocated", num_kv_blocks=1, block_size=BS)
+             for k in range(n_inst)]
+    if getattr(router, "wants_kv_events", False):
+        populate(router, corpus, views, rng)
+        index: PrefixIndex = router.index
+        held = {v.instance_id: index.num_blocks(v.instance_id) for v in views}
+        for v in views:  # every cache is exactly full: each miss evicts (Preble's assumption)
+            v.num_kv_blocks = max(held[v.instance_id], 1)
+    else:
+        for prefix, conts in corpus:  # warm the approximate tree with the same prompts
+            for c in conts:
+                router.select(ClusterRequest("w", prefix + c, SamplingParams(),
+                                             Timeline(arrival=0.0)), views)
+        index = router.tree
+    reqs = requests(corpus, n_req, rng, explore_share, prefix_len)
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for r in reqs:
+            t0 = time.perf_counter_ns()
+            router.select(r, views)
+            times.append(time.perf_counter_ns() - t0)
+    finally:
+        gc.enable()
+    match_times = []
+    for r in reqs[:2000]:  # the index lookup alone (hashing the prompt's blocks + dict hits)
+        t0 = time.perf_counter_ns()
+        index.match(r.prompt_token_ids)
+        match_times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    blocks = statistics.mean(len(r.prompt_token_ids) // BS for r in reqs)
+    mem = index.memory_bytes()
+    return {"router": name, "instances": n_inst, "distinct_cached_tokens": distinct,
+            "index_nodes": len(index.nodes), "index_mb": mem / 2**20,
+            "bytes_per_block": mem / max(len(index.nodes), 1),
+            "median_us": statistics.median(times) / 1e3,
+            "p99_us": times[int(0.99 * (len(times) - 1))] / 1e3,
+            "match_median_us": statistics.median(match_times) / 1e3,
+            "prompt_blocks": blocks,
+            "decisions": getattr(router, "decisions", None)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--instances", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=1_000_000)
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--explore-share", type=float, default=0.3)
+    ap.add_argument("--prefix-tokens", type=int, default=PREFIX,
+                    help="length of the shared prefixes (prompts are about this + 350 tokens)")
+    ap.add_argument("--routers", default="preble,kv_overlap,sglang_cache_aware")
+    a = ap.parse_args(argv)
+    print(f"python {sys.version.split()[0]}; {a.instances} instances, "
+          f"{a.requests} requests ({a.explore_share:.0%} fresh prompts)")
+    for name in a.routers.split(","):
+        r = run(name, a.instances, a.tokens, a.requests, a.explore_share, a.prefix_tokens)
+        print(f"{r['router']:>20}: median {r['median_us']:6.1f} µs  P99 {r['p99_us']:6.1f} µs  "
+              f"| index {r['index_nodes']:,} blocks ({r['distinct_cached_tokens']:,} tokens), "
+              f"{r['index_mb']:.1f} MiB, {r['bytes_per_block']:.0f} B/block | match alone "
+              f"{r['match_median_us']:.1f} µs for {r['prompt_blocks']:.0f} prompt blocks"
+              + (f"  decisions {r['decisions']}" if r["decisions"] else ""))
+
+
+if __name__ == "__main__":
+    main()

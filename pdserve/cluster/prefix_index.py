@@ -1,0 +1,243 @@
+"""Global prefix index: which instance caches which prompt prefix, fed only by KV events.
+
+Preble §4.1 ("global scheduler data structures") keeps a radix tree of prompts whose nodes record
+the GPUs holding their KV. Here the tree is built over the engines' chained block hashes
+(:func:`pdserve.engine.kv_cache.hash_block`): a block's hash names its whole prefix, so one dict
+``hash -> node`` finds any block in O(1), and ``parent`` links give the tree::
+
+    root ─ h0 ─ h1 ─ h2 ─ h3        a node = one full block (block_size tokens)
+                   └ h2' ─ h3'      h1 has two children: a branch point
+
+Preble's (compressed) radix nodes are the maximal non-branching chains of blocks; a match
+computes them on the fly (:attr:`PrefixMatch.segments`), so no split/merge bookkeeping is needed
+when prompts diverge. Each node carries a bitmask of the instances whose block pool holds the
+block: set by ``BlockStored`` events, cleared by ``BlockRemoved`` events and instance loss, so the
+index knows what is really cached rather than what was routed. A node lives while some instance
+holds it or a descendant needs it as a parent, so memory is bounded by the blocks cached across
+the cluster (:meth:`PrefixIndex.memory_bytes` reports it). A lookup hashes the prompt block by
+block and stops at the first block no instance holds: O(matched blocks + 1).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent
+
+
+class Node:
+    """One cached block. ``mask``: bit ``b`` set when instance ``b`` holds the block;
+    ``nchild``: children in the index (> 1 = a branch point)."""
+
+    __slots__ = ("key", "parent", "nchild", "mask")
+
+    def __init__(self, key: int, parent: Node | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.nchild = 0
+        self.mask = 0
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """A prompt matched against the index.
+
+    ``nodes``: the leading prompt blocks some instance holds *contiguously from the start*;
+    ``lengths``: instance -> number of leading blocks it holds (instances holding none absent);
+    ``segments``: ``(start, end)`` block ranges of Preble's radix nodes along ``nodes`` (a new
+    segment starts after a branch point); ``num_tokens``: the prompt's length.
+    """
+
+    nodes: list[Node]
+    lengths: dict[str, int]
+    segments: list[tuple[int, int]]
+    num_tokens: int
+    block_size: int
+    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens of the longest prefix held by any one instance."""
+        return max(self.lengths.values(), default=0) * self.block_size
+
+    def cached_tokens(self, instance_id: str) -> int:
+        return self.lengths.get(instance_id, 0) * self.block_size
+
+    def key_portion(self) -> tuple[int, int] | None:
+        """Preble §3 / §4.1: the deepest radix node on the matched path with more tokens than all
+        its predecessors together (the first node always qualifies); ``None`` without a match."""
+        best = None
+        for start, end in self.segments:
+            if end - start > start:
+                best = (start, end)
+        return best
+
+
+class PrefixIndex:
+    """Which instances cache which prompt blocks (see the module docstring)."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.nodes: dict[int, Node] = {}
+        self._bit: dict[str, int] = {}
+        self._ids: list[str | None] = []  # bit -> instance id (None: a freed bit)
+        self._blocks: dict[str, int] = {}  # instance -> blocks it holds
+
+    # ------------------------------------------------------------------ instances
+    def _bit_of(self, instance_id: str) -> int:
+        bit = self._bit.get(instance_id)
+        if bit is None:
+            try:
+                bit = self._ids.index(None)
+                self._ids[bit] = instance_id
+            except ValueError:
+                bit = len(self._ids)
+                self._ids.append(instance_id)
+            self._bit[instance_id] = bit
+            self._blocks[instance_id] = 0
+        return bit
+
+    @property
+    def instances(self) -> list[str]:
+        return list(self._bit)
+
+    def num_blocks(self, instance_id: str) -> int:
+        """Blocks the index believes ``instance_id`` caches."""
+        return self._blocks.get(instance_id, 0)
+
+    def remove_instance(self, instance_id: str) -> None:
+        """The instance is gone: its blocks leave the index (O(index size); a rare event)."""
+        bit = self._bit.pop(instance_id, None)
+        if bit is None:
+            return
+        self._ids[bit] = None
+        del self._blocks[instance_id]
+        m = 1 << bit
+        for node in [n for n in self.nodes.values() if n.mask & m]:
+            node.mask &= ~m
+            self._prune(node)
+
+    # ------------------------------------------------------------------ events
+    def apply(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        """Apply one instance's KV events, in the order its block pool emitted them."""
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if ev.block_size != self.block_size:
+                    raise ValueError(f"instance {instance_id!r} stores blocks of {ev.block_size} "
+                                     f"tokens; the index uses {self.block_size}")
+                self.store(instance_id, ev.block_hashes, ev.parent_hash)
+            elif isinstance(ev, BlockRemoved):
+                self.remove(instance_id, ev.block_hashes)
+            else:
+                raise TypeError(f"unknown KV event {ev!r}")
+
+    def store(self, instance_id: str, block_hashes: Sequence[int], parent_hash: int) -> None:
+        """``instance_id`` now holds these chained blocks (the first one's parent given)."""
+        m = 1 << self._bit_of(instance_id)
+        nodes = self.nodes
+        parent = None if parent_hash == NO_PARENT else self._node(parent_hash, None)
+        for h in block_hashes:
+            node = nodes.get(h)
+            if node is None:
+                node = nodes[h] = Node(h, parent)
+                if parent is not None:
+                    parent.nchild += 1
+            elif node.parent is None and parent is not None:  # a placeholder learns its parent
+                node.parent = parent
+                parent.nchild += 1
+            if not node.mask & m:
+                node.mask |= m
+                self._blocks[instance_id] += 1
+            parent = node
+
+    def _node(self, h: int, parent: Node | None) -> Node:
+        """The node for ``h``, created as a placeholder (held by nobody) when unknown: a parent
+        the events never stored, or one already removed while a child is still cached."""
+        node = self.nodes.get(h)
+        if node is None:
+            node = self.nodes[h] = Node(h, parent)
+        return node
+
+    def remove(self, instance_id: str, block_hashes: Sequence[int]) -> None:
+        """``instance_id`` evicted these blocks (unknown ones are ignored)."""
+        bit = self._bit.get(instance_id)
+        if bit is None:
+            return
+        m = 1 << bit
+        for h in block_hashes:
+            node = self.nodes.get(h)
+            if node is not None and node.mask & m:
+                node.mask &= ~m
+                self._blocks[instance_id] -= 1
+                self._prune(node)
+
+    def _prune(self, node: Node | None) -> None:
+        while node is not None and node.mask == 0 and node.nchild == 0:
+            del self.nodes[node.key]
+            parent = node.parent
+            if parent is not None:
+                parent.nchild -= 1
+            node = parent
+
+    # ------------------------------------------------------------------ lookups
+    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """Match a prompt: hash its full blocks one by one while some instance still holds the
+        whole prefix so far. Costs O(matched blocks + 1) dict lookups and hashes."""
+        bs, nodes, ids = self.block_size, self.nodes, self._ids
+        path: list[Node] = []
+        hashes: list[int] = []
+        lengths: dict[str, int] = {}
+        segments: list[tuple[int, int]] = []
+        live = -1  # instances holding every block so far
+        parent, start = NO_PARENT, 0
+        toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        for i in range(len(toks) // bs):
+            h = hash((parent, toks[i * bs:(i + 1) * bs]))  # = hash_block, inlined (hot loop)
+            node = nodes.get(h)
+            held = live & node.mask if node is not None else 0
+            dropped = live & ~held if i else 0
+            while dropped:
+                low = dropped & -dropped
+                iid = ids[low.bit_length() - 1]
+                if iid is not None:
+                    lengths[iid] = i
+                dropped ^= low
+            if not held:
+                live = 0
+                break
+            live = held
+            path.append(node)
+            hashes.append(h)
+            parent = h
+            if node.nchild > 1:  # a branch point ends Preble's radix node here
+                segments.append((start, i + 1))
+                start = i + 1
+        n = len(path)
+        if n:
+            while live:
+                low = live & -live
+                iid = ids[low.bit_length() - 1]
+                if iid is not None:
+                    lengths[iid] = n
+                live ^= low
+            if start < n:
+                segments.append((start, n))
+        return PrefixMatch(path, lengths, segments, len(token_ids), bs, hashes)
+
+    def holders(self, block_hash: int) -> list[str]:
+        """Instances holding the block ``block_hash``."""
+        node = self.nodes.get(block_hash)
+        if node is None:
+            return []
+        return [iid for iid, bit in self._bit.items() if node.mask >> bit & 1]
+
+    # ------------------------------------------------------------------ size
+    def memory_bytes(self) -> int:
+        """Bytes held by the index's nodes and hash table (object sizes, shallow)."""
+        per_node = sys.getsizeof(Node(0, None))
+        ints = sum(sys.getsizeof(n.key) + sys.getsizeof(n.mask) for n in self.nodes.values())
+        return sys.getsizeof(self.nodes) + per_node * len(self.nodes) + ints

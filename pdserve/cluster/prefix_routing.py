@@ -1,0 +1,541 @@
+"""Prompt-sharing-aware routers: Preble's E2 and the cache-aware baselines it is compared with.
+
+* ``preble`` — :class:`E2Router`, Preble §4.1–4.2 (E2 exploit/explore with a load cost,
+  post-assignment rebalancing and prefix replication, prefill/decode balancing), over the global
+  :class:`~pdserve.cluster.prefix_index.PrefixIndex` fed by the engines' KV events.
+* ``sglang_cache_aware`` — :class:`CacheAwareRouter`, SGLang's router: an approximate prefix tree
+  of what it routed, a cache-hit threshold and load-balance thresholds.
+* ``kv_overlap`` — :class:`KVOverlapRouter`, Dynamo's KV router cost: prompt blocks to compute
+  (prompt blocks minus the cached overlap) plus the instance's decode blocks.
+
+Routers that want KV events set ``wants_kv_events``; the controller hands them each instance's
+events (:meth:`Router.on_kv_events`) and instance losses (:meth:`Router.on_instance_removed`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.cluster.prefix_index import PrefixIndex, PrefixMatch
+from pdserve.cluster.routing import InstanceView, Router, register
+from pdserve.engine.kv_cache import NO_PARENT, BlockStored, KVEvent, hash_block
+
+if TYPE_CHECKING:
+    from pdserve.cluster.controller import ClusterRequest
+
+PrefillTime = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class LinearPrefillTime:
+    """Default prefill-time regression, ``base + per_token · tokens`` seconds.
+
+    The defaults (10 ms + 0.1 ms/token, i.e. ~10k prefill tokens/s) are the order of a 7B–13B
+    model on one A100; pass the deployment's latency model instead where one exists, e.g.
+    ``lambda n: latency.prefill_time([n])`` (Preble §4.1 fits this regression offline per GPU
+    and model)."""
+
+    base: float = 0.010
+    per_token: float = 1.0e-4
+
+    def __post_init__(self) -> None:
+        if self.base < 0 or self.per_token < 0:
+            raise ValueError(f"prefill-time coefficients must be >= 0, got base={self.base}, "
+                             f"per_token={self.per_token}")
+
+    def __call__(self, num_tokens: int) -> float:
+        return self.base + self.per_token * num_tokens if num_tokens > 0 else 0.0
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The engines' chained hashes of every full block of ``token_ids``."""
+    out, parent = [], NO_PARENT
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+def _block_size(events: list[KVEvent]) -> int | None:
+    """The block size of the first stored block in ``events`` (``None``: only removals)."""
+    return next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+# ====================================================================================== E2
+@dataclass(slots=True)
+class _Entry:
+    """One routed request in the window H."""
+
+    t: float
+    instance: str
+    key: int | None
+    prefill: float  # PT_r: prefill time of its missed tokens
+    decode: float  # DT_r: its expected decode time
+
+
+@register
+class E2Router(Router):
+    """Preble's E2 global scheduler (Preble §4.1 "per-request scheduling policy", §4.2).
+
+    For each request the prompt is matched against the global prefix index. If more of it is
+    cached (on the best instance) than missing — more than ``exploit_ratio`` of the prompt hits —
+    E2 **exploits**: the request goes to the least loaded instance holding its *key portion*
+    (the deepest radix node with more tokens than its predecessors; a replica or a rebalancing
+    target of that prefix counts as a holder). Otherwise it **explores**: every candidate ``i``
+    costs ``L_i + M_i + R_i`` and the cheapest wins:
+
+    * ``L_i = Σ_{r ∈ H} PT(missed_r) + DT_r`` over requests routed to ``i`` in the last
+      ``window`` seconds (H = 3 min, Preble's implementation); ``DT_r = max_tokens · tpot``;
+    * ``M_i`` — what the request would evict: when the index says ``i`` is full, the least
+      recently routed prefixes of ``i`` are evicted virtually until the request's missed blocks
+      fit, each costing ``PT(tokens) · N_j`` (``N_j`` its requests on ``i`` in H);
+    * ``R_i = PT(prompt tokens not cached on i)``.
+
+    Prefill/decode balancing (§4.2): a request whose missed part is at least ``pd_tokens`` long
+    goes straight to the most decode-heavy candidate when that candidate's decode share of
+    ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is not above the mean (the
+    paper gives no numbers or guard; these are ours).
+
+    Post-assignment adjustment (§4.2): once ``rebalance_min_per_instance`` requests per instance
+    have been routed (50, Preble's implementation), whenever the busiest instance's ``L``
+    exceeds ``balance_threshold`` (Th_bal = 1.5) times the least busy one's, the future requests
+    of one prefix subtree of the busiest instance move to the least busy one (its window load
+    moves along). A prefix is **replicated** on the least loaded non-holder when the average
+    TTFT of its requests on an instance in the second half of the window is at least
+    ``replicate_factor`` (2×) that of the first half.
+
+    ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
+    latency model when given, else :class:`LinearPrefillTime`.
+    """
+
+    name = "preble"
+    wants_kv_events = True
+
+    def __init__(self, prefill_time: PrefillTime | None = None, tpot: float = 0.03,
+                 window: float = 180.0, exploit_ratio: float = 0.5,
+                 balance_threshold: float = 1.5, rebalance_min_per_instance: int = 50,
+                 replicate_factor: float = 2.0, min_ttft_samples: int = 1,
+                 pd_tokens: int = 1024, pd_margin: float = 0.2,
+                 max_window: int = 100_000, max_evict_scan: int = 32) -> None:
+        _check(tpot >= 0, f"tpot must be >= 0, got {tpot}")
+        _check(window > 0, f"window must be > 0 seconds, got {window}")
+        _check(0 <= exploit_ratio < 1, f"exploit_ratio must be in [0, 1), got {exploit_ratio}")
+        _check(balance_threshold >= 1, f"balance_threshold must be >= 1, got {balance_threshold}")
+        _check(rebalance_min_per_instance >= 0,
+               f"rebalance_min_per_instance must be >= 0, got {rebalance_min_per_instance}")
+        _check(replicate_factor > 1, f"replicate_factor must be > 1, got {replicate_factor}")
+        _check(min_ttft_samples >= 1, f"min_ttft_samples must be >= 1, got {min_ttft_samples}")
+        _check(pd_tokens >= 1, f"pd_tokens must be >= 1, got {pd_tokens}")
+        _check(0 <= pd_margin <= 1, f"pd_margin must be in [0, 1], got {pd_margin}")
+        _check(max_window >= 1, f"max_window must be >= 1, got {max_window}")
+        self.prefill_time = prefill_time or LinearPrefillTime()
+        self.tpot, self.window, self.exploit_ratio = tpot, window, exploit_ratio
+        self.balance_threshold = balance_threshold
+        self.rebalance_min_per_instance = rebalance_min_per_instance
+        self.replicate_factor, self.min_ttft_samples = replicate_factor, min_ttft_samples
+        self.pd_tokens, self.pd_margin = pd_tokens, pd_margin
+        self.max_window, self.max_evict_scan = max_window, max_evict_scan
+        self.index: PrefixIndex | None = None
+        self._win: deque[_Entry] = deque()
+        self.load: dict[str, float] = {}  # L_i
+        self.decode_load: dict[str, float] = {}  # the Σ DT_r part of L_i
+        # key prefix -> instance -> [requests in H, Σ cost in H]
+        self.key_stats: dict[int, dict[str, list[float]]] = {}
+        self.key_tokens: dict[int, int] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}  # instance -> keys, oldest first
+        self.moved: dict[int, str] = {}  # rebalanced prefix -> instance taking its requests
+        self.replicas: dict[int, set[str]] = {}
+        self._ttft: dict[tuple[int, str], deque[tuple[float, float]]] = {}
+        self._pending: deque[tuple[ClusterRequest, int, str]] = deque()
+        self.num_routed = 0
+        self.decisions: dict[str, int] = {"exploit": 0, "explore": 0, "pd_balance": 0,
+                                          "rebalance": 0, "replicate": 0}
+
+    # ------------------------------------------------------------------ events
+    def _index(self, block_size: int) -> PrefixIndex:
+        if self.index is None:
+            self.index = PrefixIndex(block_size)
+        return self.index
+
+    def on_kv_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        events = list(events)
+        bs = _block_size(events)
+        if self.index is None and bs is None:
+            return  # only removals before anything was stored: nothing to forget
+        self._index(bs or 1).apply(instance_id, events)
+
+    def on_instance_removed(self, instance_id: str) -> None:
+        if self.index is not None:
+            self.index.remove_instance(instance_id)
+        self.load.pop(instance_id, None)
+        self.decode_load.pop(instance_id, None)
+        self._lru.pop(instance_id, None)
+        self.moved = {k: v for k, v in self.moved.items() if v != instance_id}
+        for reps in self.replicas.values():
+            reps.discard(instance_id)
+
+    # ------------------------------------------------------------------ select
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        now = request.arrival
+        if self._win and self._win[0].t < now - self.window:
+            self._expire(now)
+        if self._pending:
+            self._observe_ttfts()
+        bs = candidates[0].block_size
+        m = self._index(bs).match(request.prompt_token_ids)
+        by_id = {c.instance_id: c for c in candidates}
+        n = m.num_tokens
+        cached = max((k for i, k in m.lengths.items() if i in by_id), default=0) * bs
+        key = m.key_portion()
+        key_hash = m.hashes[key[1] - 1] if key is not None else None
+        inst = None
+        if key is not None and cached > self.exploit_ratio * n:
+            inst = self._exploit(m, key, by_id, now)
+            if inst is not None:
+                self.decisions["exploit"] += 1
+        if inst is None:
+            inst = self._explore(m, n, by_id)
+            if key_hash is None and n >= bs:  # a new prefix (the whole prompt is Preble's
+                # new leaf node): its first block names it
+                key_hash = hash_block(NO_PARENT, tuple(request.prompt_token_ids[:bs]))
+                self.key_tokens.setdefault(key_hash, n - n % bs)
+        self._record(request, inst.instance_id, m, key_hash, now)
+        self._rebalance(by_id)
+        return inst
+
+    def _exploit(self, m: PrefixMatch, key: tuple[int, int], by_id: dict[str, InstanceView],
+                 now: float) -> InstanceView | None:
+        key_hash = m.hashes[key[1] - 1]
+        self.key_tokens[key_hash] = (key[1] - key[0]) * m.block_size
+        for _, end in reversed(m.segments):  # the deepest moved prefix on the path wins
+            target = self.moved.get(m.hashes[end - 1])
+            if target in by_id:
+                return by_id[target]
+        holders = [iid for iid, n in m.lengths.items() if n >= key[1] and iid in by_id]
+        holders += [iid for iid in self.replicas.get(key_hash, ()) if iid in by_id
+                    and iid not in holders]
+        if not holders:
+            return None
+        best = min(holders, key=lambda i: self.load.get(i, 0.0))
+        if self._overloaded(key_hash, best, now):
+            others = [i for i in by_id if i not in holders]
+            if others:
+                rep = min(others, key=lambda i: self.load.get(i, 0.0))
+                self.replicas.setdefault(key_hash, set()).add(rep)
+                self._ttft.pop((key_hash, best), None)
+                self.decisions["replicate"] += 1
+                return by_id[rep]
+        return by_id[best]
+
+    def _explore(self, m: PrefixMatch, n: int, by_id: dict[str, InstanceView]) -> InstanceView:
+        pt = self.prefill_time
+        missed = n - m.num_cached_tokens
+        if missed >= self.pd_tokens and len(by_id) > 1:
+            top = self._decode_heavy(by_id)
+            if top is not None:
+                self.decisions["pd_balance"] += 1
+                return by_id[top]
+        self.decisions["explore"] += 1
+        # cost_i = L_i + R_i + M_i; M_i >= 0 is the costly term, so it is computed only for
+        # instances whose L_i + R_i is below the best total so far (in increasing order)
+        load, lengths, bs = self.load, m.lengths, m.block_size
+        pt_all = pt(n)
+        bounds = []
+        for pos, iid in enumerate(by_id):  # ties: candidate order
+            k = lengths.get(iid)
+            miss = n - k * bs if k else n
+            bounds.append((load.get(iid, 0.0) + (pt(miss) if k else pt_all), pos, miss, iid))
+        bounds.sort()
+        best, best_cost = None, 0.0
+        for bound, _, miss, iid in bounds:
+            if best is not None and bound >= best_cost:
+                break
+            cost = bound + self._evict_cost(by_id[iid], miss)
+            if best is None or cost < best_cost:
+                best, best_cost = iid, cost
+        assert best is not None
+        return by_id[best]
+
+    def _decode_heavy(self, by_id: dict[str, InstanceView]) -> str | None:
+        """The candidate whose window load is most decode-heavy, when it stands out: its decode
+        share of ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is at most the
+        mean ``L`` (a busy instance is no place for a long prefill, whatever its mix). ``None``
+        while some candidate has no load in the window (nothing to balance yet)."""
+        load, dec = self.load, self.decode_load
+        loads = [load.get(i, 0.0) for i in by_id]
+        if min(loads) <= 0:
+            return None
+        shares = {i: dec.get(i, 0.0) / li for i, li in zip(by_id, loads)}
+        top = max(shares, key=shares.__getitem__)
+        rest = (sum(shares.values()) - shares[top]) / (len(shares) - 1)
+        if shares[top] - rest >= self.pd_margin and load[top] <= sum(loads) / len(loads):
+            return top
+        return None
+
+    def _evict_cost(self, inst: InstanceView, missed_tokens: int) -> float:
+        """M_i: recomputing the prefixes the request's missed blocks would evict (LRU order)."""
+        assert self.index is not None
+        bs = inst.block_size
+        excess = (self.index.num_blocks(inst.instance_id) - inst.num_kv_blocks) * bs \
+            + missed_tokens
+        lru = self._lru.get(inst.instance_id)
+        if excess <= 0 or not lru:
+            return 0.0
+        cost, pt = 0.0, self.prefill_time
+        for k, key in enumerate(lru):
+            if excess <= 0 or k >= self.max_evict_scan:
+                break
+            tokens = self.key_tokens.get(key, bs)
+            stats = self.key_stats[key].get(inst.instance_id)
+            if stats:
+                cost += pt(tokens) * stats[0]
+            excess -= tokens
+        return cost
+
+    # ------------------------------------------------------------------ window
+    def _record(self, req: ClusterRequest, iid: str, m: PrefixMatch, key: int | None,
+                now: float) -> None:
+        missed = m.num_tokens - m.cached_tokens(iid)
+        e = _Entry(now, iid, key, self.prefill_time(missed),
+                   req.params.max_tokens * self.tpot)
+        self._win.append(e)
+        self.load[iid] = self.load.get(iid, 0.0) + e.prefill + e.decode
+        self.decode_load[iid] = self.decode_load.get(iid, 0.0) + e.decode
+        if key is not None:
+            st = self.key_stats.setdefault(key, {}).setdefault(iid, [0, 0.0])
+            st[0] += 1
+            st[1] += e.prefill + e.decode
+            lru = self._lru.setdefault(iid, OrderedDict())
+            lru[key] = None
+            lru.move_to_end(key)
+            self._pending.append((req, key, iid))
+            if len(self._pending) > self.max_window:
+                self._pending.popleft()
+        self.num_routed += 1
+        if len(self._win) > self.max_window:
+            self._drop(self._win.popleft())
+
+    def _expire(self, now: float) -> None:
+        win, start = self._win, now - self.window
+        while win and win[0].t < start:
+            self._drop(win.popleft())
+
+    def _drop(self, e: _Entry) -> None:
+        cost = e.prefill + e.decode
+        if e.instance in self.load:
+            self.load[e.instance] = max(self.load[e.instance] - cost, 0.0)
+            self.decode_load[e.instance] = max(self.decode_load[e.instance] - e.decode, 0.0)
+        if e.key is None:
+            return
+        per = self.key_stats.get(e.key, {})
+        st = per.get(e.instance)
+        if st is None:
+            return
+        st[0] -= 1
+        st[1] -= cost
+        if st[0] <= 0:
+            del per[e.instance]
+            lru = self._lru.get(e.instance)
+            if lru is not None:
+                lru.pop(e.key, None)
+        if not per:  # the prefix left the window: forget its moves, replicas and size
+            self.key_stats.pop(e.key, None)
+            self.key_tokens.pop(e.key, None)
+            self.moved.pop(e.key, None)
+            self.replicas.pop(e.key, None)
+
+    # ------------------------------------------------------------------ adjustment
+    def _rebalance(self, by_id: dict[str, InstanceView]) -> None:
+        """Th_bal check after an assignment (Preble §4.2, "load adjustment")."""
+        if len(by_id) < 2 or self.num_routed < self.rebalance_min_per_instance * len(by_id):
+            return
+        loads = [(self.load.get(i, 0.0), i) for i in by_id]
+        (l_hi, hi), (l_lo, lo) = max(loads), min(loads)
+        if l_hi <= self.balance_threshold * l_lo or l_hi <= 0:
+            return
+        gap = (l_hi - l_lo) / 2
+        stats = self.key_stats
+        keys = [(stats[k][hi][1], k) for k in self._lru.get(hi, ())
+                if self.moved.get(k, hi) == hi]
+        fitting = [kc for kc in keys if kc[0] <= gap]
+        if not fitting:
+            return
+        cost, key = max(fitting)
+        self.moved[key] = lo
+        self.decisions["rebalance"] += 1
+        # the prefix's window load moves along, so the next check sees the new balance
+        n_req = self.key_stats[key].pop(hi)[0]
+        dst = self.key_stats[key].setdefault(lo, [0, 0.0])
+        dst[0] += n_req
+        dst[1] += cost
+        moved_decode = 0.0
+        for e in self._win:
+            if e.key == key and e.instance == hi:
+                e.instance = lo
+                moved_decode += e.decode
+        self.load[hi] -= cost
+        self.load[lo] = l_lo + cost
+        self.decode_load[hi] -= moved_decode
+        self.decode_load[lo] = self.decode_load.get(lo, 0.0) + moved_decode
+        self._lru.get(hi, OrderedDict()).pop(key, None)
+        self._lru.setdefault(lo, OrderedDict())[key] = None
+
+    def _observe_ttfts(self) -> None:
+        """Collect TTFTs of routed requests whose first token came back (in routing order)."""
+        pend = self._pending
+        while pend:
+            req, key, iid = pend[0]
+            times = req.timeline.token_times
+            if times:
+                self._ttft.setdefault((key, iid), deque()).append(
+                    (times[0], times[0] - req.arrival))
+            elif req.stage != "done":
+                return
+            pend.popleft()
+
+    def _overloaded(self, key: int, iid: str, now: float) -> bool:
+        """Preble §4.2 replication trigger: mean TTFT of the prefix's requests on ``iid`` in the
+        second half of the window ≥ ``replicate_factor`` × the first half's."""
+        samples = self._ttft.get((key, iid))
+        if not samples:
+            return False
+        start, half = now - self.window, now - self.window / 2
+        while samples and samples[0][0] < start:
+            samples.popleft()
+        first = [v for t, v in samples if t < half]
+        second = [v for t, v in samples if t >= half]
+        if len(first) < self.min_ttft_samples or len(second) < self.min_ttft_samples:
+            return False
+        mean1, mean2 = sum(first) / len(first), sum(second) / len(second)
+        return mean2 >= self.replicate_factor * mean1 and mean2 > 0
+
+
+# ============================================================================ SGLang router
+@register
+class CacheAwareRouter(Router):
+    """SGLang's cache-aware router (sgl-router ``cache_aware`` policy), as a baseline.
+
+    It keeps an *approximate* prefix tree of what it routed (not what is cached), per instance
+    at block granularity (the engines' chained block hashes), bounded to ``max_tree_blocks``
+    blocks per instance by evicting the least recently routed prompts. If the load (unfinished
+    requests) is imbalanced — ``max - min > balance_abs`` (64) and ``max > balance_rel · min``
+    (1.5) — the least loaded instance wins. Otherwise the instance with the longest match wins
+    when it covers more than ``cache_threshold`` (0.3) of the prompt, else the instance with the
+    smallest tree (the most free cache)."""
+
+    name = "sglang_cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs: int = 64,
+                 balance_rel: float = 1.5, max_tree_blocks: int = 1 << 20) -> None:
+        _check(0 <= cache_threshold <= 1,
+               f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        _check(balance_abs >= 0, f"balance_abs must be >= 0, got {balance_abs}")
+        _check(balance_rel >= 1, f"balance_rel must be >= 1, got {balance_rel}")
+        _check(max_tree_blocks >= 1, f"max_tree_blocks must be >= 1, got {max_tree_blocks}")
+        self.cache_threshold, self.balance_abs, self.balance_rel = (
+            cache_threshold, balance_abs, balance_rel)
+        self.max_tree_blocks = max_tree_blocks
+        self.tree: PrefixIndex | None = None
+        # instance -> block hash -> prompts routed there containing it (LRU order: oldest first)
+        self._refs: dict[str, OrderedDict[int, int]] = {}
+        self._prompts: dict[str, deque[list[int]]] = {}
+
+    def on_instance_removed(self, instance_id: str) -> None:
+        if self.tree is not None:
+            self.tree.remove_instance(instance_id)
+        self._refs.pop(instance_id, None)
+        self._prompts.pop(instance_id, None)
+
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        if self.tree is None:
+            self.tree = PrefixIndex(candidates[0].block_size)
+        loads = [c.active for c in candidates]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            inst = candidates[loads.index(lo)]
+        else:
+            m = self.tree.match(request.prompt_token_ids)
+            ids = {c.instance_id: c for c in candidates}
+            best = max(ids, key=lambda i: m.cached_tokens(i))
+            n = max(m.num_tokens, 1)
+            if m.cached_tokens(best) / n > self.cache_threshold:
+                inst = ids[best]
+            else:
+                inst = min(candidates, key=lambda c: self.tree.num_blocks(c.instance_id))
+        self._insert(inst.instance_id, request.prompt_token_ids)
+        return inst
+
+    def _insert(self, iid: str, token_ids: Sequence[int]) -> None:
+        assert self.tree is not None
+        hashes = prompt_hashes(token_ids, self.tree.block_size)
+        refs = self._refs.setdefault(iid, OrderedDict())
+        new = [h for h in hashes if h not in refs]
+        for h in hashes:
+            refs[h] = refs.get(h, 0) + 1
+            refs.move_to_end(h)
+        if new:
+            self.tree.store(iid, hashes, NO_PARENT)
+        prompts = self._prompts.setdefault(iid, deque())
+        prompts.append(hashes)
+        while len(refs) > self.max_tree_blocks and len(prompts) > 1:
+            gone = []
+            for h in prompts.popleft():
+                refs[h] -= 1
+                if refs[h] == 0:
+                    del refs[h]
+                    gone.append(h)
+            self.tree.remove(iid, gone)
+
+
+# ======================================================================== Dynamo KV router
+@register
+class KVOverlapRouter(Router):
+    """Dynamo's KV-aware router cost as a baseline: for instance ``i``,
+    ``overlap_weight · (prompt blocks − blocks of the prompt cached on i) + decode blocks_i``
+    (blocks in use on ``i`` plus blocks promised to requests routed there), lowest wins (ties:
+    fewer unfinished requests, then order). The overlap comes from the KV-event-fed
+    :class:`PrefixIndex`."""
+
+    name = "kv_overlap"
+    wants_kv_events = True
+
+    def __init__(self, overlap_weight: float = 1.0) -> None:
+        _check(overlap_weight >= 0, f"overlap_weight must be >= 0, got {overlap_weight}")
+        self.overlap_weight = overlap_weight
+        self.index: PrefixIndex | None = None
+
+    def on_kv_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        events = list(events)
+        bs = _block_size(events)
+        if self.index is None and bs is None:
+            return
+        if self.index is None:
+            self.index = PrefixIndex(bs or 1)
+        self.index.apply(instance_id, events)
+
+    def on_instance_removed(self, instance_id: str) -> None:
+        if self.index is not None:
+            self.index.remove_instance(instance_id)
+
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        bs = candidates[0].block_size
+        if self.index is None:
+            self.index = PrefixIndex(bs)
+        m = self.index.match(request.prompt_token_ids)
+        prompt_blocks = -(-m.num_tokens // bs)
+
+        def cost(c: InstanceView) -> tuple[float, int]:
+            used = c.stats.num_used_blocks if c.stats is not None else 0
+            decode = used + -(-c.pending_tokens // bs)
+            prefill = prompt_blocks - m.lengths.get(c.instance_id, 0)
+            return self.overlap_weight * prefill + decode, c.active
+
+        return min(candidates, key=cost)
