@@ -21,6 +21,8 @@ class CharTokenizer:
 
     chat_template = "{role}: {content}\\n ... assistant: "
     eos_token_id = EOS
+    all_special_ids = [EOS]
+    name_or_path = "char-tokenizer"
 
     def __init__(self) -> None:
         self.vocab_size = len(ALPHABET) + 1
@@ -28,6 +30,9 @@ class CharTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"</s>": EOS, **self._ids}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self._ids.get(c, self._ids["?"]) for c in text]
