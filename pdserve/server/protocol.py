@@ -205,7 +205,7 @@ class CompletionRequest(_GenerationRequest):
     either (one choice per prompt and sample: choice ``i * n + j`` is sample ``j`` of prompt
     ``i``). ``echo`` prepends the prompt to the text; ``suffix`` is refused."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -12,7 +12,7 @@ from pdserve.engine.engine import EngineStats
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
 EOS = 0
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-\n<>|ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-\n<>|ABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]\""
 
 
 class CharTokenizer:
