@@ -209,12 +209,12 @@ class SlowTokenizerRuntime(FakeRuntime):
 async def test_tokenization_does_not_block_the_loop() -> None:
     runtime = SlowTokenizerRuntime(delay=0.5)
     async with await _client(runtime) as c:
+        t0 = time.perf_counter()
         slow = asyncio.create_task(c.post(COMPL, json={"prompt": "abc", "max_tokens": 1}))
         tok = asyncio.create_task(c.post("/tokenize", json={"prompt": "abc"}))
         await asyncio.sleep(0.05)
-        t0 = time.perf_counter()
         assert (await c.get("/health")).status_code == 200
-        assert time.perf_counter() - t0 < 0.2  # not behind the 0.5 s encodes
+        assert time.perf_counter() - t0 < 0.3  # not behind the two 0.5 s encodes
         assert not slow.done()
         assert (await slow).status_code == 200 and (await tok).json()["count"] == 3
 
