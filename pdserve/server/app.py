@@ -69,6 +69,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode()  # no lone surrogates
         super().__init__(message)
         self.status = status
         self.message = message

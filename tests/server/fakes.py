@@ -35,6 +35,7 @@ class CharTokenizer:
         return {"</s>": EOS, **self._ids}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        text.encode("utf-8")  # like a Rust tokenizer: a lone surrogate raises
         return [self._ids.get(c, self._ids["?"]) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: Any) -> str:
