@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,15 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=0`` or ``-1`` disables top-k; ``top_p=1`` and ``min_p=0``
     disable theirs. ``seed`` makes this request's sampling reproducible regardless of batching.
     ``logprobs=N`` returns the sampled token's log-probability and the ``N`` most likely
-    alternatives at each step (``0`` = the sampled token only).
+    alternatives at each step (``0`` = the sampled token only; at most ``MAX_LOGPROBS``).
+
+    Logit processing (per sequence, before temperature): ``logit_bias`` ``{token: bias}`` is
+    added (OpenAI, bias in [-100, 100]); ``repetition_penalty`` divides positive logits and
+    multiplies negative ones of every token in the prompt or the output (CTRL/transformers;
+    ``1`` = off); ``frequency_penalty`` subtracts ``count`` and ``presence_penalty`` ``1`` per
+    token already in the output, each in [-2, 2] (OpenAI). ``guided_regex`` constrains the
+    output to a full match of a regular expression (structured output; JSON schemas are
+    compiled to one by the server).
     """
 
     max_tokens: int = 16
@@ -34,6 +43,11 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    guided_regex: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,7 +58,7 @@ class SamplingParams:
             raise _bad("max_tokens", self.max_tokens, "must be an integer")
         if self.max_tokens < 1:
             raise _bad("max_tokens", self.max_tokens, "must be >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= 1e6:
             raise _bad("temperature", self.temperature, "must be >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
@@ -58,6 +72,18 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise _bad("logprobs", self.logprobs, "must be a non-negative integer")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise _bad("logprobs", self.logprobs, f"must be <= {MAX_LOGPROBS}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise _bad(name, v, "must be in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "must be in (0, 100]")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.guided_regex is not None and (not isinstance(self.guided_regex, str)
+                                              or not self.guided_regex):
+            raise _bad("guided_regex", self.guided_regex, "must be a non-empty string")
         if self.seed is not None and not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "must be an integer")
         for s in self.stop:
@@ -70,6 +96,50 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """``{token id: bias}`` with int keys (JSON's string keys are converted)."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", bias, "must be a map of token id to bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"{len(bias)} entries", f"must have <= {MAX_LOGIT_BIAS} entries")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k) if not isinstance(k, bool) else -1
+        except (TypeError, ValueError):
+            tok = -1
+        if tok < 0:
+            raise _bad("logit_bias", k, "keys must be non-negative token ids")
+        if not _is_real(v) or not -100.0 <= v <= 100.0:
+            raise _bad("logit_bias", v, "values must be in [-100, 100]")
+        out[tok] = float(v)
+    return out
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request with ``n`` samples and ``seed`` (sample 0 keeps
+    the request's seed, so ``n=1`` is unchanged)."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
+    return x ^ (x >> 29)
 
 
 def validate_prompt(prompt_token_ids: list[int], max_model_len: int,
@@ -186,7 +256,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes",
         "timeline", "logprobs", "max_model_len", "num_preemptions", "stop_reason", "detok",
-        "arrival_order", "priority", "expected_output_len",
+        "arrival_order", "priority", "expected_output_len", "grammar",
     )
 
     def __init__(
@@ -216,6 +286,7 @@ class Request:
         self.arrival_order = 0
         self.priority = 0.0
         self.expected_output_len: int | None = None
+        self.grammar: Any = None  # structured-output matcher state (executor-owned)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -72,6 +72,7 @@ class ModelExecutor:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
         self.capture_logits = False
+        self._grammar_compiler: Any = None
         self.last_logits: torch.Tensor | None = None
         self.num_kv_blocks = self._plan_num_blocks()
         self.kv_cache = self._allocate(self.num_kv_blocks)
@@ -134,11 +135,12 @@ class ModelExecutor:
                                             self.dtype, self.sliding_window)
             meta.workspace = self._gather_workspace(meta.max_gather_blocks)
             hidden = self.model(meta, self.kv_cache)
-            rows = [self._sample_row(s.request) for s in batch.seqs if s.sample]
             sampled: list[int] = []
             logprobs = None
-            if rows:
+            if any(s.sample for s in batch.seqs):
                 logits = self.model.compute_logits(hidden)
+                rows = [self._sample_row(s.request, logits.shape[-1])
+                        for s in batch.seqs if s.sample]
                 if self.capture_logits:
                     self.last_logits = logits.float().cpu()
                 out = self.sampler(logits, rows)
@@ -157,13 +159,32 @@ class ModelExecutor:
                                           dtype=self.dtype, device=self.device)
         return self._workspace
 
-    def _sample_row(self, req: Any) -> SampleRow:
+    def _sample_row(self, req: Any, vocab: int | None = None) -> SampleRow:
         p = req.params
         index = req.num_output_tokens
-        if index >= p.min_tokens:
-            return SampleRow(p, index)
-        stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
-        return SampleRow(p, index, stop)
+        stop: tuple[int, ...] = ()
+        if index < p.min_tokens:
+            stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+        # per-request logit processing: the request's tokens and its grammar state
+        allowed = None
+        if p.guided_regex is not None:
+            allowed = self._grammar_mask(req, vocab or self.model_config.vocab_size)
+        return SampleRow(p, index, stop, req.prompt_token_ids, req.output_token_ids, allowed)
+
+    def _grammar_mask(self, req: Any, vocab: int) -> Any:
+        """The structured-output mask of ``req``'s next token; its guide lives on the request
+        (``req.grammar``) and follows the output tokens, wherever they were sampled."""
+        if req.grammar is None:
+            from pdserve.grammar import GrammarCompiler, GrammarState
+
+            if self._grammar_compiler is None:
+                from pdserve.tokenizer import load_tokenizer
+
+                self._grammar_compiler = GrammarCompiler.for_tokenizer(
+                    load_tokenizer(self.config.model), self.eos_token_ids[0])
+            index = self._grammar_compiler.compile(req.params.guided_regex)
+            req.grammar = GrammarState(index, self.eos_token_ids[0])
+        return req.grammar.bitmask(req.output_token_ids, vocab)
 
     # ------------------------------------------------------------------ KV hand-off
     def export_kv(self, block_ids: list[int]) -> dict[str, Any]:

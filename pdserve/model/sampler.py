@@ -1,7 +1,16 @@
 """Token sampling from a batch of logits, vectorised over rows.
 
-Order of operations (vLLM's): ``min_tokens`` masking → greedy argmax for ``temperature=0`` rows;
-for the others temperature → top-k → top-p → min-p → one draw.
+Order of operations (vLLM's): ``min_tokens`` masking → the structured-output mask →
+``logit_bias`` → repetition, frequency and presence penalties → greedy argmax for
+``temperature=0`` rows; for the others temperature → top-k → top-p → min-p → one draw.
+
+Penalties (per row, over that request's tokens):
+
+* ``repetition_penalty`` ``r`` (CTRL, as transformers' ``RepetitionPenaltyLogitsProcessor``):
+  a token of the prompt or the output has its logit ``l`` replaced by ``l / r`` if ``l > 0``
+  else ``l * r``.
+* ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p`` (OpenAI): a token that occurs
+  ``c > 0`` times in the output has ``c * f + p`` subtracted.
 
 Boundaries:
 
@@ -26,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.request import SamplingParams
@@ -49,18 +59,56 @@ def request_seed(seed: int, output_index: int) -> int:
 @dataclass(slots=True)
 class SampleRow:
     """What the sampler needs about one row: its parameters, how many output tokens the request
-    already has (the index of the token being drawn) and the ids to ban while ``min_tokens``
-    is unmet (EOS unless ``ignore_eos``, plus ``stop_token_ids``)."""
+    already has (the index of the token being drawn), the ids to ban while ``min_tokens``
+    is unmet (EOS unless ``ignore_eos``, plus ``stop_token_ids``), the request's tokens (for
+    penalties) and the structured-output mask."""
 
     params: SamplingParams
     output_index: int
     stop_ids: tuple[int, ...] = ()
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    allowed: np.ndarray | None = None  # int32 words; bit t set = token t allowed (grammar)
 
 
 @dataclass
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
+
+
+def _allowed_mask(words: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab]
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[: bits.size] = torch.from_numpy(bits.astype(np.bool_))
+    return mask.to(device)
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Apply each row's grammar mask, ``logit_bias`` and penalties to ``logits`` (in place;
+    float32 ``[n, vocab]``) and return it."""
+    n, vocab = logits.shape
+    dev = logits.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if r.allowed is not None:
+            logits[i].masked_fill_(~_allowed_mask(r.allowed, vocab, dev), -torch.inf)
+        if p.logit_bias:
+            items = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+            if items:
+                ids = torch.tensor([t for t, _ in items], device=dev)
+                logits[i, ids] += torch.tensor([b for _, b in items], device=dev)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor([*r.prompt_ids, *r.output_ids], dtype=torch.long, device=dev)
+            seen = seen[(seen >= 0) & (seen < vocab)].unique()
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                          vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+            out = torch.tensor(list(r.output_ids), dtype=torch.long, device=dev)
+            counts = torch.bincount(out[(out >= 0) & (out < vocab)], minlength=vocab).float()
+            logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+    return logits
 
 
 class Sampler:
@@ -89,6 +137,9 @@ class Sampler:
         if ban_r:
             logits = logits.clone()
             logits[torch.tensor(ban_r, device=dev), torch.tensor(ban_c, device=dev)] = -torch.inf
+        if any(r.allowed is not None or r.params.logit_bias or r.params.has_penalties
+               for r in rows):
+            logits = process_logits(logits if ban_r else logits.clone(), rows)
 
         chosen = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -2,17 +2,24 @@
 
 ``build_app(runtime)`` serves ``/v1/completions``, ``/v1/chat/completions`` (streaming as
 server-sent events, one chunk per generated token), ``/v1/models``, ``/tokenize``,
-``/detokenize``, ``/health`` and ``/metrics``. Every error is an OpenAI error object. A client
-that goes away closes the runtime's output iterator, which aborts the request everywhere.
+``/detokenize``, ``/health``, ``/ping``, ``/version`` and ``/metrics``. Every error is an OpenAI
+error object, whatever the body (no input gives a 5xx); bodies over ``max_request_bytes`` get a
+413. A client that goes away closes the runtime's output iterator, which aborts the request
+everywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import anyio
@@ -25,9 +32,10 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve import __version__, grammar
 from pdserve.cluster.protocol import QueueFullError, RequestFailedError, ServingRuntime
-from pdserve.request import RequestOutput, SamplingParams
-from pdserve.server.metrics import RequestTracker, ServerMetrics
+from pdserve.request import RequestOutput, SamplingParams, derive_seed, validate_prompt
+from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatCompletionRequest,
     ChatFormat,
@@ -48,7 +56,10 @@ from pdserve.tokenizer import apply_chat_template
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 422: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+RETRY_AFTER_S = 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 DONE = b"data: [DONE]\n\n"
 
@@ -58,6 +69,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode()  # no lone surrogates
         super().__init__(message)
         self.status = status
         self.message = message
@@ -70,7 +82,9 @@ class APIError(Exception):
                              ).model_dump_json()
 
     def response(self) -> Response:
-        return Response(self.body(), status_code=self.status, media_type="application/json")
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        return Response(self.body(), status_code=self.status, media_type="application/json",
+                        headers=headers)
 
 
 def _param_of(message: str, fields: set[str]) -> str | None:
@@ -97,7 +111,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not path:
         if first.get("type") == "missing":
             return APIError(400, "request body is required")
-        fields = {"top_logprobs", "prompt", "messages"}
+        fields = {"top_logprobs", "logprobs", "prompt", "messages"}
         return APIError(400, msg, param=_param_of(msg, fields))
     if first.get("type") == "missing":
         return APIError(400, f"'{path}' is required", param=param)
@@ -145,50 +159,265 @@ def _sse(body: BaseModel, include_usage: bool) -> bytes:
     return b"data: " + dump_json(body, include_usage).encode() + b"\n\n"
 
 
+def default_served_model_name(model: str) -> str:
+    """The name a model directory is served under: ``org/name`` for a Hugging Face cache
+    snapshot (``.../models--org--name/snapshots/<hash>``), else the directory's basename."""
+    path = model.rstrip("/\\")
+    m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", path)
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    return os.path.basename(path) or model
+
+
+class _Fanout:
+    """The choices of one API request, each an engine request, merged into one stream of
+    ``(choice index, output)``.
+
+    The first sample of each prompt is submitted at once (so that a bad prompt or a full queue
+    fails the API request before anything is sent); its other samples are submitted when it
+    produces its first token, when its prompt's full KV blocks are in the prefix cache, so
+    that they reuse them instead of computing the prompt again. Iteration ends when every
+    choice has finished; the first exception of any choice is raised. :meth:`aclose` aborts
+    whatever is still running."""
+
+    def __init__(self, server: OpenAIServer, fmt: ResponseFormat,
+                 jobs: list[tuple[list[int], SamplingParams]]) -> None:
+        self.server = server
+        self.fmt = fmt
+        self.jobs = jobs
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = (
+            asyncio.Queue())
+        self.iters: dict[int, AsyncIterator[RequestOutput]] = {}
+        self.tasks: list[asyncio.Future[None]] = []
+        self.finished = 0
+        self.done: set[int] = set()  # choices whose final output was read
+
+    def request_id(self, index: int) -> str:
+        return self.fmt.id if self.fmt.num_choices == 1 else f"{self.fmt.id}-{index}"
+
+    def _submit(self, index: int) -> AsyncIterator[RequestOutput]:
+        ids, params = self.jobs[index]
+        it = self.server.runtime.generate(self.request_id(index), ids, params)
+        self.iters[index] = it
+        return it
+
+    async def start(self) -> None:
+        """Submit each prompt's first sample; on an error abort those submitted and raise."""
+        try:
+            for i in range(0, len(self.jobs), self.fmt.n):
+                self._submit(i)
+        except Exception:
+            await self.aclose()
+            raise
+        for i in list(self.iters):
+            self._pump(i)
+
+    def _pump(self, index: int) -> None:
+        self.tasks.append(asyncio.ensure_future(self._run(index)))
+
+    async def _run(self, index: int) -> None:
+        tracker = self.server.metrics.tracker(len(self.jobs[index][0]))
+        leader = index % self.fmt.n == 0 and self.fmt.n > 1
+        try:
+            async for out in self.iters[index]:
+                tracker.observe(out)
+                if leader:
+                    leader = False
+                    for j in range(index + 1, index + self.fmt.n):
+                        self._submit(j)
+                        self._pump(j)
+                self.queue.put_nowait((index, out, None))
+                if out.finished:
+                    return
+            raise RuntimeError("the runtime ended the output stream without a final output")
+        except Exception as e:
+            tracker.close("error")
+            self.queue.put_nowait((index, None, e))
+        finally:
+            tracker.close()
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self.finished < len(self.jobs):
+            index, out, exc = await self.queue.get()
+            if exc is not None:
+                raise exc
+            assert out is not None
+            if out.finished:
+                self.finished += 1
+                self.done.add(index)
+            yield index, out
+
+    async def aclose(self) -> None:
+        """Stop every choice; abort those that have not finished (an output iterator that was
+        never iterated does not abort its request when closed)."""
+        with anyio.CancelScope(shield=True):
+            for t in self.tasks:
+                t.cancel()
+            if self.tasks:
+                await asyncio.wait(self.tasks)
+            for index, it in self.iters.items():
+                await _close(it)
+                if index not in self.done:
+                    await self.server.runtime.abort(self.request_id(index))
+
+
 class OpenAIServer:
-    """The endpoints' logic, independent of routing."""
+    """The endpoints' logic, independent of routing.
+
+    Tokenization, detokenization and chat templating run on one worker thread (a Hugging Face
+    fast tokenizer is not safe to call from several threads at once), structured-output
+    compilation on another, so the event loop (and ``/health``) never waits for them. A prompt
+    with more characters than ``max_model_len`` tokens could hold is refused before it is
+    tokenized."""
 
     def __init__(self, runtime: ServingRuntime, model_name: str) -> None:
         self.runtime = runtime
         self.model_name = model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics(runtime, model_name)
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
+        self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        self._max_chars: int | None = None
 
     @property
     def tokenizer(self) -> Any:
         return self.runtime.tokenizer
 
+    def close(self) -> None:
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in (self.model_name, self.runtime.model_name):
             raise APIError(404, f"The model `{model}` does not exist (this server serves "
                                 f"`{self.model_name}`).", param="model")
+
+    # ----------------------------------------------------------------- off-loop work
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, partial(fn, *args, **kwargs))
+
+    async def max_chars(self) -> int:
+        """Characters that ``max_model_len`` tokens can hold at most: the longest token's
+        string (byte-level and SentencePiece token strings are at least as long as the text
+        they decode to) times ``max_model_len``."""
+        if self._max_chars is None:
+            def longest() -> int:
+                vocab = getattr(self.tokenizer, "get_vocab", None)
+                return max((len(t) for t in vocab()), default=1) if vocab else 64
+
+            self._max_chars = max(await self._off_loop(longest), 1) * self.runtime.max_model_len
+        return self._max_chars
+
+    async def _check_chars(self, text: str, field: str) -> None:
+        limit = await self.max_chars()
+        if len(text) > limit:
+            raise APIError(400, f"This model's maximum context length is "
+                                f"{self.runtime.max_model_len} tokens, and the prompt has "
+                                f"{len(text)} characters, more than that many tokens can hold "
+                                "(no token is longer than "
+                                f"{limit // self.runtime.max_model_len} characters). Please "
+                                "shorten the prompt.", param=field)
+
+    async def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        await self._check_chars(text, field)
+        try:
+            ids = await self._off_loop(self.tokenizer.encode, text,
+                                       add_special_tokens=add_special_tokens)
+        except Exception as e:  # a tokenizer may reject text in its own ways
+            raise APIError(400, f"cannot tokenize the {field}: {e}", param=field) from e
+        return list(ids)
+
+    async def decode(self, ids: list[int], field: str) -> str:
+        vocab = _tokenizer_vocab_size(self.tokenizer)
+        for t in ids:
+            if t < 0 or (vocab is not None and t >= vocab):
+                raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})",
+                               param=field)
+        try:
+            return await self._off_loop(self.tokenizer.decode, ids)
+        except Exception as e:
+            raise APIError(400, f"cannot decode tokens: {e}", param=field) from e
+
+    async def _chat_prompt(self, messages: list[Any]) -> list[int]:
+        for m in messages:
+            if isinstance(m.content, str):
+                await self._check_chars(m.content, "messages")
+        try:
+            ids = await self._off_loop(apply_chat_template, self.tokenizer,
+                                       [m.to_template_dict() for m in messages])
+        except Exception as e:  # a template may raise anything (jinja errors, ValueError)
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        return list(ids)
+
+    async def _output_regex(self, body: CompletionRequest | ChatCompletionRequest
+                            ) -> str | None:
+        """The regular expression the output must match, compiled once (off the loop) to
+        check it, or ``None``."""
+        try:
+            constraint = body.output_constraint()
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from e
+        if constraint is None:
+            return None
+        kind, spec = constraint
+        param = {"json_object": "response_format", "json": "response_format",
+                 "regex": "guided_regex", "choice": "guided_choice"}[kind]
+        if kind == "json" and body.guided_json is not None:
+            param = "guided_json"
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None or not hasattr(self.tokenizer, "get_vocab"):
+            raise APIError(400, "structured output needs a tokenizer with a vocabulary and an "
+                                "EOS token", param=param)
+
+        def compile_() -> str:
+            if kind == "json_object":
+                regex = grammar.json_object_regex()
+            elif kind == "json":
+                regex = grammar.regex_for_schema(spec)
+            elif kind == "choice":
+                regex = grammar.regex_for_choice(spec)
+            else:
+                regex = spec
+            grammar.GrammarCompiler.for_tokenizer(self.tokenizer, eos).compile(regex)
+            return regex
+
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.grammar_pool, compile_)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
 
     # ----------------------------------------------------------------- generation endpoints
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
-        prompt = body.prompt
-        prompt_ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        params = self._params(body, prompt_ids, body.max_tokens, "prompt")
-        fmt = CompletionFormat(self.model_name, self.tokenizer, len(prompt_ids), params.logprobs)
-        return await self._generate(raw, body.stream, body.include_usage, body.return_timeline,
-                                    prompt_ids, params, fmt)
+        prompts = body.prompts
+        ids_list = [list(p) if isinstance(p, list) else await self.encode(p, "prompt")
+                    for p in prompts]
+        regex = await self._output_regex(body)
+        params = [self._params(body, ids, body.max_tokens, "prompt", regex) for ids in ids_list]
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else await self.decode(p, "prompt")
+                    for p in prompts]
+        fmt = CompletionFormat(self.model_name, self.tokenizer, [len(i) for i in ids_list],
+                               body.n, params[0].logprobs, echo)
+        return await self._generate(raw, body, ids_list, params, fmt)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
-        prompt_ids = self._chat_prompt(body.messages)
-        params = self._params(body, prompt_ids, body.requested_max_tokens, "messages")
-        fmt = ChatFormat(self.model_name, self.tokenizer, len(prompt_ids), params.logprobs)
-        return await self._generate(raw, body.stream, body.include_usage, body.return_timeline,
-                                    prompt_ids, params, fmt)
-
-    def _chat_prompt(self, messages: list[Any]) -> list[int]:
-        try:
-            return apply_chat_template(self.tokenizer, [m.to_template_dict() for m in messages])
-        except Exception as e:  # a template may raise anything (jinja errors, ValueError)
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        prompt_ids = await self._chat_prompt(body.messages)
+        regex = await self._output_regex(body)
+        params = self._params(body, prompt_ids, body.requested_max_tokens, "messages", regex)
+        fmt = ChatFormat(self.model_name, self.tokenizer, [len(prompt_ids)], body.n,
+                         params.logprobs)
+        return await self._generate(raw, body, [prompt_ids], [params], fmt)
 
     def _params(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                max_tokens: int | None, prompt_field: str) -> SamplingParams:
+                max_tokens: int | None, prompt_field: str, regex: str | None) -> SamplingParams:
         """Sampling parameters, with the context-length checks OpenAI clients expect."""
         limit, n = self.runtime.max_model_len, len(prompt_ids)
         if n >= limit:
@@ -198,12 +427,17 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = limit - n
         try:
-            params = body.to_sampling_params(max_tokens)
+            params = body.to_sampling_params(max_tokens, regex)
         except (ValueError, TypeError) as e:
             param = _param_of(str(e), set(type(body).model_fields))
             if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
                 param = "max_completion_tokens"
             raise APIError(400, str(e), param=param) from e
+        vocab = _tokenizer_vocab_size(self.tokenizer)
+        for t in (params.logit_bias or {}):
+            if vocab is not None and t >= vocab:
+                raise APIError(400, f"logit_bias token id {t} is outside the vocabulary "
+                                    f"[0, {vocab})", param="logit_bias")
         if n + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                                 f"However, you requested {n + max_tokens} tokens ({n} in the "
@@ -224,40 +458,50 @@ class OpenAIServer:
             return APIError(503, str(e) or "the request could not be completed")
         return APIError(500, f"internal error: {type(e).__name__}: {e}")
 
-    async def _generate(self, raw: Request, stream: bool, include_usage: bool,
-                        with_timeline: bool, prompt_ids: list[int], params: SamplingParams,
+    async def _generate(self, raw: Request, body: CompletionRequest | ChatCompletionRequest,
+                        ids_list: list[list[int]], params: list[SamplingParams],
                         fmt: ResponseFormat) -> Response:
+        vocab = _tokenizer_vocab_size(self.tokenizer)
+        for ids in ids_list:  # all prompts, before any is submitted
+            try:
+                validate_prompt(ids, self.runtime.max_model_len, vocab)
+            except ValueError as e:
+                raise self._runtime_error(e, fmt.prompt_field) from e
+        jobs = []
+        for ids, p in zip(ids_list, params):
+            for j in range(fmt.n):
+                pj = p if j == 0 or p.seed is None else replace(p, seed=derive_seed(p.seed, j))
+                jobs.append((ids, pj))
+        fan = _Fanout(self, fmt, jobs)
         try:
-            outputs = self.runtime.generate(fmt.id, prompt_ids, params)
+            await fan.start()
         except (QueueFullError, ValueError, RequestFailedError) as e:
             raise self._runtime_error(e, fmt.prompt_field) from e
-        tracker = self.metrics.tracker(len(prompt_ids))
-        if stream:
+        if body.stream:
             return EventStreamResponse(
-                self._stream(outputs, tracker, fmt, include_usage, with_timeline))
+                self._stream(fan, fmt, body.include_usage, body.return_timeline))
         try:
-            final = await self._collect(raw, outputs, tracker)
+            finals = await self._collect(raw, fan)
         except Exception as e:
-            tracker.close("error")
             raise self._runtime_error(e, fmt.prompt_field) from e
-        if final is None:  # the client is gone; nobody will read this
+        if finals is None:  # the client is gone; nobody will read this
             return Response(status_code=499)
-        if final.finish_reason == "error":
-            raise APIError(500, final.error or "the request failed")
-        timeline = final.timeline.to_dict() if with_timeline else None
-        return Response(dump_json(fmt.response(final, timeline)), media_type="application/json")
+        for out in finals:
+            if out.finish_reason == "error":
+                raise APIError(500, out.error or "the request failed")
+        timeline = _timeline(finals) if body.return_timeline else None
+        return Response(dump_json(fmt.response(finals, timeline)), media_type="application/json")
 
-    async def _collect(self, raw: Request, outputs: AsyncIterator[RequestOutput],
-                       tracker: RequestTracker) -> RequestOutput | None:
-        """The final output, or ``None`` if the client disconnected first (request aborted).
-        Exceptions from the runtime propagate."""
+    async def _collect(self, raw: Request, fan: _Fanout) -> list[RequestOutput] | None:
+        """The final outputs in choice order, or ``None`` if the client disconnected first
+        (requests aborted). Exceptions from the runtime propagate."""
 
-        async def consume() -> RequestOutput:
-            async for out in outputs:
-                tracker.observe(out)
+        async def consume() -> list[RequestOutput]:
+            finals: list[Any] = [None] * len(fan.jobs)
+            async for index, out in fan:
                 if out.finished:
-                    return out
-            raise RuntimeError("the runtime ended the output stream without a final output")
+                    finals[index] = out
+            return finals
 
         task = asyncio.ensure_future(consume())
         gone = asyncio.ensure_future(_wait_disconnect(raw))
@@ -268,22 +512,20 @@ class OpenAIServer:
                 gone.cancel()
                 task.cancel()
                 await asyncio.wait((task, gone))
-                await _close(outputs)
+                await fan.aclose()
         if task.cancelled():
-            tracker.close()
             return None
         return task.result()
 
-    async def _stream(self, outputs: AsyncIterator[RequestOutput], tracker: RequestTracker,
-                      fmt: ResponseFormat, include_usage: bool,
+    async def _stream(self, fan: _Fanout, fmt: ResponseFormat, include_usage: bool,
                       with_timeline: bool) -> AsyncIterator[bytes]:
-        """SSE frames: one chunk per delta (= per token), the finish reason on the last, the
-        usage chunk if asked, then ``[DONE]``. Errors become one error chunk."""
+        """SSE frames: one chunk per delta (= per token) of each choice, each choice's finish
+        reason on its last, the usage chunk if asked, then ``[DONE]``. Errors become one error
+        chunk."""
         try:
-            final = None
+            finals: list[Any] = [None] * len(fan.jobs)
             try:
-                async for out in outputs:
-                    tracker.observe(out)
+                async for index, out in fan:
                     if out.finished and out.finish_reason == "error":
                         err = APIError(500, out.error or "the request failed")
                         yield b"data: " + err.body().encode() + b"\n\n"
@@ -291,23 +533,18 @@ class OpenAIServer:
                     if out.new_token_ids or out.finished:
                         timeline = (out.timeline.to_dict()
                                     if out.finished and with_timeline else None)
-                        yield _sse(fmt.chunk(out, timeline), include_usage)
+                        yield _sse(fmt.chunk(index, out, timeline), include_usage)
                     if out.finished:
-                        final = out
-                        break
+                        finals[index] = out
                 else:
-                    raise RuntimeError("the runtime ended the output stream without a final "
-                                       "output")
-                if final is not None and include_usage:
-                    yield _sse(fmt.usage_chunk(final), True)
+                    if include_usage:
+                        yield _sse(fmt.usage_chunk(finals), True)
             except Exception as e:
-                tracker.close("error")
                 err = self._runtime_error(e, fmt.prompt_field)
                 yield b"data: " + err.body().encode() + b"\n\n"
             yield DONE
         finally:
-            tracker.close()
-            await _close(outputs)
+            await fan.aclose()
 
     # ----------------------------------------------------------------- other endpoints
     def models(self) -> ModelList:
@@ -315,27 +552,19 @@ class OpenAIServer:
                                          root=self.runtime.model_name,
                                          max_model_len=self.runtime.max_model_len)])
 
-    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         if body.messages is not None:
-            ids = self._chat_prompt(body.messages)
+            ids = await self._chat_prompt(body.messages)
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        ids = list(ids)
+            assert body.prompt is not None
+            ids = await self.encode(body.prompt, "prompt", body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids),
                                 max_model_len=self.runtime.max_model_len)
 
-    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)
-        vocab = _tokenizer_vocab_size(self.tokenizer)
-        for t in body.tokens:
-            if t < 0 or (vocab is not None and t >= vocab):
-                raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab})",
-                               param="tokens")
-        try:
-            return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
-        except Exception as e:
-            raise APIError(400, f"cannot decode tokens: {e}", param="tokens") from e
+        return DetokenizeResponse(prompt=await self.decode(body.tokens, "tokens"))
 
     def health(self) -> Response:
         statuses = self.runtime.instance_status()
@@ -345,6 +574,13 @@ class OpenAIServer:
             what = ", ".join(down) if down else "any role"
             return APIError(503, f"no live instance for {what}").response()
         return Response("{}", media_type="application/json")
+
+
+def _timeline(finals: list[RequestOutput]) -> dict[str, Any]:
+    """One choice's timeline, or ``{"choices": [...]}`` for several."""
+    if len(finals) == 1:
+        return finals[0].timeline.to_dict()
+    return {"choices": [out.timeline.to_dict() for out in finals]}
 
 
 def _tokenizer_vocab_size(tokenizer: Any) -> int | None:
@@ -372,11 +608,47 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _BodyLimitMiddleware:
+    """Answers 413 to a request body over ``max_bytes`` (by its ``Content-Length`` at once, or
+    while a chunked body arrives)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_bytes} bytes")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._error().response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # FastAPI passes HTTPException through body parsing
+                    raise StarletteHTTPException(413, self._error().message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
 def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving ``runtime`` (already started) under ``served_model_name``
-    (default: the runtime's model name). ``api_key`` protects the ``/v1`` endpoints."""
-    server = OpenAIServer(runtime, served_model_name or runtime.model_name)
+    (default: :func:`default_served_model_name` of the runtime's model, never a cache path).
+    ``api_key`` protects the ``/v1`` endpoints; bodies over ``max_request_bytes`` get a 413."""
+    server = OpenAIServer(runtime, served_model_name or default_served_model_name(
+        runtime.model_name))
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving")
     app.state.server = server
 
@@ -396,6 +668,7 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     async def _internal(_: Request, exc: Exception) -> Response:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
@@ -413,15 +686,23 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return server.tokenize(body)
+        return await server.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return server.detokenize(body)
+        return await server.detokenize(body)
 
     @app.get("/health")
     async def health() -> Response:
         return server.health()
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return server.health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

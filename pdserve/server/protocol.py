@@ -15,9 +15,41 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pdserve.request import RequestOutput, SamplingParams
 
+MAX_CHOICES = 128  # n × prompts per request
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions ``logprobs``
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap for chat ``top_logprobs``
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def find_lone_surrogate(value: Any) -> str | None:
+    """The first string (key or value) in a JSON value that is not valid Unicode (a lone
+    surrogate such as ``"\\ud800"``), or ``None``. Iterative: any nesting depth."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if find_lone_surrogate(data) is not None:
+            raise ValueError("the request contains a string that is not valid Unicode (a lone "
+                             "UTF-16 surrogate); send UTF-8 text")
+        return data
 
 
 class StreamOptions(_Request):
@@ -25,7 +57,10 @@ class StreamOptions(_Request):
 
 
 class _GenerationRequest(_Request):
-    """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
+    """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras).
+
+    What pdserve does not implement is refused with a 400 rather than ignored: ``best_of > 1``,
+    tools and function calling, ``guided_grammar``."""
 
     model: str | None = None
     temperature: float | None = None
@@ -38,6 +73,20 @@ class _GenerationRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -47,26 +96,104 @@ class _GenerationRequest(_Request):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
+    def _choices(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {v}")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"best_of > 1 is not supported (got {v}); use n to get several "
+                             "samples")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tools and function calling are not supported by this server")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v is not None and v != "none":
+            raise ValueError(f"tool_choice {v!r} is not supported (only 'none'); this server "
+                             "has no tool calling")
+        return v
+
+    @field_validator("guided_grammar")
+    @classmethod
+    def _no_grammar(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("guided_grammar is not supported; use guided_json, guided_regex, "
+                             "guided_choice or response_format")
+        return v
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choices_given(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or any(not c for c in v)):
+            raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type must be 'text', 'json_object' or "
+                             f"'json_schema', got {kind!r}")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs {'json_schema': {'name': "
+                                 "..., 'schema': {...}}}")
         return v
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def output_constraint(self) -> tuple[str, Any] | None:
+        """``(kind, spec)`` of the structured-output request: ``('json', schema dict or text)``,
+        ``('json_object', None)``, ``('regex', text)`` or ``('choice', list)``; ``None`` for
+        free text. Raises ``ValueError`` when more than one is given."""
+        found: list[tuple[str, Any]] = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") == "json_object":
+            found.append(("json_object", None))
+        elif rf is not None and rf.get("type") == "json_schema":
+            found.append(("json", rf["json_schema"]["schema"]))
+        if self.guided_json is not None:
+            found.append(("json", self.guided_json))
+        if self.guided_regex is not None:
+            found.append(("regex", self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(("choice", self.guided_choice))
+        if len(found) > 1:
+            raise ValueError("give at most one of response_format (json), guided_json, "
+                             "guided_regex and guided_choice")
+        return found[0] if found else None
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         guided_regex: str | None) -> SamplingParams:
         kw: dict[str, Any] = {
             name: getattr(self, name)
             for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                         "stop_token_ids")
+                         "stop_token_ids", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty", "logit_bias")
             if getattr(self, name) is not None
         }
         return SamplingParams(
             max_tokens=max_tokens, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **kw)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            guided_regex=guided_regex, **kw)
 
 
 def _is_token_list(v: Any) -> bool:
@@ -74,38 +201,82 @@ def _is_token_list(v: Any) -> bool:
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``. ``prompt`` is a string, a list of token ids, or a one-element
-    list of either."""
+    """``POST /v1/completions``. ``prompt`` is a string, a list of token ids, or a list of
+    either (one choice per prompt and sample: choice ``i * n + j`` is sample ``j`` of prompt
+    ``i``). ``echo`` prepends the prompt to the text; ``suffix`` is refused."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and (isinstance(v[0], (str, list))):
-            if len(v) != 1:
-                raise ValueError(f"only one prompt per request is supported, got {len(v)}")
-            v = v[0]
+    def _prompt_forms(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if not all(isinstance(p, str) or _is_token_list(p) for p in v):
+                raise ValueError("prompt must be a string, a list of token ids, or a list of "
+                                 "either")
+            return v
         if not isinstance(v, str) and not _is_token_list(v):
-            raise ValueError("prompt must be a string, a list of token ids, or a one-element "
-                             "list of either")
+            raise ValueError("prompt must be a string, a list of token ids, or a list of "
+                             "either")
         return v
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_cap(cls, v: int | None) -> int | None:
+        if v is not None and v > MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"logprobs must be <= {MAX_COMPLETION_LOGPROBS}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("logprobs cannot be combined with echo (prompt logprobs are not "
+                             "computed); drop one of them")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompt count × n must be <= {MAX_CHOICES}, got "
+                             f"{len(self.prompts)} × {self.n}")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or _is_token_list(p):
+            return [p]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, max_tokens: int, guided_regex: str | None = None
+                           ) -> SamplingParams:
         """Raises ``ValueError`` naming the bad value."""
-        return self._sampling_params(max_tokens, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, guided_regex)
 
 
 class ChatMessage(_Request):
     """One chat turn. ``content`` is a string or a list of ``{"type": "text", "text": ...}``
-    parts (joined); other fields (``name``, ...) are passed to the chat template."""
+    parts (joined); other fields (``name``, ...) are passed to the chat template. Roles:
+    ``system``, ``developer``, ``user``, ``assistant`` (no tool messages: no tool calling)."""
 
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {v!r}")
+        return v
 
     @field_validator("content")
     @classmethod
@@ -129,13 +300,20 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` (or the older ``max_tokens``)
     defaults to the rest of the context; ``logprobs`` is a flag and ``top_logprobs`` the number
-    of alternatives."""
+    of alternatives (at most 20)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_cap(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+        return v
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -149,10 +327,11 @@ class ChatCompletionRequest(_GenerationRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, guided_regex: str | None = None
+                           ) -> SamplingParams:
         """Raises ``ValueError`` naming the bad value."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, guided_regex)
 
 
 class TokenizeRequest(_Request):
@@ -316,25 +495,37 @@ def dump_json(body: BaseModel, include_usage: bool = True) -> str:
 # ---------------------------------------------------------------------------------- shaping
 class ResponseFormat:
     """Shapes one request's outputs into an endpoint's response bodies: id, ``created``, model
-    name, usage and logprobs. ``top_logprobs`` is the request's ``SamplingParams.logprobs``."""
+    name, usage and logprobs. A request has one choice per prompt and sample; choice ``index``
+    is sample ``index % n`` of prompt ``index // n``. ``top_logprobs`` is the request's
+    ``SamplingParams.logprobs``; ``echo`` (completions) holds each prompt's text to prepend."""
 
     prefix = "cmpl"
     prompt_field = "prompt"
 
-    def __init__(self, model: str, tokenizer: Any, num_prompt_tokens: int,
-                 top_logprobs: int | None) -> None:
+    def __init__(self, model: str, tokenizer: Any, prompt_lens: list[int], n: int,
+                 top_logprobs: int | None, echo: list[str] | None = None) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_lens = prompt_lens
+        self.n = n
         self.top_logprobs = top_logprobs
+        self.echo = echo
+        self.started: set[int] = set()
 
-    def usage(self, out: RequestOutput) -> Usage:
-        n, k = self.num_prompt_tokens, len(out.token_ids)
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompt_lens) * self.n
+
+    def usage(self, finals: list[RequestOutput]) -> Usage:
+        """Prompt tokens count once per prompt (its samples share them); cached tokens are
+        those of each prompt's first sample."""
+        n = sum(self.prompt_lens)
+        k = sum(len(out.token_ids) for out in finals)
+        cached = sum(out.num_cached_tokens for i, out in enumerate(finals) if i % self.n == 0)
         return Usage(prompt_tokens=n, completion_tokens=k, total_tokens=n + k,
-                     prompt_tokens_details=PromptTokensDetails(
-                         cached_tokens=out.num_cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -351,16 +542,26 @@ class ResponseFormat:
     def top(self, d: dict[int, float]) -> list[tuple[int, float]]:
         return sorted(d.items(), key=lambda kv: -kv[1])[: self.top_logprobs or 0]
 
-    def chunk(self, out: RequestOutput, timeline: dict[str, Any] | None) -> BaseModel:
-        """The stream chunk of one delta (``finish_reason`` set on the final one)."""
+    def first_delta(self, index: int) -> bool:
+        """True the first time it is asked for ``index``."""
+        if index in self.started:
+            return False
+        self.started.add(index)
+        return True
+
+    def chunk(self, index: int, out: RequestOutput, timeline: dict[str, Any] | None
+              ) -> BaseModel:
+        """The stream chunk of one delta of choice ``index`` (``finish_reason`` set on its
+        final one)."""
         raise NotImplementedError
 
-    def usage_chunk(self, out: RequestOutput) -> BaseModel:
+    def usage_chunk(self, finals: list[RequestOutput]) -> BaseModel:
         """The stream's usage-only chunk (``choices: []``)."""
         raise NotImplementedError
 
-    def response(self, out: RequestOutput, timeline: dict[str, Any] | None) -> BaseModel:
-        """The non-streaming response for the final output."""
+    def response(self, finals: list[RequestOutput], timeline: dict[str, Any] | None
+                 ) -> BaseModel:
+        """The non-streaming response for the final outputs, in choice order."""
         raise NotImplementedError
 
 
@@ -385,28 +586,33 @@ class CompletionFormat(ResponseFormat):
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
                                   choices=choices, usage=usage, timeline=timeline)
 
-    def chunk(self, out: RequestOutput, timeline: dict[str, Any] | None) -> BaseModel:
+    def chunk(self, index: int, out: RequestOutput, timeline: dict[str, Any] | None
+              ) -> BaseModel:
         offset = len(out.text) - len(out.new_text)
-        choice = CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
+        text = out.new_text
+        if self.echo is not None and self.first_delta(index):
+            text = self.echo[index // self.n] + text
+        choice = CompletionChoice(index=index, text=text, finish_reason=out.finish_reason,
                                   logprobs=self._logprobs(self.steps(out, True), offset))
         return self._body([choice], None, timeline)
 
-    def usage_chunk(self, out: RequestOutput) -> BaseModel:
-        return self._body([], self.usage(out), None)
+    def usage_chunk(self, finals: list[RequestOutput]) -> BaseModel:
+        return self._body([], self.usage(finals), None)
 
-    def response(self, out: RequestOutput, timeline: dict[str, Any] | None) -> BaseModel:
-        choice = CompletionChoice(text=out.text, finish_reason=out.finish_reason,
-                                  logprobs=self._logprobs(self.steps(out, False), 0))
-        return self._body([choice], self.usage(out), timeline)
+    def response(self, finals: list[RequestOutput], timeline: dict[str, Any] | None
+                 ) -> BaseModel:
+        choices = []
+        for i, out in enumerate(finals):
+            text = out.text if self.echo is None else self.echo[i // self.n] + out.text
+            choices.append(CompletionChoice(
+                index=i, text=text, finish_reason=out.finish_reason,
+                logprobs=self._logprobs(self.steps(out, False), 0)))
+        return self._body(choices, self.usage(finals), timeline)
 
 
 class ChatFormat(ResponseFormat):
     prefix = "chatcmpl"
     prompt_field = "messages"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.role_sent = False
 
     def _entry(self, tok: int, lp: float | None) -> TopLogprob:
         text = self.token_text(tok)
@@ -424,23 +630,26 @@ class ChatFormat(ResponseFormat):
                 top_logprobs=[self._entry(t, v) for t, v in self.top(d)]))
         return ChatLogprobs(content=content)
 
-    def chunk(self, out: RequestOutput, timeline: dict[str, Any] | None) -> BaseModel:
+    def chunk(self, index: int, out: RequestOutput, timeline: dict[str, Any] | None
+              ) -> BaseModel:
         delta = {"content": out.new_text}
-        if not self.role_sent:  # the first content chunk carries the role; no role-only chunk
+        if self.first_delta(index):  # a choice's first chunk carries the role
             delta = {"role": "assistant", **delta}
-            self.role_sent = True
-        choice = ChatStreamChoice(delta=delta, finish_reason=out.finish_reason,
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=out.finish_reason,
                                   logprobs=self._logprobs(self.steps(out, True)))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                    choices=[choice], timeline=timeline)
 
-    def usage_chunk(self, out: RequestOutput) -> BaseModel:
+    def usage_chunk(self, finals: list[RequestOutput]) -> BaseModel:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                   choices=[], usage=self.usage(out))
+                                   choices=[], usage=self.usage(finals))
 
-    def response(self, out: RequestOutput, timeline: dict[str, Any] | None) -> BaseModel:
-        choice = ChatChoice(message=ChatResponseMessage(content=out.text),
-                            finish_reason=out.finish_reason,
-                            logprobs=self._logprobs(self.steps(out, False)))
+    def response(self, finals: list[RequestOutput], timeline: dict[str, Any] | None
+                 ) -> BaseModel:
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=out.text),
+                              finish_reason=out.finish_reason,
+                              logprobs=self._logprobs(self.steps(out, False)))
+                   for i, out in enumerate(finals)]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                      choices=[choice], usage=self.usage(out), timeline=timeline)
+                                      choices=choices, usage=self.usage(finals),
+                                      timeline=timeline)

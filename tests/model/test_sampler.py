@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pdserve.model.sampler import Sampler, SampleRow, request_seed
+from pdserve.model.sampler import Sampler, SampleRow, process_logits, request_seed
 from pdserve.request import SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -118,3 +118,91 @@ def test_logprobs_are_raw_log_softmax(sampler):
         assert v == pytest.approx(ref[0, t].item(), abs=1e-6)
     assert out.logprobs[1] is None
     assert out.logprobs[2] == {out.token_ids[2]: pytest.approx(ref[2].max().item(), abs=1e-6)}
+
+
+# --------------------------------------------------------------- logit processing
+def _rows(params: SamplingParams, prompt: list[list[int]], output: list[list[int]]):
+    return [SampleRow(params, len(o), (), p, o) for p, o in zip(prompt, output)]
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=g) * 3
+    prompts = [[1, 2, 3, 3], [39, 0], [5]]
+    outputs = [[7, 2], [], [5, 5, 6]]
+    for penalty in (1.3, 0.7):
+        params = SamplingParams(repetition_penalty=penalty)
+        ours = process_logits(logits.clone(), _rows(params, prompts, outputs))
+        ref = torch.stack([
+            RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([p + o]), logits[i:i + 1])[0]
+            for i, (p, o) in enumerate(zip(prompts, outputs))])
+        torch.testing.assert_close(ours, ref)
+        assert not torch.equal(ours, logits)
+
+
+def test_logit_bias_matches_transformers_sequence_bias():
+    from transformers import SequenceBiasLogitsProcessor
+
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    bias = {3: 5.0, 17: -100.0, 29: 0.5}
+    ours = process_logits(logits.clone(), _rows(SamplingParams(logit_bias=bias), [[1]] * 2,
+                                                [[], [2]]))
+    proc = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
+    ref = proc(torch.tensor([[1], [1, 2]][0:1] * 2), logits.clone())
+    torch.testing.assert_close(ours, ref)
+    # by hand
+    want = logits.clone()
+    want[:, 3] += 5.0
+    want[:, 17] -= 100.0
+    want[:, 29] += 0.5
+    torch.testing.assert_close(ours, want)
+
+
+def test_frequency_and_presence_penalties_by_hand():
+    logits = torch.zeros(1, 6)
+    logits[0] = torch.tensor([1.0, 2.0, 3.0, -1.0, 0.5, 0.0])
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    # output: token 1 twice, token 3 once; prompt tokens (4) are not penalised
+    out = process_logits(logits.clone(), _rows(params, [[4, 4]], [[1, 3, 1]]))
+    assert out[0].tolist() == [1.0, 2.0 - 2 * 0.5 - 1.0, 3.0, -1.0 - 0.5 - 1.0, 0.5, 0.0]
+
+
+def test_penalties_steer_greedy_choice(sampler):
+    logits = torch.tensor([[0.0, 5.0, 4.9, 0.0]])
+    row = SampleRow(SamplingParams(temperature=0.0, presence_penalty=0.5), 1, (), [0], [1])
+    assert sampler(logits, [row]).token_ids == [2]
+    row = SampleRow(SamplingParams(temperature=0.0), 1, (), [0], [1])
+    assert sampler(logits, [row]).token_ids == [1]
+    # logprobs stay those of the raw logits
+    row = SampleRow(SamplingParams(temperature=0.0, logit_bias={3: 100}, logprobs=0), 0)
+    out = sampler(logits, [row])
+    assert out.token_ids == [3]
+    assert out.logprobs[0][3] == pytest.approx(torch.log_softmax(logits, -1)[0, 3].item())
+
+
+def test_allowed_mask_restricts_sampling(sampler):
+    import numpy as np
+
+    words = np.zeros(2, dtype=np.int32)
+    words.view(np.uint8)[4] = 0b00000101  # tokens 32 and 34
+    logits = torch.randn(200, 40, generator=torch.Generator().manual_seed(5))
+    rows = [SampleRow(SamplingParams(temperature=1.0), 0, allowed=words)] * 200
+    assert set(sampler(logits, rows).token_ids) == {32, 34}
+
+
+@pytest.mark.parametrize(("kw", "msg"), [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
+    ({"logit_bias": {"5": 101}}, "values must be in [-100, 100]"),
+    ({"logit_bias": {"x": 1}}, "keys must be non-negative token ids"),
+    ({"logprobs": 21}, "logprobs must be <= 20"),
+    ({"temperature": float("inf")}, "temperature"),
+])
+def test_processing_params_are_validated(kw, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**kw)
+    assert SamplingParams(logit_bias={"5": -3}).logit_bias == {5: -3.0}

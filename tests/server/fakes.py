@@ -12,7 +12,7 @@ from pdserve.engine.engine import EngineStats
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
 EOS = 0
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-\n<>|ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-\n<>|ABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]\""
 
 
 class CharTokenizer:
@@ -21,6 +21,8 @@ class CharTokenizer:
 
     chat_template = "{role}: {content}\\n ... assistant: "
     eos_token_id = EOS
+    all_special_ids = [EOS]
+    name_or_path = "char-tokenizer"
 
     def __init__(self) -> None:
         self.vocab_size = len(ALPHABET) + 1
@@ -29,7 +31,11 @@ class CharTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    def get_vocab(self) -> dict[str, int]:
+        return {"</s>": EOS, **self._ids}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        text.encode("utf-8")  # like a Rust tokenizer: a lone surrogate raises
         return [self._ids.get(c, self._ids["?"]) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: Any) -> str:

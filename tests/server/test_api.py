@@ -224,13 +224,21 @@ async def test_models(client: httpx.AsyncClient, runtime: FakeRuntime) -> None:
                     "max_model_len": runtime.max_model_len, "parent": None}
 
 
-async def test_served_name_defaults_to_runtime_name() -> None:
-    runtime = FakeRuntime()
+@pytest.mark.parametrize(("path", "name"), [
+    ("/models/fake", "fake"),
+    ("/models/fake/", "fake"),
+    ("/root/.cache/huggingface/hub/models--Qwen--Qwen2-0.5B/snapshots/abc123", "Qwen/Qwen2-0.5B"),
+    ("tiny", "tiny"),
+])
+async def test_served_name_defaults_to_directory_name(path: str, name: str) -> None:
+    runtime = FakeRuntime(model_name=path)
     app = build_app(runtime)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-        assert (await c.get("/v1/models")).json()["data"][0]["id"] == runtime.model_name
-        r = await c.post("/v1/completions", json={"model": runtime.model_name, "prompt": "a"})
-        assert r.status_code == 200
+        assert (await c.get("/v1/models")).json()["data"][0]["id"] == name
+        for model in (name, path):  # the path the server was started with is accepted too
+            r = await c.post("/v1/completions", json={"model": model, "prompt": "a"})
+            assert r.status_code == 200
+            assert r.json()["model"] == name
 
 
 async def test_tokenize_detokenize(client: httpx.AsyncClient, runtime: FakeRuntime) -> None:
