@@ -18,6 +18,7 @@ _SUBCOMMAND_MODULES = (
     "pdserve.server.cli",
     "pdserve.sim.target",
     "pdserve.sim.cli",
+    "pdserve.sim.calibrate",
     "pdserve.bench.cli",
     "pdserve.demo",
 )

@@ -29,6 +29,9 @@ def test_demo_inprocess(tmp_path_factory: pytest.TempPathFactory, tmp_path,
         assert s["ttft"]["p90"] > 0 and s["tpot"]["mean"] > 0
 
 
-def test_demo_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--rate", "0"]) == 2
-    assert "--rate" in capsys.readouterr().err
+@pytest.mark.parametrize("flag", ["--rate", "--num-requests", "--attainment"])
+def test_demo_bad_flag(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["demo", flag, "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and len(err.strip().splitlines()) == 1

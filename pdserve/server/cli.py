@@ -51,7 +51,16 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if not config.model:
         raise ValueError("give --model DIR (or --demo for a tiny random model, or a --config "
                          "file with a model)")
+    from dataclasses import replace
+
+    from pdserve.checkpoints import resolve_model
     from pdserve.config import ModelConfig
+
+    path = resolve_model(config.model)  # a .gguf file or a built-in name → an HF directory
+    if path != config.model:
+        if not args.served_model_name:
+            args.served_model_name = config.model  # clients use the name the user gave
+        config = replace(config, model=path)
 
     # resolve the engine against the model now: a bad max_model_len fails before any load
     config.engine_config(model_max_len=ModelConfig.from_dir(config.model).max_position_embeddings)

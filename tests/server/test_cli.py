@@ -118,7 +118,7 @@ def test_demo_uses_the_tiny_model(model_dir: str, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(("argv", "message"), [
     ((), "give --model"),
     (("--demo", "--model", "x"), "either --model or --demo"),
-    (("--model", "/nonexistent/dir"), "has no config.json"),
+    (("--model", "/nonexistent/dir"), "/nonexistent/dir"),
     (("--max-model-len", "1000"), "exceeds the model's max_position_embeddings"),
     (("--config", "/nonexistent/d.yaml"), "/nonexistent/d.yaml"),
     (("--kv-link", "-1"), "link bandwidth must be > 0"),
