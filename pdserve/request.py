@@ -222,12 +222,43 @@ class Timeline:
         return (self.token_times[-1] - self.token_times[0]) / (n - 1)
 
     def merge(self, other: Timeline) -> None:
-        """Take every field ``other`` has set and this one has not (token times are appended)."""
+        """Take every timestamp ``other`` has set and this one has not (token times are not
+        merged: the controller records them as tokens arrive)."""
         for name in ("arrival", "routed", "prefill_queued", "prefill_start", "prefill_end",
                      "transfer_start", "transfer_end", "decode_queued", "decode_admitted",
                      "finish"):
             if getattr(self, name) is None and getattr(other, name) is not None:
                 setattr(self, name, getattr(other, name))
+
+    def stages(self) -> dict[str, float] | None:
+        """The request's five latency stages (DistServe §6.3), or ``None`` without prefill
+        timestamps; the benchmark breakdown and the server's /metrics histograms both use
+        this one definition.
+
+        ``arrival → prefill_start`` prefill queue; ``prefill_start → prefill_end`` prefill;
+        ``transfer_end − transfer_start`` transfer; decode starts at the later of ``transfer_end``
+        and ``decode_admitted`` (``prefill_end`` when colocated) and the time from ``prefill_end``
+        to it, less the transfer, is decode queue; decode runs until ``finish`` (else last token).
+        The five add up to ``end − arrival``.
+        """
+        first = self.first_token
+        p_end = self.prefill_end if self.prefill_end is not None else first
+        if self.arrival is None or self.prefill_start is None or p_end is None:
+            return None
+        end = self.finish if self.finish is not None else (self.token_times or [p_end])[-1]
+        transfer = 0.0
+        if self.transfer_start is not None and self.transfer_end is not None:
+            transfer = max(self.transfer_end - self.transfer_start, 0.0)
+        d_start = max([t for t in (self.transfer_end, self.decode_admitted) if t is not None],
+                      default=p_end)
+        d_start = min(max(d_start, p_end), max(end, p_end))
+        return {
+            "prefill_queue": max(self.prefill_start - self.arrival, 0.0),
+            "prefill": max(p_end - self.prefill_start, 0.0),
+            "transfer": transfer,
+            "decode_queue": max(d_start - p_end - transfer, 0.0),
+            "decode": max(end - d_start, 0.0),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -255,8 +286,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes",
-        "timeline", "logprobs", "max_model_len", "num_preemptions", "stop_reason", "detok",
-        "arrival_order", "priority", "expected_output_len", "grammar",
+        "timeline", "logprobs", "num_preemptions", "stop_reason", "detok", "grammar",
     )
 
     def __init__(
@@ -265,7 +295,6 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float = 0.0,
-        max_model_len: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -279,13 +308,9 @@ class Request:
         self.block_hashes: list[int] = []
         self.timeline = Timeline(arrival=arrival_time)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.max_model_len = max_model_len
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.detok: Any = None  # incremental detokenizer state (engine-owned)
-        self.arrival_order = 0
-        self.priority = 0.0
-        self.expected_output_len: int | None = None
         self.grammar: Any = None  # structured-output matcher state (executor-owned)
 
     @property

@@ -179,32 +179,8 @@ class Stats:
 
 
 def stage_durations(tl: Timeline) -> dict[str, float] | None:
-    """One request's five stages (DistServe §6.3), or ``None`` without prefill timestamps.
-
-    ``arrival → prefill_start`` prefill queue; ``prefill_start → prefill_end`` prefill;
-    ``transfer_end − transfer_start`` transfer; decode starts at the later of ``transfer_end``
-    and ``decode_admitted`` (``prefill_end`` when colocated) and the time from ``prefill_end``
-    to it, less the transfer, is decode queue; decode runs until ``finish`` (else last token).
-    The five add up to ``end − arrival``.
-    """
-    first = tl.first_token
-    p_end = tl.prefill_end if tl.prefill_end is not None else first
-    if tl.arrival is None or tl.prefill_start is None or p_end is None:
-        return None
-    end = tl.finish if tl.finish is not None else (tl.token_times or [p_end])[-1]
-    transfer = 0.0
-    if tl.transfer_start is not None and tl.transfer_end is not None:
-        transfer = max(tl.transfer_end - tl.transfer_start, 0.0)
-    d_start = max([t for t in (tl.transfer_end, tl.decode_admitted) if t is not None],
-                  default=p_end)
-    d_start = min(max(d_start, p_end), max(end, p_end))
-    return {
-        "prefill_queue": max(tl.prefill_start - tl.arrival, 0.0),
-        "prefill": max(p_end - tl.prefill_start, 0.0),
-        "transfer": transfer,
-        "decode_queue": max(d_start - p_end - transfer, 0.0),
-        "decode": max(end - d_start, 0.0),
-    }
+    """One request's five stages: :meth:`pdserve.request.Timeline.stages`."""
+    return tl.stages()
 
 
 def latency_breakdown(records: Sequence[RequestRecord]) -> dict[str, Any] | None:

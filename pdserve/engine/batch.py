@@ -96,7 +96,7 @@ class ScheduledBatch:
         for s in self.seqs:
             if s.sample:
                 n += 1
-            if s.num_tokens == 1 and s.start >= len(s.request.prompt_token_ids):
+            if s.is_decode:
                 decodes.append(s.start + 1)
             else:
                 prefills.append((s.start, s.num_tokens))

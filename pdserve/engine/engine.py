@@ -120,7 +120,7 @@ class Engine:
                      now: float, arrival_time: float | None, outputs: list[int]) -> Request:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params,
-                      now if arrival_time is None else arrival_time, self.max_model_len)
+                      now if arrival_time is None else arrival_time)
         self._attach_detokenizer(req)
         for tok in outputs:
             req.append_token(tok)

@@ -60,9 +60,11 @@ class ServerMetrics:
                              "KV cache transfer time from prefill to decode instance.",
                              TRANSFER_BUCKETS)
         self.decode = hist("request_decode_time_seconds",
-                           "Decode time (first token to last token).", REQUEST_BUCKETS)
+                           "Decode time (from the end of prefill, transfer and decode queue "
+                           "to the last token).", REQUEST_BUCKETS)
         self.decode_queue = hist("request_decode_queue_time_seconds",
-                                 "Time a transferred request waited for decode admission.",
+                                 "Time between the end of prefill and the start of decode, less "
+                                 "the KV transfer.",
                                  REQUEST_BUCKETS)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prefilled prompt tokens.",
                                      _LABELS, registry=r)
@@ -137,17 +139,19 @@ class RequestTracker:
                 h.labels(name, inst).observe(max(end - start, 0.0))
 
         obs(m.ttft, first, tl.arrival, tl.first_token)
-        obs(m.queue, first, tl.arrival, tl.prefill_start)
-        obs(m.prefill, first, tl.prefill_start, tl.prefill_end)
+        stages = tl.stages()  # the benchmark breakdown's definition (DistServe §6.3)
+        if stages is not None:
+            for stage, h in (("prefill_queue", m.queue), ("prefill", m.prefill)):
+                h.labels(name, first).observe(stages[stage])
+            for stage, h in (("transfer", m.transfer), ("decode_queue", m.decode_queue),
+                             ("decode", m.decode)):
+                if stage != "transfer" or tl.transfer_start is not None:
+                    h.labels(name, last).observe(stages[stage])
         itl = m.itl.labels(name, last)
         for a, b in zip(times, times[1:]):
             itl.observe(max(b - a, 0.0))
         obs(m.e2e, last, tl.arrival, tl.finish if tl.finish is not None else
             (times[-1] if times else None))
-        obs(m.transfer, last, tl.transfer_start, tl.transfer_end)
-        if times:
-            obs(m.decode, last, times[0], times[-1])
-        obs(m.decode_queue, last, tl.decode_queued, tl.decode_admitted)
 
 
 class _InstanceCollector:
