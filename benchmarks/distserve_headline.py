@@ -353,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"=== seed {seed}", file=sys.stderr, flush=True)
         one = argparse.Namespace(**{**vars(args), "seed": seed, "output_json": None,
                                     "plot": None})
-        reports[seed] = run_seed(one, show=False)
+        reports[seed] = run_seed(one, show=False, criteria=("both",))
     summary = seed_summary(reports)
     print_seed_summary(summary)
     if args.output_json:
@@ -398,8 +398,10 @@ def print_seed_summary(summary: dict[str, Any]) -> None:
     Console(width=150).print(t)
 
 
-def run_seed(args: argparse.Namespace, show: bool = True) -> dict[str, Any]:
-    """The whole comparison for ``args.seed``."""
+def run_seed(args: argparse.Namespace, show: bool = True,
+             criteria: Sequence[str] = CRITERIA) -> dict[str, Any]:
+    """The whole comparison for ``args.seed`` (``show=False``: the goodput searches of
+    ``criteria`` only, no SLO-scale sweep or breakdown — the seed study)."""
     t_start = time.perf_counter()
     model = get_model_config(MODEL)
     workload, recipe = chatbot_workload(args.num_requests, args.seed, model.vocab_size,
@@ -413,7 +415,7 @@ def run_seed(args: argparse.Namespace, show: bool = True) -> dict[str, Any]:
              "disaggregated": args.disaggregated_rate * args.num_decode}
 
     results: dict[str, dict[str, GoodputResult]] = {}
-    for crit in CRITERIA:
+    for crit in criteria:
         for name in placements:
             print(f"search {name} ({crit})", file=sys.stderr, flush=True)
             results.setdefault(name, {})[crit] = runner.search(
@@ -425,7 +427,7 @@ def run_seed(args: argparse.Namespace, show: bool = True) -> dict[str, Any]:
     scales = [round(0.25 * k, 2) for k in range(1, 13)]
     sweep: dict[str, Any] = {}
     breakdown: dict[str, Any] = {}
-    for name, p in placements.items():
+    for name, p in placements.items() if show else ():
         run = runner.run(name, scale_rate * p.num_gpus, keep_records=True)
         recs = run.records or []
         sweep[name] = {
@@ -459,7 +461,7 @@ def build_report(args: argparse.Namespace, recipe: Recipe, placements: dict[str,
                  wall: float) -> dict[str, Any]:
     goodput = {name: {c: r.to_dict() for c, r in res.items()} for name, res in results.items()}
     ratio = {}
-    for c in CRITERIA:
+    for c in results["colocated"]:
         a = results["colocated"][c].per_gpu_goodput_rps
         b = results["disaggregated"][c].per_gpu_goodput_rps
         ratio[c] = b / a if a > 0 else None

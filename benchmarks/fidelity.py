@@ -37,7 +37,8 @@ from rich.table import Table
 from pdserve.bench.metrics import SLO, RequestRecord
 from pdserve.bench.runner import Settings, build_workload, run_workload
 from pdserve.bench.targets import HttpTarget
-from pdserve.sim.target import SimSetup, SimTarget
+from pdserve.config import ClusterConfig
+from pdserve.sim.target import SimTarget, SimulationConfig
 
 con = Console(stderr=True)
 
@@ -69,22 +70,13 @@ def make_profile(model: str, out: Path, quick: bool) -> str:
 
 
 class Server:
-    """``pdserve serve`` in a subprocess; stopped with SIGINT (graceful shutdown)."""
+    """``pdserve serve --config SPEC`` in a subprocess; stopped with SIGINT (graceful shutdown).
+    The simulator runs the same spec file."""
 
-    def __init__(self, model: str, strategy: str, engine: dict[str, Any], backend: str,
-                 log: Path) -> None:
+    def __init__(self, spec: Path, log: Path) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model,
-               "--strategy", strategy, "--backend", backend, "--port", str(self.port),
-               "--log-level", "warning"]
-        if strategy == "colocated":
-            cmd += ["--num-instances", "1"]
-        for k, v in engine.items():
-            flag = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
-                cmd.append(flag if v else "--no-" + flag[2:])
-            else:
-                cmd += [flag, str(v)]
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(spec),
+               "--port", str(self.port), "--log-level", "warning"]
         self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -305,13 +297,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     overheads: dict[str, dict[str, float]] = {}
     for strategy in strategies:
-        setup = SimSetup(model=model, profile=profile, strategy=strategy, num_instances=1,
-                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                         chunked_prefill=args.chunked_prefill, dtype="float32")
-        con.print(f"[bold]{strategy}[/]: starting pdserve serve ({args.backend})")
-        server = Server(model, strategy, engine, args.backend, work / f"serve-{strategy}.log")
+        # one deployment spec, served live and simulated
+        spec = ClusterConfig.from_dict({"model": model, "engine": engine, "strategy": strategy,
+                                        "backend": args.backend})
+        spec_file = work / f"deployment-{strategy}.json"
+        spec_file.write_text(json.dumps(spec.to_dict(), indent=1))
+        setup = SimulationConfig(spec, profile=profile)
+        con.print(f"[bold]{strategy}[/]: starting pdserve serve --config {spec_file}")
+        server = Server(spec_file, work / f"serve-{strategy}.log")
         try:
             live = HttpTarget(server.url, name=f"live {strategy}", num_gpus=1, progress=False)
             asyncio.run(live.prepare())

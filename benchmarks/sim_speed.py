@@ -16,10 +16,10 @@ import time
 
 from pdserve.bench.metrics import summarize
 from pdserve.bench.workloads import make_workload
-from pdserve.sim.target import SimSetup, build_simulator, to_records, to_sim_requests
+from pdserve.config import ClusterConfig
+from pdserve.sim.target import SimulationConfig, build_simulator, to_records, to_sim_requests
 
-DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "profiles",
-                               "distserve_profiler-a100-80g.distserve.json")
+DEFAULT_PROFILE = "distserve_profiler-a100-80g.distserve"  # shipped with pdserve
 
 
 def main() -> None:
@@ -31,8 +31,9 @@ def main() -> None:
     ap.add_argument("--output-json")
     args = ap.parse_args()
 
-    setup = SimSetup(model="opt-13b", profile=os.path.abspath(args.profile),
-                     strategy="disaggregated", num_prefill=2, num_decode=2)
+    setup = SimulationConfig(ClusterConfig.from_dict(
+        {"model": "opt-13b", "strategy": "disaggregated", "num_prefill": 2, "num_decode": 2}),
+        profile=args.profile)
     t0 = time.perf_counter()
     w = make_workload("chatbot", args.num_requests, rate=args.rate, seed=0, max_model_len=2048)
     built = build_simulator(setup)

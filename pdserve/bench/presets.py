@@ -34,6 +34,7 @@ import numpy as np
 
 from pdserve.bench.metrics import SLO
 from pdserve.bench.traces import TRACE_NAMES, Trace, load_trace
+from pdserve.config import cdiv
 
 # Segment key namespaces (see module docstring).
 NS_PROMPT, NS_BLOCK, NS_PREFIX = 1, 2, 3
@@ -131,7 +132,7 @@ def _trace_preset(name: str) -> Preset:
 def _cycle(n_rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
     """Every row once in a seeded order, then again in a new order, ... (no row twice before
     all rows were used)."""
-    reps = math.ceil(n / n_rows)
+    reps = cdiv(n, n_rows)
     return np.concatenate([rng.permutation(n_rows) for _ in range(reps)])[:n]
 
 

@@ -41,6 +41,7 @@ from pdserve.bench.arrivals import ArrivalProcess, TraceReplay, parse_arrival
 from pdserve.bench.metrics import SLO
 from pdserve.bench.presets import NS_PROMPT, PRESETS, Selection, parse_workload_spec, segment_key
 from pdserve.bench.traces import estimate_tokens
+from pdserve.config import cdiv
 
 _MASK = (1 << 64) - 1
 _GOLDEN, _M1, _M2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
@@ -255,7 +256,7 @@ def make_workload(
                 text = text[:max(1, round(len(text) * inp / orig_in))]
         blocks = None
         if sel.hash_ids is not None and block_size:
-            blocks = list(sel.hash_ids[i][:math.ceil(inp / block_size)])
+            blocks = list(sel.hash_ids[i][:cdiv(inp, block_size)])
         elif sel.chain_block_ids and block_size:
             blocks = chained_block_ids(ids, block_size, table)
         requests.append(WorkloadRequest(f"{preset.name}-{i}", 0.0, inp, out, ids, text, blocks))

@@ -130,3 +130,20 @@ def test_least_load_uses_reported_blocks_plus_promised_tokens():
     c.on_arrival("b", [1] * 3, P, 1)
     [b] = c.on_report_delta("p0", delta("b", [2], 2, held=True), 2)
     assert b.instance_id == "d0"  # d1 now has 10 promised: (4 + 10) / 40 > 12 / 40
+
+
+def test_instance_failures_stop_redispatching_after_max_dispatches():
+    from pdserve.cluster.controller import MAX_DISPATCHES
+
+    c = Controller(views(*[(f"c{i}", "colocated") for i in range(MAX_DISPATCHES + 1)]))
+    [a] = c.on_arrival("r", [1, 2, 3], P, now=0.0)
+    where = a.instance_id
+    for n in range(1, MAX_DISPATCHES):  # each failure re-dispatches to a live instance
+        assert c.requests["r"].num_dispatches == n
+        [again] = c.on_instance_failed(where, now=float(n))
+        assert isinstance(again, Send) and again.instance_id != where
+        where = again.instance_id
+    # the MAX_DISPATCHES-th failure ends the request with an explicit error instead
+    (fail,) = c.on_instance_failed(where, now=9.0)
+    assert isinstance(fail, Fail) and fail.request_id == "r" and "dispatched" in fail.message
+    assert "r" not in c.requests
