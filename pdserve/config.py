@@ -354,6 +354,11 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
         kw = {k: v for k, v in kw.items() if v is not None}
+        for k, v in kw.items():  # files and programs can pass anything: name a wrong type
+            want = _KWARG_TYPES[k]
+            ok = isinstance(v, want) and not (want is not bool and isinstance(v, bool))
+            if not ok:
+                raise ValueError(f"{k} must be {_TYPE_WORDS.get(want, 'a number')}, got {v!r}")
         cache_names = {f.name for f in fields(CacheConfig)}
         sched_names = {f.name for f in fields(SchedulerConfig)}
         cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_names})
@@ -377,6 +382,25 @@ class EngineConfig:
         parts = (self, self.cache, self.scheduler)
         return {k: getattr(next(p for p in parts if hasattr(p, k)), k)
                 for k in self.KWARGS if k != "role"}
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _kwarg_types() -> dict[str, type | tuple[type, ...]]:
+    import typing
+
+    out: dict[str, Any] = {}
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.name in EngineConfig.KWARGS:
+                args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+                t = args[0] if args and typing.get_origin(hints[f.name]) is not Literal \
+                    else hints[f.name]
+                out[f.name] = str if typing.get_origin(t) is Literal else t
+    out["gpu_memory_utilization"] = out["cpu_kv_gib"] = (int, float)
+    return out
 
 
 def kv_cache_blocks(model: ModelConfig, engine: EngineConfig, *,
@@ -658,3 +682,6 @@ def _apply_shorthand(roles: list[RoleSpec], short: dict[str, Any]) -> list[RoleS
             engine["prefill_token_target"] = short["prefill_token_target"]
         out.append(replace(r, engine=engine, **kw))
     return out
+
+
+_KWARG_TYPES = _kwarg_types()

@@ -181,3 +181,22 @@ async def test_serve_and_shutdown(model_dir: str, monkeypatch: pytest.MonkeyPatc
     await asyncio.wait_for(task, timeout=10)
     assert not runtime.started
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("engine: {block_size: x}", "block_size must be an integer, got 'x'"),
+    ("engine: {enable_prefix_caching: maybe}", "enable_prefix_caching must be true or false"),
+    ("roles: [{role: decode}]", "roles must be [colocated] or [prefill, decode]"),
+    ("roles: [{role: colocated, count: two}]", "count must be an integer >= 1, got 'two'"),
+    ("colour: blue", "unknown deployment setting(s) ['colour']"),
+    ("kv_link: {bandwidth_gb_per_s: -3}", "link bandwidth must be > 0"),
+    ("model: [", "cannot read deployment spec"),
+])
+def test_bad_spec_files_name_the_value(model_dir: str, tmp_path: Path, text: str, message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text + "\n")
+    args = parse("--model", model_dir, "--config", str(spec))
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve serve: error: ") and message in err, err
