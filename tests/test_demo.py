@@ -14,8 +14,8 @@ def test_demo_inprocess(tmp_path_factory: pytest.TempPathFactory, tmp_path,
                         capsys: pytest.CaptureFixture[str]) -> None:
     model = tiny_model(tmp_path_factory)
     out = tmp_path / "demo.json"
-    code = main(["demo", "--backend", "inproc", "--model", model, "--num-requests", "6",
-                 "--rate", "20", "--length-scale", "0.1", "--no-progress",
+    code = main(["demo", "--backend", "inproc", "--model", model, "--no-chat",
+                 "--num-requests", "6", "--rate", "20", "--length-scale", "0.1", "--no-progress",
                  "--slo-ttft", "5", "--slo-tpot", "1", "--output-json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
