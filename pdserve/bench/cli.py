@@ -33,7 +33,7 @@ from pdserve.bench.runner import (
     run_workload,
 )
 from pdserve.bench.targets import Target, make_target, target_names
-from pdserve.bench.workloads import Workload, workload_names
+from pdserve.bench.workloads import Workload, workload_help
 from pdserve.flags import UsageError, guarded, load_file, positive, positive_int
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -52,6 +52,20 @@ def fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a share in (0, 1] or a percentage, "
                                          f"got {text!r}")
     return v
+
+
+def share_or_zero(text: str) -> float:
+    v = float(_number_or_fail(text))
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1], got {text!r}")
+    return v
+
+
+def _number_or_fail(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
 def scale_arg(text: str) -> float | str:
@@ -75,21 +89,29 @@ def add_workload_args(p: argparse.ArgumentParser, max_model_len: bool = True) ->
     hold ``--max-model-len``: ``max_model_len=False``)."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="chatbot", metavar="NAME[:k=v,...]|FILE.jsonl",
-                   help=f"one of: {', '.join(workload_names())}")
-    w.add_argument("--num-requests", type=positive_int, default=200)
-    w.add_argument("--seed", type=int, default=0)
+                   help=f"{workload_help()} (default: %(default)s)")
+    w.add_argument("--num-requests", type=positive_int, default=200,
+                   help="requests per run (default: %(default)s)")
+    w.add_argument("--seed", type=int, default=0,
+                   help="workload seed: which requests, their arrival pattern "
+                        "(default: %(default)s)")
     w.add_argument("--arrival", choices=ARRIVALS,
                    help="arrival process (default: trace for timestamped traces, else poisson)")
-    w.add_argument("--cv", type=positive, help="coefficient of variation for --arrival gamma")
-    w.add_argument("--vocab-size", type=positive_int, default=32000,
-                   help="synthetic token ids are drawn below this (the served model's vocab)")
+    w.add_argument("--cv", type=positive,
+                   help="coefficient of variation for --arrival gamma (default: 1)")
+    w.add_argument("--vocab-size", type=positive_int,
+                   help="synthetic token ids are drawn below this (default: the target's "
+                        "vocabulary as /v1/models or the simulated model reports it, else "
+                        "--tokenizer's, else 32000)")
     if max_model_len:
         w.add_argument("--max-model-len", type=positive_int,
                        help="clip requests to this context (default: what the server reports)")
     w.add_argument("--length-scale", type=scale_arg, default=1.0,
-                   help="multiply prompt and output lengths (or 'fit': P99 fits the context)")
+                   help="multiply prompt and output lengths (or 'fit': P99 fits the context) "
+                        "(default: %(default)s)")
     w.add_argument("--prompt-mode", choices=("auto", "ids"), default="auto",
-                   help="auto: send text where the trace has text; ids: always token ids")
+                   help="auto: send text where the trace has text; ids: always token ids "
+                        "(default: %(default)s)")
     w.add_argument("--tokenizer", metavar="MODEL_DIR",
                    help="tokenize text prompts with this model's tokenizer (exact lengths)")
     w.add_argument("--traces-dir", help="folder of trace files (default: $PDSERVE_TRACES or "
@@ -101,14 +123,17 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("SLO")
     s.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
                    help="TTFT objective (default: the workload's, e.g. DistServe Table 1)")
-    s.add_argument("--slo-tpot", type=positive, metavar="SECONDS", help="TPOT objective")
+    s.add_argument("--slo-tpot", type=positive, metavar="SECONDS",
+                   help="TPOT objective (default: the workload's)")
     s.add_argument("--attainment", type=fraction, default=0.9,
                    help="target share of requests meeting both SLOs (default 0.9)")
     s.add_argument("--criterion", choices=CRITERIA, default="both",
                    help="both: both SLOs per request (default); distserve: P-target TTFT and "
                         "TPOT checked separately")
     s.add_argument("--slo-scales", type=rate_list, default=list(DEFAULT_SCALES),
-                   metavar="S1,S2,...", help="SLO scales for the attainment-vs-scale sweep")
+                   metavar="S1,S2,...",
+                   help="SLO scales for the attainment-vs-scale sweep (default: 0.2 to 3 in "
+                        "steps of 0.2)")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -134,18 +159,24 @@ def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
         p.add_argument("--target", required=True, metavar="URL|NAME",
                        help=f"server URL (http://host:port) or one of: {', '.join(target_names())}")
         p.add_argument("--num-gpus", type=positive_int, default=1,
-                       help="GPUs the target uses (per-GPU numbers divide by it)")
+                       help="GPUs the target uses (per-GPU numbers divide by it) "
+                            "(default: %(default)s)")
     add_workload_args(p)
     add_slo_args(p)
     c = p.add_argument_group("client")
     c.add_argument("--model", help="model name to request (default: the server's first)")
     c.add_argument("--api-key")
     c.add_argument("--max-concurrency", type=positive_int, default=1024,
-                   help="safety cap on open requests (arrivals stay open-loop)")
+                   help="safety cap on open requests (arrivals stay open-loop) "
+                        "(default: %(default)s)")
     c.add_argument("--timeout", type=positive, default=300.0,
-                   help="seconds a request may wait for data before it fails")
+                   help="seconds a request may wait for data before it fails "
+                        "(default: %(default)s)")
     c.add_argument("--no-timeline", action="store_true",
                    help="do not ask the server for request timelines")
+    c.add_argument("--max-failed", type=share_or_zero, default=0.0, metavar="SHARE",
+                   help="exit 1 when more than this share of a run's requests fail (an HTTP "
+                        "error, a dropped stream; not an SLO miss) (default: %(default)s)")
     c.add_argument("--target-option", type=key_value, action="append", default=[],
                    metavar="KEY=VALUE", help="passed to registered targets (e.g. sim)")
     add_output_args(p)
@@ -193,8 +224,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
         hf = load_tokenizer(args.tokenizer)
         tok = lambda text: hf.encode(text)
+    vocab = args.vocab_size or (len(hf) if args.tokenizer else None)
     return Settings(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
-                    arrival=args.arrival, cv=args.cv, vocab_size=args.vocab_size,
+                    arrival=args.arrival, cv=args.cv, vocab_size=vocab,
                     max_model_len=args.max_model_len, length_scale=args.length_scale,
                     prompt_mode=args.prompt_mode, tokenizer=tok, traces_dir=args.traces_dir,
                     target=args.attainment, criterion=args.criterion, scales=args.slo_scales)
@@ -281,7 +313,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     write_report(args, md, {"command": "bench", "target": target.name, "num_gpus": target.num_gpus,
                       **report_header(s, w), **run.to_dict(args.save_records)})
     write_plots(args, s, {target.name: run})
-    return 0
+    return check_failures(args, {target.name: run})
+
+
+def check_failures(args: argparse.Namespace, runs: dict[str, Run | None]) -> int:
+    """1 (and one line per target) when a run's failed share is above ``--max-failed``."""
+    code = 0
+    for name, run in runs.items():
+        if run is None:
+            continue
+        s = run.summary
+        if s.num_requests and s.num_failed / s.num_requests > args.max_failed:
+            kinds = "; ".join(f"{n}x {k}" for k, n in sorted(s.errors.items(),
+                                                             key=lambda kv: -kv[1])[:3])
+            say(f"{name}: {s.num_failed} of {s.num_requests} requests failed "
+                f"(--max-failed {args.max_failed:g}): {kinds}")
+            code = 1
+    return code
 
 
 def _search(args: argparse.Namespace, target: Target, s: Settings, w: Workload) -> SearchRun:
@@ -310,7 +358,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     write_report(args, md, {"command": "goodput", "target": target.name, **report_header(s, w),
                       **_search_dict(sr, args.save_records)})
     write_plots(args, s, {target.name: sr.best}, {target.name: sr}, {target.name: target.num_gpus})
-    return 0
+    return check_failures(args, {target.name: sr.best})
 
 
 def _compare_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -386,7 +434,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     write_report(args, md, {"command": "compare", **report_header(s, w), "targets": entries})
     write_plots(args, s, {k: sr.best for k, sr in searches.items()}, searches,
            {t.name: t.num_gpus for t in targets})
-    return 0
+    return check_failures(args, {k: sr.best for k, sr in searches.items()})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,8 +79,9 @@ def error_message(status: int, raw: bytes) -> str:
 
 
 async def fetch_model_info(base_url: str, api_key: str | None = None,
-                           timeout: float = 10.0) -> tuple[str, int | None]:
-    """The first served model's id and its ``max_model_len`` if the server reports one."""
+                           timeout: float = 10.0) -> tuple[str, int | None, int | None]:
+    """The first served model's id, its ``max_model_len`` and its ``vocab_size`` where the
+    server reports them (vLLM reports the first, pdserve both)."""
     url = normalize_base_url(base_url) + "/v1/models"
     try:
         async with httpx.AsyncClient(timeout=timeout) as c:
@@ -91,7 +92,7 @@ async def fetch_model_info(base_url: str, api_key: str | None = None,
         raise ConnectionError(f"{url} answered {error_message(r.status_code, r.content)}")
     try:
         card = r.json()["data"][0]
-        return str(card["id"]), card.get("max_model_len")
+        return str(card["id"]), card.get("max_model_len"), card.get("vocab_size")
     except (ValueError, KeyError, IndexError, TypeError):
         raise ConnectionError(f"{url} did not list any model") from None
 
@@ -220,7 +221,7 @@ async def run_requests(requests: Sequence[WorkloadRequest], cfg: ClientConfig,
         raise ValueError(f"max_concurrency must be >= 1, got {cfg.max_concurrency}")
     model = cfg.model
     if model is None:
-        model, _ = await fetch_model_info(base, cfg.api_key, min(cfg.timeout, 30.0))
+        model, _, _ = await fetch_model_info(base, cfg.api_key, min(cfg.timeout, 30.0))
     url, headers = base + "/v1/completions", _headers(cfg.api_key)
     sem = asyncio.Semaphore(cfg.max_concurrency)
     limits = httpx.Limits(max_connections=cfg.max_concurrency,

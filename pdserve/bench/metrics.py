@@ -16,6 +16,7 @@ definitions").
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -178,6 +179,12 @@ class Stats:
                    float(np.percentile(a, 99)), float(a.max()))
 
 
+def error_kind(message: str | None) -> str:
+    """An error message with its numbers replaced by ``N``: errors that differ only in a
+    token id, a length or a request id count as one kind."""
+    return re.sub(r"\d+(\.\d+)?", "N", message or "unknown error")[:160]
+
+
 def stage_durations(tl: Timeline) -> dict[str, float] | None:
     """One request's five stages: :meth:`pdserve.request.Timeline.stages`."""
     return tl.stages()
@@ -262,7 +269,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None, target: 
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
-            key = (r.error or "unknown error")[:120]
+            key = error_kind(r.error)
             errors[key] = errors.get(key, 0) + 1
     s = Summary(
         num_requests=len(records), num_ok=len(ok), num_failed=len(records) - len(ok),

@@ -41,7 +41,7 @@ class Settings:
     seed: int = 0
     arrival: str | None = None
     cv: float | None = None
-    vocab_size: int = 32000
+    vocab_size: int | None = None  # None: the target's, else DEFAULT_VOCAB_SIZE
     max_model_len: int | None = None
     length_scale: float | str = 1.0
     prompt_mode: str = "auto"
@@ -86,12 +86,21 @@ def prepare(target: Target) -> None:
         asyncio.run(prep())
 
 
+DEFAULT_VOCAB_SIZE = 32000
+
+
+def vocab_size_for(target: Target, s: Settings) -> int:
+    """Synthetic token ids are drawn below this: ``--vocab-size``, else what the target
+    reports (pdserve's ``/v1/models``, the simulated model), else 32000."""
+    return s.vocab_size or getattr(target, "vocab_size", None) or DEFAULT_VOCAB_SIZE
+
+
 def build_workload(target: Target, s: Settings, rate: float | None) -> Workload:
     """The settings' workload at ``rate``, scaled to ``s.max_model_len`` or else to the
-    target's reported context length."""
+    target's reported context length, with token ids inside the target's vocabulary."""
     max_len = s.max_model_len or getattr(target, "max_model_len", None)
     return make_workload(s.workload, s.num_requests, seed=s.seed, rate=rate, arrival=s.arrival,
-                         cv=s.cv, vocab_size=s.vocab_size, max_model_len=max_len,
+                         cv=s.cv, vocab_size=vocab_size_for(target, s), max_model_len=max_len,
                          length_scale=s.length_scale, prompt_mode=s.prompt_mode,
                          tokenizer=s.tokenizer, traces_dir=s.traces_dir)
 

@@ -30,7 +30,8 @@ class Target(Protocol):
 class HttpTarget:
     """An OpenAI-compatible server (pdserve, vLLM, SGLang) driven by the streaming client.
 
-    ``prepare()`` asks ``/v1/models`` for the model name (unless given) and ``max_model_len``
+    ``prepare()`` asks ``/v1/models`` for the model name (unless given), ``max_model_len`` and
+    ``vocab_size``
     (vLLM and pdserve report it; the CLI scales workloads to it).
     """
 
@@ -46,9 +47,11 @@ class HttpTarget:
         self.name = name or self.config.base_url
         self.num_gpus = num_gpus
         self.max_model_len: int | None = None
+        self.vocab_size: int | None = None
 
     async def prepare(self) -> None:
-        model, self.max_model_len = await fetch_model_info(self.config.base_url,
+        model, self.max_model_len, self.vocab_size = await fetch_model_info(
+            self.config.base_url,
                                                            self.config.api_key)
         if self.config.model is None:
             self.config = replace(self.config, model=model)

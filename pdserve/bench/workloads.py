@@ -314,3 +314,15 @@ def load_workload_file(path: str, num_requests: int | None = None, seed: int = 0
 
 def workload_names() -> list[str]:
     return list(PRESETS)
+
+
+def workload_help() -> str:
+    """Every workload with its parameters and their defaults, for ``--help``."""
+    parts = []
+    for name, p in PRESETS.items():
+        if p.name != name:
+            continue  # an alias
+        params = ",".join(f"{k}={v:g}" for k, v in p.params.items())
+        parts.append(f"{name}[:{params}]" if params else name)
+    return ("NAME[:key=value,...] with NAME one of " + ", ".join(parts)
+            + "; or a JSON-lines file (docs/benchmarks.md, Workloads)")

@@ -22,6 +22,7 @@ from pdserve.request import Timeline
 TTFT_DELAY = 0.10  # seconds before the first token
 TPOT_DELAY = 0.02  # seconds between tokens
 MAX_MODEL_LEN = 4096
+VOCAB_SIZE = 97  # what /v1/models reports; token ids at or above it get a 400
 
 
 def _chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
@@ -46,7 +47,8 @@ def make_app(bodies: list[dict[str, Any]]) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "fake", "object": "model",
-                                            "max_model_len": MAX_MODEL_LEN}]}
+                                            "max_model_len": MAX_MODEL_LEN,
+                                            "vocab_size": VOCAB_SIZE}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -57,6 +59,11 @@ def make_app(bodies: list[dict[str, Any]]) -> FastAPI:
         if prompt.startswith("BAD"):
             return JSONResponse({"error": {"message": "prompt is not allowed", "code": 400}},
                                 status_code=400)
+        bad = [t for t in body["prompt"] if isinstance(t, int) and not 0 <= t < VOCAB_SIZE] \
+            if isinstance(body["prompt"], list) else []
+        if bad:
+            msg = f"prompt token id {bad[0]} is outside the vocabulary [0, {VOCAB_SIZE})"
+            return JSONResponse({"error": {"message": msg, "code": 400}}, status_code=400)
         arrived = time.monotonic()
 
         async def stream() -> AsyncIterator[bytes]:

@@ -131,3 +131,26 @@ def test_unreachable_server_exits_1(capsys) -> None:
                "--num-requests", "2", "--timeout", "2"])
     assert rc == 1 and "cannot reach" in capsys.readouterr().err
 
+
+
+def test_bench_learns_the_vocabulary_and_fails_loudly(fake_server: FakeServer, tmp_path: Path,
+                                                      capsys) -> None:
+    from tests.bench.fakes import VOCAB_SIZE
+
+    args = ["bench", "--target", fake_server.url, "--workload", "fixed:input=30,output=3",
+            "--rate", "50", "--num-requests", "6", "--no-progress", *SLO_FLAGS,
+            "--prompt-mode", "ids"]
+    fake_server.bodies.clear()
+    assert main(args) == 0  # token ids drawn below the vocabulary /v1/models reports
+    ids = [t for b in fake_server.bodies for t in b["prompt"]]
+    assert len(ids) == 6 * 30 and max(ids) < VOCAB_SIZE
+    capsys.readouterr()
+    out = tmp_path / "b.json"
+    # a wrong --vocab-size: every request fails, errors are grouped by kind, exit 1
+    assert main([*args, "--vocab-size", "50000", "--output-json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "6 of 6 requests failed" in err and "--max-failed" in err
+    errors = json.loads(out.read_text())["summary"]["errors"]
+    assert errors == {"HTTP N: prompt token id N is outside the vocabulary [N, N)": 6}
+    # ... unless the user accepts failures
+    assert main([*args, "--vocab-size", "50000", "--max-failed", "1"]) == 0
