@@ -156,6 +156,7 @@ class E2Router(Router):
         self._ttft: dict[tuple[int, str], deque[tuple[float, float]]] = {}
         self._pending: deque[tuple[ClusterRequest, int, str]] = deque()
         self.num_routed = 0
+        self._now = float("-inf")
         self.decisions: dict[str, int] = {"exploit": 0, "explore": 0, "pd_balance": 0,
                                           "rebalance": 0, "replicate": 0}
 
@@ -184,7 +185,8 @@ class E2Router(Router):
 
     # ------------------------------------------------------------------ select
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
-        now = request.arrival
+        # the window's clock: arrivals (a request re-dispatched after a failure keeps its own)
+        now = self._now = max(request.arrival, self._now)
         if self._win and self._win[0].t < now - self.window:
             self._expire(now)
         if self._pending:
