@@ -217,10 +217,13 @@ class E2Router(Router):
                  now: float) -> InstanceView | None:
         key_hash = m.hashes[key[1] - 1]
         self.key_tokens[key_hash] = (key[1] - key[0]) * m.block_size
-        for _, end in reversed(m.segments):  # the deepest moved prefix on the path wins
-            target = self.moved.get(m.hashes[end - 1])
-            if target in by_id:
-                return by_id[target]
+        if self.moved:
+            # the deepest moved prefix on the path wins; a prefix first seen as new is keyed by
+            # its first block (see select), so that one is checked too
+            for end in [e for _, e in reversed(m.segments)] + [1]:
+                target = self.moved.get(m.hashes[end - 1])
+                if target in by_id:
+                    return by_id[target]
         holders = [iid for iid, n in m.lengths.items() if n >= key[1] and iid in by_id]
         holders += [iid for iid in self.replicas.get(key_hash, ()) if iid in by_id
                     and iid not in holders]

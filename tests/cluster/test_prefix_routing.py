@@ -138,6 +138,21 @@ def test_rebalance_moves_a_prefix_subtrees_future_requests():
         assert r.select(creq(rid, p), cands).instance_id == "a"
 
 
+def test_a_prefix_moved_while_new_keeps_its_requests_moved():
+    """x: a new 16-token prompt X (no match) -> a, keyed by its first block; z: exploit on a
+    (S1 + S2 cached, 40 new). L = (a 56, b 0), half the gap 28: X's load (16) fits and moves to
+    b. x2 = X + 8 new exploits X's blocks on a, but X's future requests go to b."""
+    r = e2(rebalance_min_per_instance=0)
+    cands = views("a", "b")
+    x = list(range(500, 516))
+    r.on_kv_events("a", stored(S1 + S2))
+    assert r.select(creq("x", x), cands).instance_id == "a"
+    r.on_kv_events("a", stored(x))
+    assert r.select(creq("z", S1 + S2 + [1] * 40), cands).instance_id == "a"
+    assert r.decisions["rebalance"] == 1
+    assert r.select(creq("x2", x + [2] * 8), cands).instance_id == "b"
+
+
 @pytest.mark.parametrize("b_load, moved", [(6.0, True), (11.0, False)])
 def test_rebalance_threshold_is_relative(b_load, moved):
     """After x (S1, 4 new) and y (S2, 12 new) on a: L_a = 16. Th_bal = 1.5: 16 > 1.5 · 6 moves
