@@ -108,9 +108,10 @@ class E2Router(Router):
     have been routed (50, Preble's implementation), whenever the busiest instance's ``L``
     exceeds ``balance_threshold`` (Th_bal = 1.5) times the least busy one's, the future requests
     of one prefix subtree of the busiest instance move to the least busy one (its window load
-    moves along). A prefix is **replicated** on the least loaded non-holder when the average
-    TTFT of its requests on an instance in the second half of the window is at least
-    ``replicate_factor`` (2×) that of the first half.
+    moves along); the check runs at most once per ``rebalance_interval`` (1 s, ours: the load
+    it balances spans a 3-minute window). A prefix is **replicated** on the least loaded
+    non-holder when the average TTFT of its requests on an instance in the second half of the
+    window is at least ``replicate_factor`` (2×) that of the first half.
 
     ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
     latency model when given, else :class:`LinearPrefillTime`.
@@ -123,7 +124,7 @@ class E2Router(Router):
                  window: float = 180.0, exploit_ratio: float = 0.5,
                  balance_threshold: float = 1.5, rebalance_min_per_instance: int = 50,
                  replicate_factor: float = 2.0, min_ttft_samples: int = 1,
-                 pd_tokens: int = 1024, pd_margin: float = 0.2,
+                 pd_tokens: int = 1024, pd_margin: float = 0.2, rebalance_interval: float = 1.0,
                  max_window: int = 100_000, max_evict_scan: int = 32) -> None:
         _check(tpot >= 0, f"tpot must be >= 0, got {tpot}")
         _check(window > 0, f"window must be > 0 seconds, got {window}")
@@ -136,6 +137,10 @@ class E2Router(Router):
         _check(pd_tokens >= 1, f"pd_tokens must be >= 1, got {pd_tokens}")
         _check(0 <= pd_margin <= 1, f"pd_margin must be in [0, 1], got {pd_margin}")
         _check(max_window >= 1, f"max_window must be >= 1, got {max_window}")
+        _check(rebalance_interval >= 0,
+               f"rebalance_interval must be >= 0 seconds, got {rebalance_interval}")
+        self.rebalance_interval = rebalance_interval
+        self._next_rebalance = float("-inf")
         self.prefill_time = prefill_time or LinearPrefillTime()
         self.tpot, self.window, self.exploit_ratio = tpot, window, exploit_ratio
         self.balance_threshold = balance_threshold
@@ -249,25 +254,26 @@ class E2Router(Router):
                 self.decisions["pd_balance"] += 1
                 return by_id[top]
         self.decisions["explore"] += 1
-        # cost_i = L_i + R_i + M_i; M_i >= 0 is the costly term, so it is computed only for
-        # instances whose L_i + R_i is below the best total so far (in increasing order)
+        # cost_i = L_i + R_i + M_i. M_i >= 0 is the costly term: it is computed for the
+        # instance with the least L_i + R_i, then only for those whose L_i + R_i is below that
+        # instance's total (ties: candidate order)
         load, lengths, bs = self.load, m.lengths, m.block_size
+        ids = list(by_id)
         pt_all = pt(n)
-        bounds = []
-        for pos, iid in enumerate(by_id):  # ties: candidate order
-            k = lengths.get(iid)
-            miss = n - k * bs if k else n
-            bounds.append((load.get(iid, 0.0) + (pt(miss) if k else pt_all), pos, miss, iid))
-        bounds.sort()
-        best, best_cost = None, 0.0
-        for bound, _, miss, iid in bounds:
-            if best is not None and bound >= best_cost:
-                break
-            cost = bound + self._evict_cost(by_id[iid], miss)
-            if best is None or cost < best_cost:
-                best, best_cost = iid, cost
-        assert best is not None
-        return by_id[best]
+        bounds = [load.get(i, 0.0) + (pt(n - lengths[i] * bs) if i in lengths else pt_all)
+                  for i in ids]
+        j = bounds.index(min(bounds))
+        best, best_cost = j, bounds[j] + self._evict_cost(by_id[ids[j]], self._miss(m, ids[j]))
+        for k, bound in enumerate(bounds):
+            if bound < best_cost and k != j:
+                cost = bound + self._evict_cost(by_id[ids[k]], self._miss(m, ids[k]))
+                if cost < best_cost or cost == best_cost and k < best:
+                    best, best_cost = k, cost
+        return by_id[ids[best]]
+
+    @staticmethod
+    def _miss(m: PrefixMatch, instance_id: str) -> int:
+        return m.num_tokens - m.cached_tokens(instance_id)
 
     def _decode_heavy(self, by_id: dict[str, InstanceView]) -> str | None:
         """The candidate whose window load is most decode-heavy, when it stands out: its decode
@@ -362,6 +368,9 @@ class E2Router(Router):
         """Th_bal check after an assignment (Preble §4.2, "load adjustment")."""
         if len(by_id) < 2 or self.num_routed < self.rebalance_min_per_instance * len(by_id):
             return
+        if self._now < self._next_rebalance:
+            return
+        self._next_rebalance = self._now + self.rebalance_interval
         loads = [(self.load.get(i, 0.0), i) for i in by_id]
         (l_hi, hi), (l_lo, lo) = max(loads), min(loads)
         if l_hi <= self.balance_threshold * l_lo or l_hi <= 0:

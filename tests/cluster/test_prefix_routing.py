@@ -47,6 +47,7 @@ def used(n):
 def e2(**kw):
     kw.setdefault("prefill_time", float)  # PT(n) = n seconds: costs are token counts
     kw.setdefault("tpot", 0.0)
+    kw.setdefault("rebalance_interval", 0.0)  # hand cases route many requests at one time
     return E2Router(**kw)
 
 
