@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent
 
@@ -55,7 +55,11 @@ class PrefixMatch:
     segments: list[tuple[int, int]]
     num_tokens: int
     block_size: int
-    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def hashes(self) -> list[int]:
+        """The chained block hashes of ``nodes``."""
+        return [n.key for n in self.nodes]
 
     @property
     def num_cached_tokens(self) -> int:
@@ -225,7 +229,7 @@ class PrefixIndex:
                 live ^= low
             if start < n:
                 segments.append((start, n))
-        return PrefixMatch(path, lengths, segments, len(token_ids), bs, [n.key for n in path])
+        return PrefixMatch(path, lengths, segments, len(token_ids), bs)
 
     def _walk(self, toks: tuple[int, ...]) -> list[Node]:
         """The index's nodes for the prompt's leading blocks, up to the first block it lacks.

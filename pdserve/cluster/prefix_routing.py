@@ -202,7 +202,7 @@ class E2Router(Router):
         n = m.num_tokens
         cached = max((k for i, k in m.lengths.items() if i in by_id), default=0) * bs
         key = m.key_portion()
-        key_hash = m.hashes[key[1] - 1] if key is not None else None
+        key_hash = m.nodes[key[1] - 1].key if key is not None else None
         inst = None
         if key is not None and cached > self.exploit_ratio * n:
             inst = self._exploit(m, key, by_id, now)
@@ -220,13 +220,13 @@ class E2Router(Router):
 
     def _exploit(self, m: PrefixMatch, key: tuple[int, int], by_id: dict[str, InstanceView],
                  now: float) -> InstanceView | None:
-        key_hash = m.hashes[key[1] - 1]
+        key_hash = m.nodes[key[1] - 1].key
         self.key_tokens[key_hash] = (key[1] - key[0]) * m.block_size
         if self.moved:
             # the deepest moved prefix on the path wins; a prefix first seen as new is keyed by
             # its first block (see select), so that one is checked too
             for end in [e for _, e in reversed(m.segments)] + [1]:
-                target = self.moved.get(m.hashes[end - 1])
+                target = self.moved.get(m.nodes[end - 1].key)
                 if target in by_id:
                     return by_id[target]
         holders = [iid for iid, n in m.lengths.items() if n >= key[1] and iid in by_id]
@@ -281,14 +281,16 @@ class E2Router(Router):
         mean ``L`` (a busy instance is no place for a long prefill, whatever its mix). ``None``
         while some candidate has no load in the window (nothing to balance yet)."""
         load, dec = self.load, self.decode_load
-        loads = [load.get(i, 0.0) for i in by_id]
+        ids = list(by_id)
+        loads = [load.get(i, 0.0) for i in ids]
         if min(loads) <= 0:
             return None
-        shares = {i: dec.get(i, 0.0) / li for i, li in zip(by_id, loads)}
-        top = max(shares, key=shares.__getitem__)
-        rest = (sum(shares.values()) - shares[top]) / (len(shares) - 1)
-        if shares[top] - rest >= self.pd_margin and load[top] <= sum(loads) / len(loads):
-            return top
+        shares = [dec.get(i, 0.0) / li for i, li in zip(ids, loads)]
+        top = max(shares)
+        k = shares.index(top)
+        rest = (sum(shares) - top) / (len(shares) - 1)
+        if top - rest >= self.pd_margin and loads[k] <= sum(loads) / len(loads):
+            return ids[k]
         return None
 
     def _evict_cost(self, inst: InstanceView, missed_tokens: int) -> float:
