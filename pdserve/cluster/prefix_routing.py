@@ -158,7 +158,8 @@ class E2Router(Router):
         self._lru: dict[str, OrderedDict[int, None]] = {}  # instance -> keys, oldest first
         self.moved: dict[int, str] = {}  # rebalanced prefix -> instance taking its requests
         self.replicas: dict[int, set[str]] = {}
-        self._ttft: dict[tuple[int, str], deque[tuple[float, float]]] = {}
+        # prefix -> instance -> (first-token time, TTFT) of its requests there, in the window
+        self._ttft: dict[int, dict[str, deque[tuple[float, float]]]] = {}
         self._pending: deque[tuple[ClusterRequest, int, str]] = deque()
         self.num_routed = 0
         self._now = float("-inf")
@@ -240,7 +241,7 @@ class E2Router(Router):
             if others:
                 rep = min(others, key=lambda i: self.load.get(i, 0.0))
                 self.replicas.setdefault(key_hash, set()).add(rep)
-                self._ttft.pop((key_hash, best), None)
+                self._ttft.get(key_hash, {}).pop(best, None)
                 self.decisions["replicate"] += 1
                 return by_id[rep]
         return by_id[best]
@@ -364,6 +365,7 @@ class E2Router(Router):
             self.key_tokens.pop(e.key, None)
             self.moved.pop(e.key, None)
             self.replicas.pop(e.key, None)
+            self._ttft.pop(e.key, None)
 
     # ------------------------------------------------------------------ adjustment
     def _rebalance(self, by_id: dict[str, InstanceView]) -> None:
@@ -411,8 +413,9 @@ class E2Router(Router):
             req, key, iid = pend[0]
             times = req.timeline.token_times
             if times:
-                self._ttft.setdefault((key, iid), deque()).append(
-                    (times[0], times[0] - req.arrival))
+                if key in self.key_stats:  # (a prefix that left the window is forgotten)
+                    self._ttft.setdefault(key, {}).setdefault(iid, deque()).append(
+                        (times[0], times[0] - req.arrival))
             elif req.stage != "done":
                 return
             pend.popleft()
@@ -420,7 +423,7 @@ class E2Router(Router):
     def _overloaded(self, key: int, iid: str, now: float) -> bool:
         """Preble §4.2 replication trigger: mean TTFT of the prefix's requests on ``iid`` in the
         second half of the window ≥ ``replicate_factor`` × the first half's."""
-        samples = self._ttft.get((key, iid))
+        samples = self._ttft.get(key, {}).get(iid)
         if not samples:
             return False
         start, half = now - self.window, now - self.window / 2

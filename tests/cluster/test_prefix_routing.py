@@ -197,6 +197,23 @@ def test_window_expires_load():
     assert r.load["a"] == 32.0 and len(r._win) == 1  # x left the window, y entered
 
 
+def test_per_prefix_state_is_bounded_by_the_window():
+    """Everything E2 keeps per prefix (window counts, sizes, TTFTs, moves, replicas, LRU order)
+    leaves with the prefix's last request in the window."""
+    r = e2(rebalance_min_per_instance=0)
+    cands = views("a", "b")
+    for k in range(50):
+        q = creq(f"x{k}", [1000 + k] * 8 + [k] * 24, t=float(k))
+        r.select(q, cands)
+        q.timeline.token_times.append(k + 0.5)
+    assert len(r.key_stats) == 50
+    r.select(creq("late", S1, t=1000.0), cands)
+    r.select(creq("later", S1, t=1001.0), cands)  # observes x49's TTFT, already forgotten
+    assert len(r._win) == 2 and len(r.key_stats) == len(r.key_tokens) == 1
+    assert len(r._ttft) <= 1 and not r.moved and not r.replicas
+    assert set().union(*r._lru.values()) == set(r.key_stats)  # one prefix, on a and b
+
+
 def test_dead_instance_leaves_the_index_and_no_request_is_lost():
     r = e2()
     c = Controller(views("a", "b"), prefill_router=r)
