@@ -23,8 +23,7 @@ import sys
 import time
 
 from pdserve.cluster.controller import ClusterRequest
-from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.prefix_routing import prompt_hashes
+from pdserve.cluster.prefix_index import PrefixIndex, prompt_hashes
 from pdserve.cluster.routing import InstanceView, make_router
 from pdserve.engine.kv_cache import NO_PARENT, BlockStored
 from pdserve.request import SamplingParams, Timeline

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent, hash_block
 
 
 class Node:
@@ -290,3 +290,17 @@ class PrefixIndex:
         per_node = sys.getsizeof(Node(0, None))
         ints = sum(sys.getsizeof(n.key) + sys.getsizeof(n.mask) for n in self.nodes.values())
         return sys.getsizeof(self.nodes) + per_node * len(self.nodes) + ints
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The engines' chained hashes of every full block of ``token_ids``."""
+    out, parent = [], NO_PARENT
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+def block_size_of(events: Sequence[KVEvent]) -> int | None:
+    """The block size of the first stored block in ``events`` (``None``: only removals)."""
+    return next((e.block_size for e in events if isinstance(e, BlockStored)), None)

@@ -4,8 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.prefix_routing import prompt_hashes
+from pdserve.cluster.prefix_index import PrefixIndex, prompt_hashes
 from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored
 
 BS = 2

@@ -2,14 +2,10 @@
 
 import pytest
 
+from pdserve.cluster.cache_routing import CacheAwareRouter, KVOverlapRouter
 from pdserve.cluster.controller import ClusterRequest, Controller, Send
-from pdserve.cluster.prefix_routing import (
-    CacheAwareRouter,
-    E2Router,
-    KVOverlapRouter,
-    LinearPrefillTime,
-    prompt_hashes,
-)
+from pdserve.cluster.prefix_index import prompt_hashes
+from pdserve.cluster.prefix_routing import E2Router, LinearPrefillTime
 from pdserve.cluster.routing import InstanceView, make_router
 from pdserve.cluster.worker import AddRequest, StepReport, TokenDelta
 from pdserve.engine.engine import EngineStats
