@@ -1,6 +1,6 @@
 """Global prefix index: which instance caches which prompt prefix, fed only by KV events.
 
-Preble §4.1 ("global scheduler data structures") keeps a radix tree of prompts whose nodes record
+Preble §4 ("Global scheduler data structures") keeps a radix tree of prompts whose nodes record
 the GPUs holding their KV. Here the tree is built over the engines' chained block hashes
 (:func:`pdserve.engine.kv_cache.hash_block`): a block's hash names its whole prefix, so one dict
 ``hash -> node`` finds any block in O(1), and ``parent`` links give the tree::
@@ -70,8 +70,9 @@ class PrefixMatch:
         return self.lengths.get(instance_id, 0) * self.block_size
 
     def key_portion(self) -> tuple[int, int] | None:
-        """Preble §3 / §4.1: the deepest radix node on the matched path with more tokens than all
-        its predecessors together (the first node always qualifies); ``None`` without a match."""
+        """Preble's *key portion* (its workload study; "E2 Global Scheduler"): the deepest radix
+        node on the matched path with more tokens than all its predecessors together (the first
+        node always qualifies); ``None`` without a match."""
         best = None
         for start, end in self.segments:
             if end - start > start:

@@ -1,9 +1,10 @@
 """Prompt-sharing-aware routing: Preble's E2 global scheduler (``preble``).
 
-:class:`E2Router` implements Preble §4.1–4.2 (E2 exploit/explore with a load cost,
-post-assignment rebalancing and prefix replication, prefill/decode balancing) over the global
-:class:`~pdserve.cluster.prefix_index.PrefixIndex` fed by the engines' KV events. The
-cache-aware baselines it is compared with live in :mod:`pdserve.cluster.cache_routing`.
+:class:`E2Router` implements Preble's E2 global scheduler (§4, "E2 Global Scheduler":
+exploit/explore with a load cost, post-assignment rebalancing and prefix replication,
+prefill/decode balancing) over the global :class:`~pdserve.cluster.prefix_index.PrefixIndex`
+fed by the engines' KV events. The cache-aware baselines it is compared with live in
+:mod:`pdserve.cluster.cache_routing`.
 
 Routers that want KV events set ``wants_kv_events``; the controller hands them each instance's
 events (:meth:`Router.on_kv_events`) and instance losses (:meth:`Router.on_instance_removed`).
@@ -33,7 +34,7 @@ class LinearPrefillTime:
 
     The defaults (10 ms + 0.1 ms/token, i.e. ~10k prefill tokens/s) are the order of a 7B–13B
     model on one A100; pass the deployment's latency model instead where one exists, e.g.
-    ``lambda n: latency.prefill_time([n])`` (Preble §4.1 fits this regression offline per GPU
+    ``lambda n: latency.prefill_time([n])`` (Preble fits this regression offline per GPU
     and model)."""
 
     base: float = 0.010
@@ -62,7 +63,8 @@ class _Entry:
 
 @register
 class E2Router(Router):
-    """Preble's E2 global scheduler (Preble §4.1 "per-request scheduling policy", §4.2).
+    """Preble's E2 global scheduler (Preble §4, "E2 Global Scheduler": "Per-request scheduling
+    policy", "Post-assignment load adjustment", "Prefill-decoding balancing").
 
     For each request the prompt is matched against the global prefix index. If more of it is
     cached (on the best instance) than missing — more than ``exploit_ratio`` of the prompt hits —
@@ -78,16 +80,16 @@ class E2Router(Router):
       fit, each costing ``PT(tokens) · N_j`` (``N_j`` its requests on ``i`` in H);
     * ``R_i = PT(prompt tokens not cached on i)``.
 
-    Prefill/decode balancing (§4.2): a request whose missed part is at least ``pd_tokens`` long
-    goes straight to the most decode-heavy candidate when that candidate's decode share of
-    ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is not above the mean (the
-    paper gives no numbers or guard; these are ours).
+    Prefill/decode balancing ("Prefill-decoding balancing"): a request whose missed part is at
+    least ``pd_tokens`` long goes straight to the most decode-heavy candidate when that
+    candidate's decode share of ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is
+    not above the mean (the paper gives no numbers or guard; these are ours).
 
-    Post-assignment adjustment (§4.2): once ``rebalance_min_per_instance`` requests per instance
-    have been routed (50, Preble's implementation), whenever the busiest instance's ``L``
-    exceeds ``balance_threshold`` (Th_bal = 1.5) times the least busy one's, the future requests
-    of one prefix subtree of the busiest instance move to the least busy one (its window load
-    moves along); the check runs at most once per ``rebalance_interval`` (1 s, ours: the load
+    Post-assignment adjustment ("Post-assignment load adjustment"): once
+    ``rebalance_min_per_instance`` requests per instance have been routed (50, Preble's
+    implementation), whenever the busiest instance's ``L`` exceeds ``balance_threshold``
+    (Th_bal = 1.5) times the least busy one's, the future requests of one prefix subtree of the
+    busiest instance move to the least busy one (its window load moves along); the check runs at most once per ``rebalance_interval`` (1 s, ours: the load
     it balances spans a 3-minute window). A prefix is **replicated** on the least loaded
     non-holder when the average TTFT of its requests on an instance in the second half of the
     window is at least ``replicate_factor`` (2×) that of the first half.
@@ -348,7 +350,7 @@ class E2Router(Router):
 
     # ------------------------------------------------------------------ adjustment
     def _rebalance(self, by_id: dict[str, InstanceView]) -> None:
-        """Th_bal check after an assignment (Preble §4.2, "load adjustment")."""
+        """Th_bal check after an assignment (Preble §4, "Post-assignment load adjustment")."""
         if len(by_id) < 2 or self.num_routed < self.rebalance_min_per_instance * len(by_id):
             return
         if self._now < self._next_rebalance:
@@ -400,7 +402,8 @@ class E2Router(Router):
             pend.popleft()
 
     def _overloaded(self, key: int, iid: str, now: float) -> bool:
-        """Preble §4.2 replication trigger: mean TTFT of the prefix's requests on ``iid`` in the
+        """Preble's replication trigger ("Post-assignment load adjustment"; its implementation's
+        TTFT overload detector): mean TTFT of the prefix's requests on ``iid`` in the
         second half of the window ≥ ``replicate_factor`` × the first half's."""
         samples = self._ttft.get(key, {}).get(iid)
         if not samples:
