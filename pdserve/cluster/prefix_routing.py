@@ -89,10 +89,11 @@ class E2Router(Router):
     ``rebalance_min_per_instance`` requests per instance have been routed (50, Preble's
     implementation), whenever the busiest instance's ``L`` exceeds ``balance_threshold``
     (Th_bal = 1.5) times the least busy one's, the future requests of one prefix subtree of the
-    busiest instance move to the least busy one (its window load moves along); the check runs at most once per ``rebalance_interval`` (1 s, ours: the load
-    it balances spans a 3-minute window). A prefix is **replicated** on the least loaded
-    non-holder when the average TTFT of its requests on an instance in the second half of the
-    window is at least ``replicate_factor`` (2×) that of the first half.
+    busiest instance move to the least busy one (its window load moves along); the check runs
+    at most once per ``rebalance_interval`` (1 s, ours: the load it balances spans a 3-minute
+    window). A prefix is **replicated** on the least loaded non-holder when the average TTFT of
+    its requests on an instance in the second half of the window is at least
+    ``replicate_factor`` (2×) that of the first half.
 
     ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
     latency model when given, else :class:`LinearPrefillTime`.
