@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", type=int, default=2000)
     ap.add_argument("--prefix-spec", default="prefix:num_prefixes=64,shared_len=1536,"
                                              "unique_len=256,output_len=64")
-    ap.add_argument("--rate-per-instance", type=float, default=6.0)
+    ap.add_argument("--rate-per-instance", type=float, default=3.0)
     ap.add_argument("--mooncake-speedup", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

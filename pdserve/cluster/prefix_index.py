@@ -1,6 +1,6 @@
 """Global prefix index: which instance caches which prompt prefix, fed only by KV events.
 
-Preble §4.1 ("global scheduler data structures") keeps a radix tree of prompts whose nodes record
+Preble §4 ("Global scheduler data structures") keeps a radix tree of prompts whose nodes record
 the GPUs holding their KV. Here the tree is built over the engines' chained block hashes
 (:func:`pdserve.engine.kv_cache.hash_block`): a block's hash names its whole prefix, so one dict
 ``hash -> node`` finds any block in O(1), and ``parent`` links give the tree::
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent, hash_block
 
 
 class Node:
@@ -55,7 +55,11 @@ class PrefixMatch:
     segments: list[tuple[int, int]]
     num_tokens: int
     block_size: int
-    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def hashes(self) -> list[int]:
+        """The chained block hashes of ``nodes``."""
+        return [n.key for n in self.nodes]
 
     @property
     def num_cached_tokens(self) -> int:
@@ -66,8 +70,9 @@ class PrefixMatch:
         return self.lengths.get(instance_id, 0) * self.block_size
 
     def key_portion(self) -> tuple[int, int] | None:
-        """Preble §3 / §4.1: the deepest radix node on the matched path with more tokens than all
-        its predecessors together (the first node always qualifies); ``None`` without a match."""
+        """Preble's *key portion* (its workload study; "E2 Global Scheduler"): the deepest radix
+        node on the matched path with more tokens than all its predecessors together (the first
+        node always qualifies); ``None`` without a match."""
         best = None
         for start, end in self.segments:
             if end - start > start:
@@ -78,10 +83,13 @@ class PrefixMatch:
 class PrefixIndex:
     """Which instances cache which prompt blocks (see the module docstring)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, stride: int = 16, max_memo: int = 1 << 18) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
+        if stride < 1 or max_memo < 1:
+            raise ValueError(f"stride and max_memo must be >= 1, got {stride}, {max_memo}")
+        self.block_size, self.stride, self.max_memo = block_size, stride, max_memo
+        self._memo: dict[int, int] = {}  # stride-chain hash of tokens -> engine block hash
         self.nodes: dict[int, Node] = {}
         self._bit: dict[str, int] = {}
         self._ids: list[str | None] = []  # bit -> instance id (None: a freed bit)
@@ -185,37 +193,33 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ lookups
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """Match a prompt: hash its full blocks one by one while some instance still holds the
-        whole prefix so far. Costs O(matched blocks + 1) dict lookups and hashes."""
-        bs, nodes, ids = self.block_size, self.nodes, self._ids
-        path: list[Node] = []
-        hashes: list[int] = []
+        """Match a prompt: the leading blocks some instance holds, each instance's share of
+        them, and the radix nodes along them. Costs O(matched blocks + 1)."""
+        bs, ids = self.block_size, self._ids
+        found = self._walk(token_ids if isinstance(token_ids, tuple) else tuple(token_ids))
         lengths: dict[str, int] = {}
         segments: list[tuple[int, int]] = []
         live = -1  # instances holding every block so far
-        parent, start = NO_PARENT, 0
-        toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-        for i in range(len(toks) // bs):
-            h = hash((parent, toks[i * bs:(i + 1) * bs]))  # = hash_block, inlined (hot loop)
-            node = nodes.get(h)
-            held = live & node.mask if node is not None else 0
-            dropped = live & ~held if i else 0
-            while dropped:
-                low = dropped & -dropped
-                iid = ids[low.bit_length() - 1]
-                if iid is not None:
-                    lengths[iid] = i
-                dropped ^= low
-            if not held:
-                live = 0
-                break
-            live = held
-            path.append(node)
-            hashes.append(h)
-            parent = h
+        i = start = 0
+        for node in found:  # hot loop: most blocks change nothing
+            if live & node.mask != live:
+                held = live & node.mask
+                dropped = live & ~held if i else 0
+                while dropped:
+                    low = dropped & -dropped
+                    iid = ids[low.bit_length() - 1]
+                    if iid is not None:
+                        lengths[iid] = i
+                    dropped ^= low
+                if not held:
+                    live = 0
+                    break
+                live = held
             if node.nchild > 1:  # a branch point ends Preble's radix node here
                 segments.append((start, i + 1))
                 start = i + 1
+            i += 1
+        path = found[:i]
         n = len(path)
         if n:
             while live:
@@ -226,7 +230,53 @@ class PrefixIndex:
                 live ^= low
             if start < n:
                 segments.append((start, n))
-        return PrefixMatch(path, lengths, segments, len(token_ids), bs, hashes)
+        return PrefixMatch(path, lengths, segments, len(token_ids), bs)
+
+    def _walk(self, toks: tuple[int, ...]) -> list[Node]:
+        """The index's nodes for the prompt's leading blocks, up to the first block it lacks.
+
+        Hashing block by block is the cost of a lookup, so whole strides of ``stride`` blocks
+        are looked up at once: a stride's tokens hash (chained over strides, in C) to a memo of
+        the engine's chained hash of its last block; when that node exists, its parent links
+        give the stride's other nodes. A stride seen for the first time, one where the match
+        ends, and the tail are hashed block by block (the memo then learns the stride). The
+        memo maps token content to hashes, so it never goes stale; it is cleared when full."""
+        bs, sb, nodes, memo = self.block_size, self.stride, self.nodes, self._memo
+        nb = len(toks) // bs
+        out: list[Node] = []
+        i, sh = 0, NO_PARENT
+        while i < nb:
+            if sb > 1 and i + sb <= nb:
+                sh = hash((sh, toks[i * bs:(i + sb) * bs]))
+                end = nodes.get(memo.get(sh, NO_PARENT))
+                if end is not None:
+                    chain, node = [end], end
+                    for _ in range(sb - 1):
+                        node = node.parent
+                        if node is None:
+                            break
+                        chain.append(node)
+                    if node is not None:
+                        chain.reverse()
+                        out += chain
+                        i += sb
+                        continue
+                n_to = i + sb
+            else:
+                n_to = nb
+            parent = out[-1].key if out else NO_PARENT
+            for j in range(i, n_to):
+                parent = hash((parent, toks[j * bs:(j + 1) * bs]))  # = hash_block (hot loop)
+                node = nodes.get(parent)
+                if node is None:
+                    return out
+                out.append(node)
+            if n_to - i == sb > 1:
+                if len(memo) >= self.max_memo:
+                    memo.clear()
+                memo[sh] = parent
+            i = n_to
+        return out
 
     def holders(self, block_hash: int) -> list[str]:
         """Instances holding the block ``block_hash``."""
@@ -241,3 +291,17 @@ class PrefixIndex:
         per_node = sys.getsizeof(Node(0, None))
         ints = sum(sys.getsizeof(n.key) + sys.getsizeof(n.mask) for n in self.nodes.values())
         return sys.getsizeof(self.nodes) + per_node * len(self.nodes) + ints
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The engines' chained hashes of every full block of ``token_ids``."""
+    out, parent = [], NO_PARENT
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+def block_size_of(events: Sequence[KVEvent]) -> int | None:
+    """The block size of the first stored block in ``events`` (``None``: only removals)."""
+    return next((e.block_size for e in events if isinstance(e, BlockStored)), None)

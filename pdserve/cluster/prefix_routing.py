@@ -1,12 +1,10 @@
-"""Prompt-sharing-aware routers: Preble's E2 and the cache-aware baselines it is compared with.
+"""Prompt-sharing-aware routing: Preble's E2 global scheduler (``preble``).
 
-* ``preble`` — :class:`E2Router`, Preble §4.1–4.2 (E2 exploit/explore with a load cost,
-  post-assignment rebalancing and prefix replication, prefill/decode balancing), over the global
-  :class:`~pdserve.cluster.prefix_index.PrefixIndex` fed by the engines' KV events.
-* ``sglang_cache_aware`` — :class:`CacheAwareRouter`, SGLang's router: an approximate prefix tree
-  of what it routed, a cache-hit threshold and load-balance thresholds.
-* ``kv_overlap`` — :class:`KVOverlapRouter`, Dynamo's KV router cost: prompt blocks to compute
-  (prompt blocks minus the cached overlap) plus the instance's decode blocks.
+:class:`E2Router` implements Preble's E2 global scheduler (§4, "E2 Global Scheduler":
+exploit/explore with a load cost, post-assignment rebalancing and prefix replication,
+prefill/decode balancing) over the global :class:`~pdserve.cluster.prefix_index.PrefixIndex`
+fed by the engines' KV events. The cache-aware baselines it is compared with live in
+:mod:`pdserve.cluster.cache_routing`.
 
 Routers that want KV events set ``wants_kv_events``; the controller hands them each instance's
 events (:meth:`Router.on_kv_events`) and instance losses (:meth:`Router.on_instance_removed`).
@@ -15,13 +13,14 @@ events (:meth:`Router.on_kv_events`) and instance losses (:meth:`Router.on_insta
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.cluster.prefix_index import PrefixIndex, PrefixMatch
+from pdserve.cluster.prefix_index import PrefixIndex, PrefixMatch, block_size_of
 from pdserve.cluster.routing import InstanceView, Router, register
-from pdserve.engine.kv_cache import NO_PARENT, BlockStored, KVEvent, hash_block
+from pdserve.cluster.routing import require as _check
+from pdserve.engine.kv_cache import NO_PARENT, KVEvent, hash_block
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
@@ -35,7 +34,7 @@ class LinearPrefillTime:
 
     The defaults (10 ms + 0.1 ms/token, i.e. ~10k prefill tokens/s) are the order of a 7B–13B
     model on one A100; pass the deployment's latency model instead where one exists, e.g.
-    ``lambda n: latency.prefill_time([n])`` (Preble §4.1 fits this regression offline per GPU
+    ``lambda n: latency.prefill_time([n])`` (Preble fits this regression offline per GPU
     and model)."""
 
     base: float = 0.010
@@ -48,25 +47,6 @@ class LinearPrefillTime:
 
     def __call__(self, num_tokens: int) -> float:
         return self.base + self.per_token * num_tokens if num_tokens > 0 else 0.0
-
-
-def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The engines' chained hashes of every full block of ``token_ids``."""
-    out, parent = [], NO_PARENT
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        out.append(parent)
-    return out
-
-
-def _block_size(events: list[KVEvent]) -> int | None:
-    """The block size of the first stored block in ``events`` (``None``: only removals)."""
-    return next((e.block_size for e in events if isinstance(e, BlockStored)), None)
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 # ====================================================================================== E2
@@ -83,7 +63,8 @@ class _Entry:
 
 @register
 class E2Router(Router):
-    """Preble's E2 global scheduler (Preble §4.1 "per-request scheduling policy", §4.2).
+    """Preble's E2 global scheduler (Preble §4, "E2 Global Scheduler": "Per-request scheduling
+    policy", "Post-assignment load adjustment", "Prefill-decoding balancing").
 
     For each request the prompt is matched against the global prefix index. If more of it is
     cached (on the best instance) than missing — more than ``exploit_ratio`` of the prompt hits —
@@ -99,17 +80,19 @@ class E2Router(Router):
       fit, each costing ``PT(tokens) · N_j`` (``N_j`` its requests on ``i`` in H);
     * ``R_i = PT(prompt tokens not cached on i)``.
 
-    Prefill/decode balancing (§4.2): a request whose missed part is at least ``pd_tokens`` long
-    goes straight to the most decode-heavy candidate when that candidate's decode share of
-    ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is not above the mean (the
-    paper gives no numbers or guard; these are ours).
+    Prefill/decode balancing ("Prefill-decoding balancing"): a request whose missed part is at
+    least ``pd_tokens`` long goes straight to the most decode-heavy candidate when that
+    candidate's decode share of ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is
+    not above the mean (the paper gives no numbers or guard; these are ours).
 
-    Post-assignment adjustment (§4.2): once ``rebalance_min_per_instance`` requests per instance
-    have been routed (50, Preble's implementation), whenever the busiest instance's ``L``
-    exceeds ``balance_threshold`` (Th_bal = 1.5) times the least busy one's, the future requests
-    of one prefix subtree of the busiest instance move to the least busy one (its window load
-    moves along). A prefix is **replicated** on the least loaded non-holder when the average
-    TTFT of its requests on an instance in the second half of the window is at least
+    Post-assignment adjustment ("Post-assignment load adjustment"): once
+    ``rebalance_min_per_instance`` requests per instance have been routed (50, Preble's
+    implementation), whenever the busiest instance's ``L`` exceeds ``balance_threshold``
+    (Th_bal = 1.5) times the least busy one's, the future requests of one prefix subtree of the
+    busiest instance move to the least busy one (its window load moves along); the check runs
+    at most once per ``rebalance_interval`` (1 s, ours: the load it balances spans a 3-minute
+    window). A prefix is **replicated** on the least loaded non-holder when the average TTFT of
+    its requests on an instance in the second half of the window is at least
     ``replicate_factor`` (2×) that of the first half.
 
     ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
@@ -123,7 +106,7 @@ class E2Router(Router):
                  window: float = 180.0, exploit_ratio: float = 0.5,
                  balance_threshold: float = 1.5, rebalance_min_per_instance: int = 50,
                  replicate_factor: float = 2.0, min_ttft_samples: int = 1,
-                 pd_tokens: int = 1024, pd_margin: float = 0.2,
+                 pd_tokens: int = 1024, pd_margin: float = 0.2, rebalance_interval: float = 1.0,
                  max_window: int = 100_000, max_evict_scan: int = 32) -> None:
         _check(tpot >= 0, f"tpot must be >= 0, got {tpot}")
         _check(window > 0, f"window must be > 0 seconds, got {window}")
@@ -136,6 +119,10 @@ class E2Router(Router):
         _check(pd_tokens >= 1, f"pd_tokens must be >= 1, got {pd_tokens}")
         _check(0 <= pd_margin <= 1, f"pd_margin must be in [0, 1], got {pd_margin}")
         _check(max_window >= 1, f"max_window must be >= 1, got {max_window}")
+        _check(rebalance_interval >= 0,
+               f"rebalance_interval must be >= 0 seconds, got {rebalance_interval}")
+        self.rebalance_interval = rebalance_interval
+        self._next_rebalance = float("-inf")
         self.prefill_time = prefill_time or LinearPrefillTime()
         self.tpot, self.window, self.exploit_ratio = tpot, window, exploit_ratio
         self.balance_threshold = balance_threshold
@@ -153,9 +140,11 @@ class E2Router(Router):
         self._lru: dict[str, OrderedDict[int, None]] = {}  # instance -> keys, oldest first
         self.moved: dict[int, str] = {}  # rebalanced prefix -> instance taking its requests
         self.replicas: dict[int, set[str]] = {}
-        self._ttft: dict[tuple[int, str], deque[tuple[float, float]]] = {}
+        # prefix -> instance -> (first-token time, TTFT) of its requests there, in the window
+        self._ttft: dict[int, dict[str, deque[tuple[float, float]]]] = {}
         self._pending: deque[tuple[ClusterRequest, int, str]] = deque()
         self.num_routed = 0
+        self._now = float("-inf")
         self.decisions: dict[str, int] = {"exploit": 0, "explore": 0, "pd_balance": 0,
                                           "rebalance": 0, "replicate": 0}
 
@@ -167,7 +156,7 @@ class E2Router(Router):
 
     def on_kv_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
         events = list(events)
-        bs = _block_size(events)
+        bs = block_size_of(events)
         if self.index is None and bs is None:
             return  # only removals before anything was stored: nothing to forget
         self._index(bs or 1).apply(instance_id, events)
@@ -184,7 +173,8 @@ class E2Router(Router):
 
     # ------------------------------------------------------------------ select
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
-        now = request.arrival
+        # the window's clock: arrivals (a request re-dispatched after a failure keeps its own)
+        now = self._now = max(request.arrival, self._now)
         if self._win and self._win[0].t < now - self.window:
             self._expire(now)
         if self._pending:
@@ -195,7 +185,7 @@ class E2Router(Router):
         n = m.num_tokens
         cached = max((k for i, k in m.lengths.items() if i in by_id), default=0) * bs
         key = m.key_portion()
-        key_hash = m.hashes[key[1] - 1] if key is not None else None
+        key_hash = m.nodes[key[1] - 1].key if key is not None else None
         inst = None
         if key is not None and cached > self.exploit_ratio * n:
             inst = self._exploit(m, key, by_id, now)
@@ -213,12 +203,15 @@ class E2Router(Router):
 
     def _exploit(self, m: PrefixMatch, key: tuple[int, int], by_id: dict[str, InstanceView],
                  now: float) -> InstanceView | None:
-        key_hash = m.hashes[key[1] - 1]
+        key_hash = m.nodes[key[1] - 1].key
         self.key_tokens[key_hash] = (key[1] - key[0]) * m.block_size
-        for _, end in reversed(m.segments):  # the deepest moved prefix on the path wins
-            target = self.moved.get(m.hashes[end - 1])
-            if target in by_id:
-                return by_id[target]
+        if self.moved:
+            # the deepest moved prefix on the path wins; a prefix first seen as new is keyed by
+            # its first block (see select), so that one is checked too
+            for end in [e for _, e in reversed(m.segments)] + [1]:
+                target = self.moved.get(m.nodes[end - 1].key)
+                if target in by_id:
+                    return by_id[target]
         holders = [iid for iid, n in m.lengths.items() if n >= key[1] and iid in by_id]
         holders += [iid for iid in self.replicas.get(key_hash, ()) if iid in by_id
                     and iid not in holders]
@@ -230,7 +223,7 @@ class E2Router(Router):
             if others:
                 rep = min(others, key=lambda i: self.load.get(i, 0.0))
                 self.replicas.setdefault(key_hash, set()).add(rep)
-                self._ttft.pop((key_hash, best), None)
+                self._ttft.get(key_hash, {}).pop(best, None)
                 self.decisions["replicate"] += 1
                 return by_id[rep]
         return by_id[best]
@@ -244,25 +237,26 @@ class E2Router(Router):
                 self.decisions["pd_balance"] += 1
                 return by_id[top]
         self.decisions["explore"] += 1
-        # cost_i = L_i + R_i + M_i; M_i >= 0 is the costly term, so it is computed only for
-        # instances whose L_i + R_i is below the best total so far (in increasing order)
+        # cost_i = L_i + R_i + M_i. M_i >= 0 is the costly term: it is computed for the
+        # instance with the least L_i + R_i, then only for those whose L_i + R_i is below that
+        # instance's total (ties: candidate order)
         load, lengths, bs = self.load, m.lengths, m.block_size
+        ids = list(by_id)
         pt_all = pt(n)
-        bounds = []
-        for pos, iid in enumerate(by_id):  # ties: candidate order
-            k = lengths.get(iid)
-            miss = n - k * bs if k else n
-            bounds.append((load.get(iid, 0.0) + (pt(miss) if k else pt_all), pos, miss, iid))
-        bounds.sort()
-        best, best_cost = None, 0.0
-        for bound, _, miss, iid in bounds:
-            if best is not None and bound >= best_cost:
-                break
-            cost = bound + self._evict_cost(by_id[iid], miss)
-            if best is None or cost < best_cost:
-                best, best_cost = iid, cost
-        assert best is not None
-        return by_id[best]
+        bounds = [load.get(i, 0.0) + (pt(n - lengths[i] * bs) if i in lengths else pt_all)
+                  for i in ids]
+        j = bounds.index(min(bounds))
+        best, best_cost = j, bounds[j] + self._evict_cost(by_id[ids[j]], self._miss(m, ids[j]))
+        for k, bound in enumerate(bounds):
+            if bound < best_cost and k != j:
+                cost = bound + self._evict_cost(by_id[ids[k]], self._miss(m, ids[k]))
+                if cost < best_cost or cost == best_cost and k < best:
+                    best, best_cost = k, cost
+        return by_id[ids[best]]
+
+    @staticmethod
+    def _miss(m: PrefixMatch, instance_id: str) -> int:
+        return m.num_tokens - m.cached_tokens(instance_id)
 
     def _decode_heavy(self, by_id: dict[str, InstanceView]) -> str | None:
         """The candidate whose window load is most decode-heavy, when it stands out: its decode
@@ -270,14 +264,16 @@ class E2Router(Router):
         mean ``L`` (a busy instance is no place for a long prefill, whatever its mix). ``None``
         while some candidate has no load in the window (nothing to balance yet)."""
         load, dec = self.load, self.decode_load
-        loads = [load.get(i, 0.0) for i in by_id]
+        ids = list(by_id)
+        loads = [load.get(i, 0.0) for i in ids]
         if min(loads) <= 0:
             return None
-        shares = {i: dec.get(i, 0.0) / li for i, li in zip(by_id, loads)}
-        top = max(shares, key=shares.__getitem__)
-        rest = (sum(shares.values()) - shares[top]) / (len(shares) - 1)
-        if shares[top] - rest >= self.pd_margin and load[top] <= sum(loads) / len(loads):
-            return top
+        shares = [dec.get(i, 0.0) / li for i, li in zip(ids, loads)]
+        top = max(shares)
+        k = shares.index(top)
+        rest = (sum(shares) - top) / (len(shares) - 1)
+        if top - rest >= self.pd_margin and loads[k] <= sum(loads) / len(loads):
+            return ids[k]
         return None
 
     def _evict_cost(self, inst: InstanceView, missed_tokens: int) -> float:
@@ -351,12 +347,16 @@ class E2Router(Router):
             self.key_tokens.pop(e.key, None)
             self.moved.pop(e.key, None)
             self.replicas.pop(e.key, None)
+            self._ttft.pop(e.key, None)
 
     # ------------------------------------------------------------------ adjustment
     def _rebalance(self, by_id: dict[str, InstanceView]) -> None:
-        """Th_bal check after an assignment (Preble §4.2, "load adjustment")."""
+        """Th_bal check after an assignment (Preble §4, "Post-assignment load adjustment")."""
         if len(by_id) < 2 or self.num_routed < self.rebalance_min_per_instance * len(by_id):
             return
+        if self._now < self._next_rebalance:
+            return
+        self._next_rebalance = self._now + self.rebalance_interval
         loads = [(self.load.get(i, 0.0), i) for i in by_id]
         (l_hi, hi), (l_lo, lo) = max(loads), min(loads)
         if l_hi <= self.balance_threshold * l_lo or l_hi <= 0:
@@ -395,16 +395,18 @@ class E2Router(Router):
             req, key, iid = pend[0]
             times = req.timeline.token_times
             if times:
-                self._ttft.setdefault((key, iid), deque()).append(
-                    (times[0], times[0] - req.arrival))
+                if key in self.key_stats:  # (a prefix that left the window is forgotten)
+                    self._ttft.setdefault(key, {}).setdefault(iid, deque()).append(
+                        (times[0], times[0] - req.arrival))
             elif req.stage != "done":
                 return
             pend.popleft()
 
     def _overloaded(self, key: int, iid: str, now: float) -> bool:
-        """Preble §4.2 replication trigger: mean TTFT of the prefix's requests on ``iid`` in the
+        """Preble's replication trigger ("Post-assignment load adjustment"; its implementation's
+        TTFT overload detector): mean TTFT of the prefix's requests on ``iid`` in the
         second half of the window ≥ ``replicate_factor`` × the first half's."""
-        samples = self._ttft.get((key, iid))
+        samples = self._ttft.get(key, {}).get(iid)
         if not samples:
             return False
         start, half = now - self.window, now - self.window / 2
@@ -416,126 +418,3 @@ class E2Router(Router):
             return False
         mean1, mean2 = sum(first) / len(first), sum(second) / len(second)
         return mean2 >= self.replicate_factor * mean1 and mean2 > 0
-
-
-# ============================================================================ SGLang router
-@register
-class CacheAwareRouter(Router):
-    """SGLang's cache-aware router (sgl-router ``cache_aware`` policy), as a baseline.
-
-    It keeps an *approximate* prefix tree of what it routed (not what is cached), per instance
-    at block granularity (the engines' chained block hashes), bounded to ``max_tree_blocks``
-    blocks per instance by evicting the least recently routed prompts. If the load (unfinished
-    requests) is imbalanced — ``max - min > balance_abs`` (64) and ``max > balance_rel · min``
-    (1.5) — the least loaded instance wins. Otherwise the instance with the longest match wins
-    when it covers more than ``cache_threshold`` (0.3) of the prompt, else the instance with the
-    smallest tree (the most free cache)."""
-
-    name = "sglang_cache_aware"
-
-    def __init__(self, cache_threshold: float = 0.3, balance_abs: int = 64,
-                 balance_rel: float = 1.5, max_tree_blocks: int = 1 << 20) -> None:
-        _check(0 <= cache_threshold <= 1,
-               f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        _check(balance_abs >= 0, f"balance_abs must be >= 0, got {balance_abs}")
-        _check(balance_rel >= 1, f"balance_rel must be >= 1, got {balance_rel}")
-        _check(max_tree_blocks >= 1, f"max_tree_blocks must be >= 1, got {max_tree_blocks}")
-        self.cache_threshold, self.balance_abs, self.balance_rel = (
-            cache_threshold, balance_abs, balance_rel)
-        self.max_tree_blocks = max_tree_blocks
-        self.tree: PrefixIndex | None = None
-        # instance -> block hash -> prompts routed there containing it (LRU order: oldest first)
-        self._refs: dict[str, OrderedDict[int, int]] = {}
-        self._prompts: dict[str, deque[list[int]]] = {}
-
-    def on_instance_removed(self, instance_id: str) -> None:
-        if self.tree is not None:
-            self.tree.remove_instance(instance_id)
-        self._refs.pop(instance_id, None)
-        self._prompts.pop(instance_id, None)
-
-    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
-        if self.tree is None:
-            self.tree = PrefixIndex(candidates[0].block_size)
-        loads = [c.active for c in candidates]
-        lo, hi = min(loads), max(loads)
-        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            inst = candidates[loads.index(lo)]
-        else:
-            m = self.tree.match(request.prompt_token_ids)
-            ids = {c.instance_id: c for c in candidates}
-            best = max(ids, key=lambda i: m.cached_tokens(i))
-            n = max(m.num_tokens, 1)
-            if m.cached_tokens(best) / n > self.cache_threshold:
-                inst = ids[best]
-            else:
-                inst = min(candidates, key=lambda c: self.tree.num_blocks(c.instance_id))
-        self._insert(inst.instance_id, request.prompt_token_ids)
-        return inst
-
-    def _insert(self, iid: str, token_ids: Sequence[int]) -> None:
-        assert self.tree is not None
-        hashes = prompt_hashes(token_ids, self.tree.block_size)
-        refs = self._refs.setdefault(iid, OrderedDict())
-        new = [h for h in hashes if h not in refs]
-        for h in hashes:
-            refs[h] = refs.get(h, 0) + 1
-            refs.move_to_end(h)
-        if new:
-            self.tree.store(iid, hashes, NO_PARENT)
-        prompts = self._prompts.setdefault(iid, deque())
-        prompts.append(hashes)
-        while len(refs) > self.max_tree_blocks and len(prompts) > 1:
-            gone = []
-            for h in prompts.popleft():
-                refs[h] -= 1
-                if refs[h] == 0:
-                    del refs[h]
-                    gone.append(h)
-            self.tree.remove(iid, gone)
-
-
-# ======================================================================== Dynamo KV router
-@register
-class KVOverlapRouter(Router):
-    """Dynamo's KV-aware router cost as a baseline: for instance ``i``,
-    ``overlap_weight · (prompt blocks − blocks of the prompt cached on i) + decode blocks_i``
-    (blocks in use on ``i`` plus blocks promised to requests routed there), lowest wins (ties:
-    fewer unfinished requests, then order). The overlap comes from the KV-event-fed
-    :class:`PrefixIndex`."""
-
-    name = "kv_overlap"
-    wants_kv_events = True
-
-    def __init__(self, overlap_weight: float = 1.0) -> None:
-        _check(overlap_weight >= 0, f"overlap_weight must be >= 0, got {overlap_weight}")
-        self.overlap_weight = overlap_weight
-        self.index: PrefixIndex | None = None
-
-    def on_kv_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
-        events = list(events)
-        bs = _block_size(events)
-        if self.index is None and bs is None:
-            return
-        if self.index is None:
-            self.index = PrefixIndex(bs or 1)
-        self.index.apply(instance_id, events)
-
-    def on_instance_removed(self, instance_id: str) -> None:
-        if self.index is not None:
-            self.index.remove_instance(instance_id)
-
-    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
-        bs = candidates[0].block_size
-        if self.index is None:
-            self.index = PrefixIndex(bs)
-        m = self.index.match(request.prompt_token_ids)
-        prompt_blocks = -(-m.num_tokens // bs)
-
-        def cost(c: InstanceView) -> tuple[float, int]:
-            used = c.stats.num_used_blocks if c.stats is not None else 0
-            decode = used + -(-c.pending_tokens // bs)
-            prefill = prompt_blocks - m.lengths.get(c.instance_id, 0)
-            return self.overlap_weight * prefill + decode, c.active
-
-        return min(candidates, key=cost)

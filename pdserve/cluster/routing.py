@@ -71,6 +71,12 @@ class Router:
 ROUTERS: dict[str, type[Router]] = {}
 
 
+def require(cond: bool, msg: str) -> None:
+    """A router parameter check: ``ValueError(msg)`` unless ``cond``."""
+    if not cond:
+        raise ValueError(msg)
+
+
 def register(cls: type[Router]) -> type[Router]:
     ROUTERS[cls.name] = cls
     return cls
@@ -127,4 +133,5 @@ class LeastLoad(Router):
 
 
 # the prefix-aware routers register themselves in ROUTERS (they import this module)
+import pdserve.cluster.cache_routing  # noqa: E402, F401
 import pdserve.cluster.prefix_routing  # noqa: E402, F401

@@ -63,7 +63,7 @@ def _resumed(req: Request) -> bool:
 
 @register
 class PriorityGroups(WaitingPolicy):
-    """Preble's local scheduler (Preble §4.3, "waiting queue request ordering").
+    """Preble's local scheduler (Preble §4, "Local Scheduler": "Waiting queue request ordering").
 
     Waiting requests fall into ``num_groups`` (P = 10) priority groups by the share of their
     prompt cached on this instance now: group ``ceil(ratio · P) − 1`` (group 0 for no hit), so

@@ -4,8 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.prefix_routing import prompt_hashes
+from pdserve.cluster.prefix_index import PrefixIndex, prompt_hashes
 from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored
 
 BS = 2
@@ -70,10 +69,13 @@ op = st.one_of(
 )
 
 
+@pytest.mark.parametrize("stride, max_memo", [(1, 1), (2, 1 << 10), (3, 2)])
 @settings(max_examples=300, deadline=None)
-@given(st.lists(op, max_size=40))
-def test_index_matches_brute_force(ops):
-    index, ref = PrefixIndex(BS), {}
+@given(ops=st.lists(op, max_size=40))
+def test_index_matches_brute_force(stride, max_memo, ops):
+    """Block-by-block lookups (stride 1) and stride lookups through the memo (a tiny memo is
+    cleared as it goes) agree with the reference after every event."""
+    index, ref = PrefixIndex(BS, stride=stride, max_memo=max_memo), {}
     for kind, iid, k, first, n in ops:
         hs = HASHES[k][first:first + n]
         if kind == "store" and hs:

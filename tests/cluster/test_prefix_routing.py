@@ -2,14 +2,10 @@
 
 import pytest
 
+from pdserve.cluster.cache_routing import CacheAwareRouter, KVOverlapRouter
 from pdserve.cluster.controller import ClusterRequest, Controller, Send
-from pdserve.cluster.prefix_routing import (
-    CacheAwareRouter,
-    E2Router,
-    KVOverlapRouter,
-    LinearPrefillTime,
-    prompt_hashes,
-)
+from pdserve.cluster.prefix_index import prompt_hashes
+from pdserve.cluster.prefix_routing import E2Router, LinearPrefillTime
 from pdserve.cluster.routing import InstanceView, make_router
 from pdserve.cluster.worker import AddRequest, StepReport, TokenDelta
 from pdserve.engine.engine import EngineStats
@@ -47,6 +43,7 @@ def used(n):
 def e2(**kw):
     kw.setdefault("prefill_time", float)  # PT(n) = n seconds: costs are token counts
     kw.setdefault("tpot", 0.0)
+    kw.setdefault("rebalance_interval", 0.0)  # hand cases route many requests at one time
     return E2Router(**kw)
 
 
@@ -138,6 +135,21 @@ def test_rebalance_moves_a_prefix_subtrees_future_requests():
         assert r.select(creq(rid, p), cands).instance_id == "a"
 
 
+def test_a_prefix_moved_while_new_keeps_its_requests_moved():
+    """x: a new 16-token prompt X (no match) -> a, keyed by its first block; z: exploit on a
+    (S1 + S2 cached, 40 new). L = (a 56, b 0), half the gap 28: X's load (16) fits and moves to
+    b. x2 = X + 8 new exploits X's blocks on a, but X's future requests go to b."""
+    r = e2(rebalance_min_per_instance=0)
+    cands = views("a", "b")
+    x = list(range(500, 516))
+    r.on_kv_events("a", stored(S1 + S2))
+    assert r.select(creq("x", x), cands).instance_id == "a"
+    r.on_kv_events("a", stored(x))
+    assert r.select(creq("z", S1 + S2 + [1] * 40), cands).instance_id == "a"
+    assert r.decisions["rebalance"] == 1
+    assert r.select(creq("x2", x + [2] * 8), cands).instance_id == "b"
+
+
 @pytest.mark.parametrize("b_load, moved", [(6.0, True), (11.0, False)])
 def test_rebalance_threshold_is_relative(b_load, moved):
     """After x (S1, 4 new) and y (S2, 12 new) on a: L_a = 16. Th_bal = 1.5: 16 > 1.5 · 6 moves
@@ -179,6 +191,23 @@ def test_window_expires_load():
     assert r.load["a"] == 32.0
     r.select(creq("y", S2, t=200.0), cands)
     assert r.load["a"] == 32.0 and len(r._win) == 1  # x left the window, y entered
+
+
+def test_per_prefix_state_is_bounded_by_the_window():
+    """Everything E2 keeps per prefix (window counts, sizes, TTFTs, moves, replicas, LRU order)
+    leaves with the prefix's last request in the window."""
+    r = e2(rebalance_min_per_instance=0)
+    cands = views("a", "b")
+    for k in range(50):
+        q = creq(f"x{k}", [1000 + k] * 8 + [k] * 24, t=float(k))
+        r.select(q, cands)
+        q.timeline.token_times.append(k + 0.5)
+    assert len(r.key_stats) == 50
+    r.select(creq("late", S1, t=1000.0), cands)
+    r.select(creq("later", S1, t=1001.0), cands)  # observes x49's TTFT, already forgotten
+    assert len(r._win) == 2 and len(r.key_stats) == len(r.key_tokens) == 1
+    assert len(r._ttft) <= 1 and not r.moved and not r.replicas
+    assert set().union(*r._lru.values()) == set(r.key_stats)  # one prefix, on a and b
 
 
 def test_dead_instance_leaves_the_index_and_no_request_is_lost():
@@ -255,3 +284,31 @@ def test_registry_and_bad_parameters():
     with pytest.raises(ValueError, match="per_token"):
         LinearPrefillTime(per_token=-1)
     assert LinearPrefillTime()(1000) == pytest.approx(0.11)
+
+
+@pytest.mark.parametrize("router", ["preble", "kv_overlap"])
+def test_simulated_cluster_keeps_the_index_exact(router):
+    """End to end: real workers (simulated executor) forward their KV events through the
+    controller; with small caches (evictions) every request finishes and the router's index
+    holds exactly the blocks each instance's pool caches."""
+    from pdserve.sim.simulator import SimRequest
+    from pdserve.sim.target import SimSetup, build_simulator
+
+    sim = build_simulator(SimSetup(model="opt-13b", num_instances=2, num_kv_blocks=96,
+                                   max_model_len=512)).simulator
+    r = make_router(router)
+    sim.controller.prefill_router = r
+    for inst in sim.insts.values():  # what a driver does for a router with wants_kv_events
+        inst.worker.record_events = inst.worker.engine.scheduler.pool.record_events = True
+    reqs = [SimRequest(f"q{k}", 0.05 * k, S1[:8 * (k % 4 + 1)] + [k] * 40, 8)
+            for k in range(60)]
+    res = sim.run(reqs)
+    assert all(x.error is None and x.finish_reason == "length" for x in res.records)
+    assert len(res.records) == 60
+    hits = sum(x.num_cached_tokens for x in res.records)
+    assert hits > 0
+    for iid, inst in sim.insts.items():
+        pool = inst.worker.engine.scheduler.pool
+        assert r.index.num_blocks(iid) == len(pool.cached)
+        for h in pool.cached:
+            assert iid in r.index.holders(h)
