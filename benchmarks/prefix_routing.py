@@ -35,12 +35,11 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.workloads import Workload, make_workload
-from pdserve.cluster.routing import make_router
-from pdserve.engine.policies import make_policy
-from pdserve.sim.target import SimSetup, build_simulator, to_sim_requests
+from pdserve.config import ClusterConfig
+from pdserve.sim.target import SimulationConfig, build_simulator, to_sim_requests
 
 SHARED = os.environ.get("PDSERVE_SHARED", "/work/shared")
-PROFILE = os.path.join(SHARED, "profiles", "distserve_profiler-a100-80g.distserve.json")
+PROFILE = "distserve_profiler-a100-80g.distserve"  # shipped with pdserve
 TRACES = os.path.join(SHARED, "traces")
 ROUTERS = ["round_robin", "shortest_queue", "kv_overlap", "sglang_cache_aware", "preble",
            "preble+local"]
@@ -48,30 +47,14 @@ MAX_LEN = 2048
 
 
 def build_deployment(num_instances: int, router: str) -> Any:
-    """The simulated deployment, in one place (the lead is moving this construction to a single
-    deployment spec): ``num_instances`` colocated OPT-13B on A100s with ``router`` in front.
-
-    Two things the drivers do not do yet are done here by hand: a prefix-aware router is built
-    with the deployment's prefill-time model and swapped into the controller, and the workers'
-    block pools record KV events for it (``record_events``); ``+local`` sets Preble's local
-    policy on every instance's scheduler."""
+    """The simulated deployment: ``num_instances`` colocated OPT-13B on A100s (DistServe's
+    profile) with ``router`` in front (the simulator gives Preble's E2 the profile's prefill
+    time and turns on the instances' KV events); ``+local`` selects Preble's local policy."""
     name, _, local = router.partition("+")
-    setup = SimSetup(model="opt-13b", profile=PROFILE, strategy="colocated",
-                     num_instances=num_instances, max_model_len=MAX_LEN)
-    built = build_simulator(setup)
-    sim = built.simulator
-    insts = list(sim.insts.values())
-    latency = insts[0].spec.latency
-    params = {"prefill_time": lambda n: latency.prefill_time([n])} if name == "preble" else {}
-    r = make_router(name, **params)
-    sim.controller.prefill_router = r
-    for inst in insts:
-        if r.wants_kv_events:
-            inst.worker.record_events = True
-            inst.worker.engine.scheduler.pool.record_events = True
-        if local:
-            inst.worker.engine.scheduler.policy = make_policy("preble")
-    return sim
+    spec = ClusterConfig.from_dict({
+        "model": "opt-13b", "num_instances": num_instances, "prefill_router": name,
+        "engine": {"max_model_len": MAX_LEN, "policy": "preble" if local else "fcfs"}})
+    return build_simulator(SimulationConfig(spec, profile=PROFILE)).simulator
 
 
 def workload(name: str, n: int, num_instances: int, args: argparse.Namespace) -> Workload:

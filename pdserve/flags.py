@@ -38,10 +38,11 @@ from pdserve.config import (
     Link,
     SchedulerConfig,
 )
+from pdserve.engine.policies import POLICIES
 
 _FIELDS = {f.name: (cls, f) for cls in (EngineConfig, CacheConfig, SchedulerConfig)
            for f in fields(cls)}
-_CHOICES: dict[str, Iterable[str]] = {"dtype": DTYPES}
+_CHOICES: dict[str, Iterable[str]] = {"dtype": DTYPES, "policy": sorted(POLICIES)}
 
 
 def say(msg: str) -> None:

@@ -19,15 +19,16 @@ from pdserve.config import EngineConfig
 
 
 def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
-                num_threads: int | None = None) -> InstanceWorker:
-    """An instance over the real model: loads the weights (and the tokenizer unless given)."""
+                num_threads: int | None = None, record_events: bool = False) -> InstanceWorker:
+    """An instance over the real model: loads the weights (and the tokenizer unless given);
+    ``record_events``: report the block pool's KV events (for prefix-aware routers)."""
     from pdserve.engine.model_executor import ModelExecutor
     from pdserve.tokenizer import load_tokenizer
 
     executor = ModelExecutor(config, num_threads=num_threads)
     return InstanceWorker(instance_id, config, executor,
                           tokenizer=tokenizer if tokenizer is not None
-                          else load_tokenizer(config.model))
+                          else load_tokenizer(config.model), record_events=record_events)
 
 
 class InstanceDeadError(RuntimeError):
@@ -117,8 +118,10 @@ class _RayWorker:
     """The actor body: one instance per actor process, one torch thread on CPU. KV pulls happen
     here (``ray.get`` of the source's export), before the sans-IO worker sees the command."""
 
-    def __init__(self, instance_id: str, config: EngineConfig) -> None:
-        self.worker = load_worker(instance_id, config, num_threads=1)
+    def __init__(self, instance_id: str, config: EngineConfig,
+                 record_events: bool = False) -> None:
+        self.worker = load_worker(instance_id, config, num_threads=1,
+                                  record_events=record_events)
 
     def info(self) -> tuple[str, int, int]:
         w = self.worker
@@ -157,7 +160,7 @@ class RayInstance(InstanceClient):
         self.role, self.num_kv_blocks, self.block_size = info
 
     @staticmethod
-    def start_actor(instance_id: str, config: EngineConfig) -> Any:
+    def start_actor(instance_id: str, config: EngineConfig, record_events: bool = False) -> Any:
         """Start the actor (it loads the model in the background); returns its handle."""
         import ray
 
@@ -168,11 +171,12 @@ class RayInstance(InstanceClient):
         opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 2}
         if config.device.startswith("cuda"):
             opts["num_gpus"] = 1
-        return ray.remote(_RayWorker).options(**opts).remote(instance_id, config)
+        return ray.remote(_RayWorker).options(**opts).remote(instance_id, config, record_events)
 
     @classmethod
-    async def create(cls, instance_id: str, config: EngineConfig) -> RayInstance:
-        actor = cls.start_actor(instance_id, config)
+    async def create(cls, instance_id: str, config: EngineConfig,
+                     record_events: bool = False) -> RayInstance:
+        actor = cls.start_actor(instance_id, config, record_events)
         info = await _await(actor.info.remote())
         return cls(actor, instance_id, info)
 

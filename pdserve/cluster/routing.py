@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,28 @@ def require(cond: bool, msg: str) -> None:
 def register(cls: type[Router]) -> type[Router]:
     ROUTERS[cls.name] = cls
     return cls
+
+
+def make_routers(prefill: str | Router, decode: str | Router,
+                 prefill_time: Any = None) -> tuple[Router, Router]:
+    """A deployment's prefill (or colocated) and decode routers. A router that prices prefills
+    (Preble's E2) gets ``prefill_time`` (tokens → seconds: the deployment's latency model) when
+    one is given; a built router is used as it is."""
+
+    def one(r: str | Router) -> Router:
+        if not isinstance(r, str):
+            return r
+        cls = ROUTERS.get(r)
+        takes = cls is not None and "prefill_time" in inspect.signature(cls).parameters
+        return make_router(r, **({"prefill_time": prefill_time}
+                                 if takes and prefill_time is not None else {}))
+
+    return one(prefill), one(decode)
+
+
+def role_router(role: str, prefill: Router, decode: Router) -> Router:
+    """The router whose decisions depend on instances of ``role`` (and so their KV events)."""
+    return decode if role == "decode" else prefill
 
 
 def make_router(name: str, **params: Any) -> Router:

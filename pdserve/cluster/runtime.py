@@ -28,7 +28,7 @@ from pdserve.cluster.instances import (
     load_worker,
 )
 from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
-from pdserve.cluster.routing import InstanceView
+from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
 from pdserve.config import ClusterConfig, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
@@ -59,7 +59,8 @@ class ClusterRuntime:
 
     def __init__(self, config: ClusterConfig, clients: list[InstanceClient], tokenizer: Any,
                  model_config: ModelConfig, model_name: str | None = None,
-                 clock: Any = time.time) -> None:
+                 clock: Any = time.time,
+                 routers: tuple[Router, Router] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -77,7 +78,8 @@ class ClusterRuntime:
             for c in clients
         }
         self.controller = Controller([i.view for i in self.instances.values()],
-                                     config.prefill_router, config.decode_router)
+                                     *(routers or make_routers(config.prefill_router,
+                                                               config.decode_router)))
         self.core = DriverCore(self.controller, self.instances)
         self._streams: dict[str, _Stream] = {}
         self.batch_log: list[tuple[str, list[tuple[str, int, int]]]] | None = None  # tests
@@ -298,16 +300,20 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = load_tokenizer(config.model)
     specs = config.instance_specs(model_config.max_position_embeddings)
+    routers = make_routers(config.prefill_router, config.decode_router)
+    events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
     clients: list[InstanceClient]
     if config.backend == "ray":
         init_ray(config.ray_address, len(specs))
-        clients = list(await asyncio.gather(*(RayInstance.create(s.instance_id, s.engine)
-                                              for s in specs)))
+        clients = list(await asyncio.gather(*(
+            RayInstance.create(s.instance_id, s.engine, events[s.instance_id]) for s in specs)))
     else:
         loop = asyncio.get_running_loop()
         workers = [await loop.run_in_executor(None, lambda s=s: load_worker(
-            s.instance_id, s.engine, tokenizer)) for s in specs]
+            s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id]))
+            for s in specs]
         clients = [InProcessInstance(w) for w in workers]
-    runtime = ClusterRuntime(config, clients, tokenizer, model_config, model_name)
+    runtime = ClusterRuntime(config, clients, tokenizer, model_config, model_name,
+                             routers=routers)
     await runtime.start()
     return runtime

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import DriverCore, Effect, StartStep
-from pdserve.cluster.routing import InstanceView
+from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
 from pdserve.cluster.worker import InstanceWorker
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
@@ -122,23 +122,27 @@ class Simulator:
     node, ``inter_node_link`` the others (DistServe §4.1/§4.2 placements)."""
 
     def __init__(self, instances: Sequence[SimInstance], model: ModelConfig,
-                 prefill_router: str = "shortest_queue", decode_router: str = "least_load",
+                 prefill_router: str | Router = "shortest_queue",
+                 decode_router: str | Router = "least_load",
                  intra_node_link: Link | None = None, inter_node_link: Link | None = None,
                  kv_dtype: str = "float16", record_batches: bool = False) -> None:
         self.model = model
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
         self.inter = inter_node_link or Link()
+        routers = make_routers(prefill_router, decode_router)
         self.insts: dict[str, _Inst] = {}
         for spec in instances:
             ex = SimExecutor(spec.latency, spec.num_kv_blocks)
+            router = role_router(spec.engine.scheduler.role, *routers)
             worker = InstanceWorker(spec.instance_id, spec.engine, executor=ex,
-                                    stream_tokens=False, log_batches=record_batches)
+                                    stream_tokens=False, log_batches=record_batches,
+                                    record_events=router.wants_kv_events)
             self.insts[spec.instance_id] = _Inst(spec, worker)
         self.controller = Controller(
             [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
                           i.spec.engine.cache.block_size) for i in self.insts.values()],
-            prefill_router, decode_router, keep_history=True)
+            *routers, keep_history=True)
         self.core = DriverCore(self.controller, self.insts)
         self.num_gpus = sum(s.num_gpus for s in instances)
         self.record_batches = record_batches

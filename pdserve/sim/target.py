@@ -30,6 +30,7 @@ from typing import Any
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
+from pdserve.cluster.routing import make_routers
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
@@ -204,7 +205,10 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
     intra = _resolve_link(dep.kv_link, devices[0], streams)
     inter = _resolve_link(dep.inter_node_link, devices[0], streams) \
         if dep.inter_node_link is not None else intra
-    simulator = Simulator(instances, model, dep.prefill_router, dep.decode_router,
+    entry = instances[0].latency  # the colocated or prefill instances' step-time model
+    routers = make_routers(dep.prefill_router, dep.decode_router,
+                           prefill_time=lambda n: entry.prefill_time([n]))
+    simulator = Simulator(instances, model, *routers,
                           intra_node_link=intra, inter_node_link=inter,
                           kv_dtype=specs[0].engine.dtype, record_batches=record_batches)
     max_len = specs[0].engine.scheduler.max_model_len

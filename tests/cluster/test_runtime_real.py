@@ -212,3 +212,27 @@ async def test_ray_decode_actor_killed(model_dir: str, reference: dict[int, list
         assert (await c.get("/v1/models")).status_code == 200
         assert (await c.get("/health")).status_code == 503
         await assert_pools_clean(rt)
+
+
+async def test_preble_router_is_fed_by_the_instances_kv_events(model_dir: str) -> None:
+    """`--prefill-router preble` live: the workers report KV events, so the router's index
+    holds exactly the blocks the instances cached, and a shared prefix is exploited."""
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "num_instances": 2,
+                                   "prefill_router": "preble", "backend": "inproc"})
+    rt = await build_runtime(cfg)
+    try:
+        shared = prompts(512)[1]  # 40 tokens: two full blocks of 16
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for i in range(4):
+            outs = [o async for o in rt.generate(f"r{i}", shared + [5 + i], params)]
+            assert outs[-1].finished
+        router = rt.controller.prefill_router
+        await rt.drain()
+        # the index knows exactly the blocks each instance's pool has cached
+        for iid, inst in rt.instances.items():
+            pool = inst.client.worker.engine.scheduler.pool
+            assert router.index.num_blocks(iid) == len(pool.cached), iid
+        assert sum(router.index.num_blocks(i) for i in rt.instances) >= 2
+        assert router.decisions["exploit"] >= 3  # the shared prefix was exploited
+    finally:
+        await rt.shutdown()

@@ -159,3 +159,25 @@ def test_profile_quick_on_tiny_model(tmp_path: Path, capsys) -> None:
                        "--no-progress"])
     assert rc == 0
     assert os.path.getsize(out) > 100
+
+
+def test_preble_router_in_the_simulator_sees_the_cache() -> None:
+    """The simulator turns on KV events for a prefix-aware router and gives E2 the deployment's
+    prefill-time model; on a shared-prefix workload it exploits and beats round robin's hits."""
+    from pdserve.bench.workloads import make_workload
+    from pdserve.sim.target import simulate
+
+    w = make_workload("prefix:num_prefixes=4,shared_len=1024,unique_len=64,output_len=8", 120,
+                      rate=6.0, max_model_len=2048)
+    hits = {}
+    for router in ("round_robin", "preble"):
+        sim = SimulationConfig(ClusterConfig.from_dict(
+            {"model": "opt-13b", "num_instances": 3, "prefill_router": router}),
+            hardware="A100-80GB")
+        built = build_simulator(sim)
+        wants = built.simulator.controller.prefill_router.wants_kv_events
+        assert all(i.worker.record_events == wants for i in built.simulator.insts.values())
+        records, res, _ = simulate(sim, w.requests, vocab_size=50272)
+        assert all(r.ok for r in records)
+        hits[router] = sum(r.num_cached_tokens for r in res.records)
+    assert hits["preble"] > hits["round_robin"]
