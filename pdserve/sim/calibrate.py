@@ -40,7 +40,7 @@ from pdserve.sim.hardware import DeviceSpec, Efficiency, load_hardware, save_har
 from pdserve.sim.latency import FittedProfile, ProfileSample
 
 SAMPLES_FORMAT = "pdserve-step-samples"
-FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm")
+FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap")
 SECONDS = ("comm_latency_s", "step_overhead_s", "layer_overhead_s", "seq_overhead_s")
 FACTORS = FRACTIONS + SECONDS
 
@@ -192,7 +192,7 @@ def identifiable(device: DeviceSpec, ms: Sequence[Measurement],
 
 
 def fit_efficiency(device: DeviceSpec, ms: Sequence[Measurement],
-                   names: Sequence[str] | None = None, starts: int = 3,
+                   names: Sequence[str] | None = None, starts: int = 6,
                    x0: np.ndarray | None = None) -> tuple[Efficiency, tuple[str, ...]]:
     """Least-squares factors for ``ms`` (relative residuals), starting from the device's own
     and ``starts − 1`` other points (the roofline's ``max`` makes the objective non-smooth).
@@ -219,7 +219,7 @@ def fit_efficiency(device: DeviceSpec, ms: Sequence[Measurement],
     else:  # the device's own factors plus the best of a log-uniform random search
         rng = np.random.default_rng(0)
         cand = []
-        for _ in range(48):
+        for _ in range(96):
             x = np.array([rng.uniform(math.log(0.02), h) if n in FRACTIONS
                           else math.exp(rng.uniform(math.log(0.1), math.log(5e4)))
                           for n, h in zip(names, hi)])

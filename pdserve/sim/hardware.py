@@ -62,6 +62,9 @@ class Efficiency:
     * ``layer_overhead_s`` — fixed seconds per layer per iteration (kernel launches: the floor
       small batches hit; it makes the fixed cost scale with depth);
     * ``seq_overhead_s`` — seconds per sequence in the iteration (sampling, metadata);
+    * ``overlap`` — share of the shorter of a kernel's compute and memory times hidden under
+      the longer: ``max(c, m) + (1 − overlap)·min(c, m)`` (1 = the ideal roofline; real kernels
+      near the ridge point overlap less);
     * ``attn_q_tile`` — query rows per attention tile (K/V re-read per tile).
 
     The defaults are A100-80GB's, chosen on OPT-13B / TP 1 against DistServe's profile.
@@ -76,10 +79,11 @@ class Efficiency:
     step_overhead_s: float = 4e-3
     layer_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
+    overlap: float = 1.0
     attn_q_tile: int = 128
 
     def __post_init__(self) -> None:
-        for f in ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm"):
+        for f in ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap"):
             v, top = getattr(self, f), 2.0 if f == "comm" else 1.0
             if not 0.0 < v <= top:
                 raise ValueError(f"{f} must be in (0, {top:g}], got {v}")
