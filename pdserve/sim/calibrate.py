@@ -12,8 +12,9 @@ Measurements come from:
 
 * raw step samples — ``pdserve-step-samples`` JSON (:func:`load_samples`), what
   ``pdserve calibrate --measure MODEL_DIR`` records on this machine with the profiler;
-* fitted profiles — ours (``pdserve profile``) or DistServe's published A100 JSON:
-  the coefficients are evaluated on the shapes they were fitted over (:func:`from_profile`);
+* fitted profiles — ours (``pdserve profile``; evaluated on the profiler's grid) or
+  DistServe's published A100 JSON (on their profiler's range): the coefficients stand in for
+  the measurements they were fitted to (:func:`from_profile`);
 * SplitwiseSim's measured ``perf_model.csv`` (prompt and per-token times; :func:`from_splitwise`);
 * Vidur's per-operator H100 profiles (linear layers vs tokens, all-reduce vs size;
   :func:`from_vidur_mlp`, :func:`from_vidur_allreduce`).
@@ -474,8 +475,11 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
         if is_ours:
             if not args.model:
                 raise ValueError(f"--profile {p}: pass --model (catalogue name or directory)")
-            prof = FittedProfile.load(p)
-            ms += from_profile(prof, args.model)
+            from pdserve.sim.profiler import FULL_GRID
+
+            prof, cfg = FittedProfile.load(p), _model(args.model)
+            shapes = FULL_GRID.shapes(min(cfg.max_position_embeddings, 4096))
+            ms += from_profile(prof, cfg, [s for s in shapes if s.kind != "mixed"])
         else:
             ms += from_distserve_json(p, [args.model] if args.model else None)
     if args.splitwise:

@@ -144,3 +144,21 @@ def test_measurement_of_components_and_allreduce():
     assert p_lin < p_full
     # ring: 2·7/8 · 1 MB / (450 GB/s · 0.6) + 14 hops · 5 µs
     assert p_ar == pytest.approx(14 / 8 * 1e6 / (450e9 * 0.6) + 14 * 5e-6, rel=1e-9)
+
+
+def test_cli_from_a_pdserve_profile(tmp_path, capsys):
+    """A ``pdserve profile`` file (here: the L40S roofline refitted to DistServe's form) is
+    evaluated on the profiler's grid and calibrated on; the fitted model reproduces it within
+    the three-coefficient form's own error."""
+    from pdserve.sim.analytic import AnalyticModel
+
+    prof = AnalyticModel(get_model_config("llama-3-8b"), "L40S").to_fitted_profile()
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    args = _parse(["--hardware", "L40S", "--profile", str(path), "--model", "llama-3-8b",
+                   "--report-json", str(tmp_path / "r.json")])
+    assert args.func(args) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["fit"]["mean"] < 0.1
+    missing = _parse(["--hardware", "L40S", "--profile", str(path)])
+    with pytest.raises(ValueError, match="pass --model"):
+        missing.func(missing)
