@@ -12,9 +12,10 @@ on the part it was *not* fitted on, next to the uncalibrated catalogue factors' 
 * H100 — Vidur's per-operator profiles (Llama-2-7B linear layers; NCCL all-reduce): fit on
   TP 1/2/8 (all-reduce: 2/8), test on TP 4;
 * cpu — two ``pdserve-step-samples`` files measured on this machine with different grids
-  (``--cpu-fit``, ``--cpu-heldout``; see ``--measure-cpu``).
+  (``cpu_fit.json``, ``cpu_heldout.json`` in each ``--cpu-dir``; ``--measure-cpu`` makes them).
 
-    python benchmarks/calibration.py [--out-dir out/calibration] [--measure-cpu] [--loo]
+    python benchmarks/calibration.py [--out-dir out/calibration] [--measure-cpu]
+        [--cpu-dir DIR ...] [--loo]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pdserve.sim.calibrate import (
     load_samples,
     relative_errors,
 )
-from pdserve.sim.hardware import get_device, load_hardware, save_hardware
+from pdserve.sim.hardware import Efficiency, get_device, load_hardware, save_hardware
 
 PROFILES = "/work/shared/profiles"
 LOO_MAX = 450  # leave-one-out refits once per sample: skipped above this many
@@ -72,11 +73,14 @@ def experiments(args: argparse.Namespace) -> list[tuple[str, str, str, str, list
     ar = from_vidur_allreduce(os.path.join(vd, "h100_dgx_all_reduce.csv.gz"))
     out.append((h100.name, "Vidur (all-reduce)", "2 and 8 GPUs", "4 GPUs",
                 [m for m in ar if m.tp != 4], [m for m in ar if m.tp == 4]))
-    if os.path.isfile(args.cpu_fit) and os.path.isfile(args.cpu_heldout):
-        tr = load_samples(args.cpu_fit, args.cpu_model)
-        te = load_samples(args.cpu_heldout, args.cpu_model)
-        out.append(("cpu", "pdserve profile (this VM)", f"{len(tr)} shapes (profile grid)",
-                    f"{len(te)} other shapes", tr, te))
+    for d in args.cpu_dir:
+        fit, held = os.path.join(d, "cpu_fit.json"), os.path.join(d, "cpu_heldout.json")
+        if os.path.isfile(fit) and os.path.isfile(held):
+            tr, te = load_samples(fit, args.cpu_model), load_samples(held, args.cpu_model)
+            with open(fit) as f:
+                note = json.load(f).get("source", "")
+            out.append(("cpu", f"pdserve profile (this VM, {d}: {note})",
+                        f"{len(tr)} shapes (profile grid)", f"{len(te)} other shapes", tr, te))
     return out
 
 
@@ -92,7 +96,9 @@ def measure_cpu(args: argparse.Namespace) -> None:
                        max_prefill_tokens=2048, repeats=5)
     d = make_tiny_model(args.cpu_model, "llama", hidden_size=384, num_layers=6, num_heads=6,
                         num_kv_heads=2, vocab_size=4096, intermediate_size=1024)
-    for path, grid in ((args.cpu_fit, FULL_GRID), (args.cpu_heldout, held)):
+    os.makedirs(args.cpu_dir[0], exist_ok=True)
+    for name, grid in (("cpu_fit.json", FULL_GRID), ("cpu_heldout.json", held)):
+        path = os.path.join(args.cpu_dir[0], name)
         samples = measure_samples(d, grid=grid, repeats=args.cpu_repeats, progress=False,
                                   stat="min")
         save_samples(path, samples, model="tiny-llama-384", model_dir=os.path.abspath(d),
@@ -109,7 +115,9 @@ def run(args: argparse.Namespace) -> dict:
     os.makedirs(args.out_dir, exist_ok=True)
     rows, report = [], []
     for dev_name, source, fit_on, held, train, test in experiments(args):
-        dev = get_device(dev_name)
+        # start from the defaults an uncalibrated device borrows (A100 / OPT-13B), not from a
+        # catalogue entry that may itself have been calibrated on these measurements
+        dev = replace(get_device(dev_name), efficiency=Efficiency())
         if dev_name == "cpu":  # float32 runs
             train = [replace(m, dtype="float32") for m in train]
             test = [replace(m, dtype="float32") for m in test]
@@ -153,14 +161,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--profiles", default=PROFILES)
     ap.add_argument("--out-dir", default="out/calibration")
     ap.add_argument("--cpu-model", default="out/calibration/tiny-llama-384")
-    ap.add_argument("--cpu-fit", default="out/calibration/cpu_fit.json")
-    ap.add_argument("--cpu-heldout", default="out/calibration/cpu_heldout.json")
+    ap.add_argument("--cpu-dir", action="append",
+                    help="directory with cpu_fit.json + cpu_heldout.json (repeatable; "
+                         "--measure-cpu writes to the first; default out/calibration)")
     ap.add_argument("--measure-cpu", action="store_true",
                     help="measure the CPU samples first (about a minute; needs torch)")
     ap.add_argument("--cpu-repeats", type=int, default=9)
     ap.add_argument("--loo", action="store_true",
                     help=f"leave-one-out error where the fit set has <= {LOO_MAX} samples")
     args = ap.parse_args(argv)
+    args.cpu_dir = args.cpu_dir or ["out/calibration"]
     os.makedirs(args.out_dir, exist_ok=True)
     if args.measure_cpu:
         measure_cpu(args)

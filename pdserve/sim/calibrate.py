@@ -44,6 +44,7 @@ SAMPLES_FORMAT = "pdserve-step-samples"
 FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap")
 SECONDS = ("comm_latency_s", "step_overhead_s", "layer_overhead_s", "seq_overhead_s")
 FACTORS = FRACTIONS + SECONDS
+RIDGE = 0.0  # penalty toward the base factors (log scale); see docs/fidelity.md
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,8 @@ def identifiable(device: DeviceSpec, ms: Sequence[Measurement],
 
 def fit_efficiency(device: DeviceSpec, ms: Sequence[Measurement],
                    names: Sequence[str] | None = None, starts: int = 6,
-                   x0: np.ndarray | None = None) -> tuple[Efficiency, tuple[str, ...]]:
+                   x0: np.ndarray | None = None, ridge: float = RIDGE
+                   ) -> tuple[Efficiency, tuple[str, ...]]:
     """Least-squares factors for ``ms`` (relative residuals), starting from the device's own
     and ``starts − 1`` other points (the roofline's ``max`` makes the objective non-smooth).
     Returns the fitted :class:`Efficiency` and the names fitted."""
@@ -211,8 +213,15 @@ def fit_efficiency(device: DeviceSpec, ms: Sequence[Measurement],
     pred = _Predictor(device, ms)
     y = np.array([m.seconds for m in ms])
 
+    prior = _pack(base, names)
+    frac = np.array([n in FRACTIONS for n in names])
+    w = math.sqrt(len(ms)) * ridge
+
     def resid(x: np.ndarray) -> np.ndarray:
-        return pred(_unpack(x, base, names)) / y - 1
+        r = pred(_unpack(x, base, names)) / y - 1
+        if not ridge:
+            return r
+        return np.concatenate([r, w * (x - prior)[frac]])
 
     lo, hi = _bounds(names)
     if x0 is not None:
