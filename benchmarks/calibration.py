@@ -160,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default=PROFILES)
     ap.add_argument("--out-dir", default="out/calibration")
-    ap.add_argument("--cpu-model", default="out/calibration/tiny-llama-384")
+    ap.add_argument("--cpu-model", default="out/calibration/tiny-llama-384",
+                    help="the tiny model the CPU samples were measured on (--measure-cpu "
+                         "writes it here)")
     ap.add_argument("--cpu-dir", action="append",
                     help="directory with cpu_fit.json + cpu_heldout.json (repeatable; "
                          "--measure-cpu writes to the first; default out/calibration)")
