@@ -135,15 +135,15 @@ def test_cli_writes_a_spec_that_loads_back(tmp_path, capsys):
 
 
 def test_measurement_of_components_and_allreduce():
-    dev = get_device("h100")
+    dev = get_device("a100")
     m8 = get_model_config("llama-2-7b")
     lin = Measurement(ProfileSample.prefill([256], 1.0), m8, 2, components=("linear",))
     ar = Measurement(ProfileSample((), (), 1.0), m8, 8, allreduce_bytes=1e6)
     full = Measurement(ProfileSample.prefill([256], 1.0), m8, 2)
     p_lin, p_ar, p_full = predict(dev, [lin, ar, full])
     assert p_lin < p_full
-    # ring: 2·7/8 · 1 MB / (450 GB/s · 0.6) + 14 hops · 5 µs
-    assert p_ar == pytest.approx(14 / 8 * 1e6 / (450e9 * 0.6) + 14 * 5e-6, rel=1e-9)
+    # ring over NVLink 3: 2·7/8 · 1 MB / (300 GB/s · 0.6) + 14 hops · 5 µs
+    assert p_ar == pytest.approx(14 / 8 * 1e6 / (300e9 * 0.6) + 14 * 5e-6, rel=1e-9)
 
 
 def test_cli_from_a_pdserve_profile(tmp_path, capsys):
