@@ -376,13 +376,13 @@ def load_hardware(name_or_path: str | os.PathLike[str] | DeviceSpec | ClusterSpe
     if isinstance(name_or_path, DeviceSpec):
         return ClusterSpec(name_or_path)
     name = os.fspath(name_or_path)
-    if _is_path(name) or os.path.isfile(name):
+    key = _key(name, _DEVICE_ALIASES)
+    if _is_path(name) or (key not in _CATALOGUE and os.path.isfile(name)):
         if not os.path.isfile(name):
             raise ValueError(f"hardware file {name!r} does not exist")
         raw = _read(name)
         dev = device_from_dict(raw, name)
         return _cluster_of(dev, raw.get("cluster"), name)
-    key = _key(name, _DEVICE_ALIASES)
     if key not in _CATALOGUE:
         raise _unknown("device", name, _CATALOGUE, _DEVICE_ALIASES)
     return _CATALOGUE[key][1]

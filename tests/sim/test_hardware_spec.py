@@ -212,3 +212,11 @@ def test_no_import_cycle_between_latency_and_analytic():
                    for n in tree.body)
     for first in ("pdserve.sim.analytic", "pdserve.sim.latency", "pdserve.sim.calibrate"):
         subprocess.run([sys.executable, "-c", f"import {first}"], check=True)
+
+
+def test_catalogue_name_wins_over_a_same_named_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h100").write_text("not a spec")
+    assert load_hardware("h100").device is get_device("H100")
+    (tmp_path / "mygpu").write_text(GOOD)
+    assert load_hardware("mygpu").device.name == "toy"  # a file without an extension
