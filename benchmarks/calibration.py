@@ -27,19 +27,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pdserve.sim.calibrate import (
+from pdserve.sim.calibrate import calibrate, drop_unphysical, error_stats, relative_errors
+from pdserve.sim.hardware import Efficiency, get_device, load_hardware, save_hardware
+from pdserve.sim.measurements import (
     Measurement,
-    calibrate,
-    drop_unphysical,
-    error_stats,
     from_distserve_json,
     from_splitwise,
     from_vidur_allreduce,
     from_vidur_mlp,
     load_samples,
-    relative_errors,
 )
-from pdserve.sim.hardware import Efficiency, get_device, load_hardware, save_hardware
 
 PROFILES = "/work/shared/profiles"
 LOO_MAX = 450  # leave-one-out refits once per sample: skipped above this many
@@ -87,7 +84,7 @@ def experiments(args: argparse.Namespace) -> list[tuple[str, str, str, str, list
 def measure_cpu(args: argparse.Namespace) -> None:
     """Measure the tiny model on this machine twice, on two different grids."""
     from pdserve.model.tiny import make_tiny_model
-    from pdserve.sim.calibrate import save_samples
+    from pdserve.sim.measurements import save_samples
     from pdserve.sim.profiler import FULL_GRID, ProfileGrid, measure_samples
 
     held = ProfileGrid(prefill_lens=(24, 48, 96, 192, 384, 768), prefill_batches=(1, 3),

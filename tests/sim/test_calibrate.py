@@ -8,22 +8,18 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.sim.calibrate import (
+from pdserve.sim.calibrate import calibrate, drop_unphysical, identifiable, predict, register
+from pdserve.sim.hardware import Efficiency, get_device, load_hardware
+from pdserve.sim.latency import ProfileSample
+from pdserve.sim.measurements import (
     Measurement,
-    calibrate,
-    drop_unphysical,
     from_distserve_json,
     from_splitwise,
     from_vidur_allreduce,
-    identifiable,
     load_samples,
-    predict,
     profile_shapes,
-    register,
     save_samples,
 )
-from pdserve.sim.hardware import Efficiency, get_device, load_hardware
-from pdserve.sim.latency import ProfileSample
 from pdserve.sim.models import get_model_config
 
 PROFILES = "/work/shared/profiles"
