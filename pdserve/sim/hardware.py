@@ -223,7 +223,7 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             import yaml
 
-            d = yaml.safe_load(text)
+            d = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except Exception as e:  # yaml.YAMLError, json.JSONDecodeError
         kind = "JSON" if p.endswith(".json") else "YAML"
         raise ValueError(f"hardware file {p!r} is not valid {kind}: {e}") from None
