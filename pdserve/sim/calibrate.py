@@ -33,6 +33,7 @@ from pdserve.sim.measurements import (
     from_distserve_json,
     from_profile,
     from_splitwise,
+    from_step_log,
     from_vidur_allreduce,
     from_vidur_mlp,
     load_samples,
@@ -282,6 +283,10 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
             ms += from_profile(prof, cfg, [s for s in shapes if s.kind != "mixed"])
         else:
             ms += from_distserve_json(p, [args.model] if args.model else None)
+    for p in args.step_log or []:
+        if not args.model:
+            raise ValueError(f"--step-log {p}: pass --model (catalogue name or directory)")
+        ms += from_step_log(p, args.model, args.tp, args.dtype)
     if args.splitwise:
         ms += drop_unphysical(device, from_splitwise(args.splitwise, args.splitwise_hardware))
     if args.vidur:
@@ -291,8 +296,8 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
     if args.measure:
         ms += _measure(args)
     if not ms:
-        raise ValueError("no measurements: give --samples, --profile, --splitwise, --vidur or "
-                         "--measure")
+        raise ValueError("no measurements: give --samples, --profile, --step-log, --splitwise, "
+                         "--vidur or --measure")
     return ms
 
 
@@ -341,6 +346,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--profile", action="append",
                    help="pdserve profile JSON (needs --model) or DistServe profile JSON")
     p.add_argument("--model", help="model for --samples/--profile: catalogue name or directory")
+    p.add_argument("--step-log", action="append",
+                   help="serving log: JSON lines of per-step elapsed + batch shape (needs "
+                        "--model; repeatable)")
+    p.add_argument("--tp", type=int, default=1, help="with --step-log: the instance's TP")
+    p.add_argument("--dtype", default="float16", help="with --step-log: the model's dtype")
     p.add_argument("--splitwise", help="SplitwiseSim perf_model.csv")
     p.add_argument("--splitwise-hardware", default="a100-80gb",
                    help="its hardware column (a100-80gb, h100-80gb, h100-80gb-pcap)")

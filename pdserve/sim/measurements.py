@@ -9,7 +9,8 @@ A :class:`Measurement` is one measured time and what produced it. Loaders:
 * fitted profiles — ours (``pdserve profile``) or DistServe's published A100 JSON, evaluated on
   the shapes they were fitted over (:func:`from_profile`, :func:`from_distserve_json`);
 * SplitwiseSim's measured ``perf_model.csv`` (:func:`from_splitwise`);
-* Vidur's per-operator H100 profiles (:func:`from_vidur_mlp`, :func:`from_vidur_allreduce`).
+* Vidur's per-operator H100 profiles (:func:`from_vidur_mlp`, :func:`from_vidur_allreduce`);
+* a serving log of per-step times and batch shapes (:func:`from_step_log`).
 """
 
 from __future__ import annotations
@@ -237,4 +238,37 @@ def from_vidur_allreduce(path: str | os.PathLike[str], model: str | ModelConfig 
             s = ProfileSample((), (), float(r["time_stats.all_reduce.median"]) * 1e-3)
             out.append(Measurement(s, cfg, tp, allreduce_bytes=nbytes,
                                    group=f"allreduce tp{tp}"))
+    return out
+
+
+def from_step_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: int = 1,
+                  dtype: str = "float16") -> list[Measurement]:
+    """A serving log: JSON lines, one per engine step, each ``{"elapsed": seconds,
+    "prefill_chunks": [[start, n], ...], "decode_context_lens": [...]}`` (optionally
+    ``"instance_id"``) — a live instance's ``StepReport.elapsed`` with its batch's
+    ``ScheduledBatch.shape()``. Empty steps are skipped; every measurement is grouped by
+    instance."""
+    cfg = model_config(model)
+    p = os.fspath(path)
+    try:
+        with open(p) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"cannot read step log {p!r}: {e.strerror}") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            sample = ProfileSample(tuple((int(a), int(b)) for a, b in r["prefill_chunks"]),
+                                   tuple(int(c) for c in r["decode_context_lens"]),
+                                   float(r["elapsed"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{p!r} line {i}: not a step record ({e!r})") from None
+        if sample.seconds > 0 and (sample.prefill_chunks or sample.decode_context_lens):
+            out.append(Measurement(sample, cfg, tp, 1, dtype,
+                                   group=str(r.get("instance_id", "log"))))
+    if not out:
+        raise ValueError(f"{p!r} has no non-empty steps")
     return out

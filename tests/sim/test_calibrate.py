@@ -158,3 +158,39 @@ def test_cli_from_a_pdserve_profile(tmp_path, capsys):
     missing = _parse(["--hardware", "L40S", "--profile", str(path)])
     with pytest.raises(ValueError, match="pass --model"):
         missing.func(missing)
+
+
+def test_cli_from_a_serving_step_log(tmp_path, capsys):
+    """Steps of a (synthetic) live instance — mixed chunk + decode batches included — with
+    their elapsed times: calibration recovers the factors that produced them."""
+    dev = get_device("a100")
+    model = get_model_config("llama-3-8b")
+    shapes = [ProfileSample(((s, n),), (c,) * b, 0.0) for s in (0, 512) for n in (64, 512)
+              for b in (0, 4, 32) for c in (300, 1500)]
+    shapes += [ProfileSample((), (c,) * b, 0.0) for b in (1, 8, 64) for c in (128, 2048)]
+    ms = [Measurement(s, model) for s in shapes]
+    ys = predict(replace(dev, efficiency=TRUE), ms)
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps({
+        "instance_id": "colocated-0", "elapsed": float(y),
+        "prefill_chunks": [list(c) for c in s.prefill_chunks],
+        "decode_context_lens": list(s.decode_context_lens)}) + "\n" for s, y in zip(shapes, ys))
+        + json.dumps({"elapsed": 0.0, "prefill_chunks": [], "decode_context_lens": []}) + "\n")
+    out = tmp_path / "a100-mine.yaml"
+    args = _parse(["--hardware", "A100", "--step-log", str(log), "--model", "llama-3-8b",
+                   "-o", str(out), "--report-json", str(tmp_path / "r.json")])
+    args.func(args)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["n"] == len(shapes)  # the empty step is skipped
+    assert "comm" not in rep["fitted"]  # TP 1: no collective to see
+    eff = load_hardware(str(out)).device.efficiency
+    for name in ("mfu_gemm", "mbu_weights", "mbu_kv", "seq_overhead_s"):
+        assert getattr(eff, name) == pytest.approx(getattr(TRUE, name), rel=1e-3), name
+    # one model: only the fixed cost per step, step + layers · per-layer, is identifiable
+    assert eff.step_overhead_s + 32 * eff.layer_overhead_s == \
+        pytest.approx(TRUE.step_overhead_s + 32 * TRUE.layer_overhead_s, rel=1e-3)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"elapsed": 1.0}\n')
+    args = _parse(["--hardware", "A100", "--step-log", str(bad), "--model", "llama-3-8b"])
+    with pytest.raises(ValueError, match="line 1: not a step record"):
+        args.func(args)
