@@ -6,12 +6,14 @@ Importing this package loads only the torch-free latency layer; the event loop l
 
 from pdserve.sim.analytic import AnalyticModel, Efficiency
 from pdserve.sim.hardware import (
+    ClusterSpec,
     DeviceSpec,
     LinkSpec,
     get_device,
     get_link,
     list_devices,
     list_links,
+    load_hardware,
 )
 from pdserve.sim.latency import (
     FittedProfile,
@@ -28,8 +30,10 @@ from pdserve.sim.latency import (
 from pdserve.sim.models import get_model_config, list_models
 
 __all__ = [
-    "AnalyticModel", "DeviceSpec", "Efficiency", "FittedProfile", "LatencyModel", "LinkSpec",
+    "AnalyticModel", "ClusterSpec", "DeviceSpec", "Efficiency", "FittedProfile", "LatencyModel",
+    "LinkSpec",
     "PipelineModel", "ProfileSample", "fit_profile", "fit_relative", "get_device", "get_link",
     "get_model_config", "kv_transfer_time", "list_devices", "list_links", "list_models",
+    "load_hardware",
     "pipeline_finish_times", "profile_grid", "profile_model",
 ]

@@ -101,7 +101,8 @@ class AnalyticModel(LatencyModel):
         if m.is_moe:  # router (replicated) and shared experts (dense, TP-sharded)
             shared = m.shared_expert_intermediate_size // tp
             self.linear_params += m.num_moe_layers * (h * m.num_experts + 3 * h * shared)
-            self.linear_act += m.num_moe_layers * (h + m.num_experts + 2 * h + 3 * shared)
+            self.linear_act += m.num_moe_layers * (h + m.num_experts
+                                                   + (2 * h + 3 * shared if shared else 0))
             # one routed expert, per GPU that holds (a shard of) it
             self.expert_params = 3 * h * m.moe_intermediate_size // (tp // self.ep)
             self.expert_act = 2 * h + 3 * m.moe_intermediate_size // (tp // self.ep)
@@ -111,7 +112,8 @@ class AnalyticModel(LatencyModel):
         self.bw = self.device.memory_bw_gbs * 1e9
 
     def _roof(self, flops: float, nbytes: float, mfu: float, mbu: float) -> float:
-        return max(flops / (self.flops * mfu), nbytes / (self.bw * mbu))
+        c, m = flops / (self.flops * mfu), nbytes / (self.bw * mbu)
+        return max(c, m) + (1.0 - self.eff.overlap) * min(c, m)
 
     def _experts(self, tokens: int) -> tuple[float, float]:
         """``(token-expert pairs, experts touched)`` on the busiest GPU of one sparse layer."""

@@ -62,6 +62,9 @@ class Efficiency:
     * ``layer_overhead_s`` — fixed seconds per layer per iteration (kernel launches: the floor
       small batches hit; it makes the fixed cost scale with depth);
     * ``seq_overhead_s`` — seconds per sequence in the iteration (sampling, metadata);
+    * ``overlap`` — share of the shorter of a kernel's compute and memory times hidden under
+      the longer: ``max(c, m) + (1 − overlap)·min(c, m)`` (1 = the ideal roofline; real kernels
+      near the ridge point overlap less);
     * ``attn_q_tile`` — query rows per attention tile (K/V re-read per tile).
 
     The defaults are A100-80GB's, chosen on OPT-13B / TP 1 against DistServe's profile.
@@ -76,10 +79,11 @@ class Efficiency:
     step_overhead_s: float = 4e-3
     layer_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
+    overlap: float = 1.0
     attn_q_tile: int = 128
 
     def __post_init__(self) -> None:
-        for f in ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm"):
+        for f in ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap"):
             v, top = getattr(self, f), 2.0 if f == "comm" else 1.0
             if not 0.0 < v <= top:
                 raise ValueError(f"{f} must be in (0, {top:g}], got {v}")
@@ -219,7 +223,7 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             import yaml
 
-            d = yaml.safe_load(text)
+            d = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except Exception as e:  # yaml.YAMLError, json.JSONDecodeError
         kind = "JSON" if p.endswith(".json") else "YAML"
         raise ValueError(f"hardware file {p!r} is not valid {kind}: {e}") from None
@@ -372,13 +376,13 @@ def load_hardware(name_or_path: str | os.PathLike[str] | DeviceSpec | ClusterSpe
     if isinstance(name_or_path, DeviceSpec):
         return ClusterSpec(name_or_path)
     name = os.fspath(name_or_path)
-    if _is_path(name) or os.path.isfile(name):
+    key = _key(name, _DEVICE_ALIASES)
+    if _is_path(name) or (key not in _CATALOGUE and os.path.isfile(name)):
         if not os.path.isfile(name):
             raise ValueError(f"hardware file {name!r} does not exist")
         raw = _read(name)
         dev = device_from_dict(raw, name)
         return _cluster_of(dev, raw.get("cluster"), name)
-    key = _key(name, _DEVICE_ALIASES)
     if key not in _CATALOGUE:
         raise _unknown("device", name, _CATALOGUE, _DEVICE_ALIASES)
     return _CATALOGUE[key][1]

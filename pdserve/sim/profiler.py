@@ -73,9 +73,11 @@ def _engine(model_dir: str, device: str, dtype: str, num_blocks: int, block_size
     return Engine(cfg, ModelExecutor(cfg))
 
 
-def measure(engine, sample: ProfileSample, repeats: int) -> float:
-    """Median seconds of ``repeats`` timed executions of ``sample``'s shape (after one warm-up)
-    on ``engine``'s executor, with block tables from its own pool."""
+def measure(engine, sample: ProfileSample, repeats: int, stat: str = "median") -> float:
+    """Median (``stat="min"``: fastest) seconds of ``repeats`` timed executions of
+    ``sample``'s shape (after one warm-up) on ``engine``'s executor, with block tables from its
+    own pool. The minimum is the better estimate of the device's own time on a machine shared
+    with other work."""
     from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
     from pdserve.request import Request, SamplingParams
 
@@ -114,13 +116,14 @@ def measure(engine, sample: ProfileSample, repeats: int) -> float:
     finally:
         for r in reqs:
             kv.free(r)
-    return statistics.median(times)
+    return min(times) if stat == "min" else statistics.median(times)
 
 
 def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = None,
                     grid: ProfileGrid = FULL_GRID, repeats: int | None = None,
                     block_size: int = 16, log: Callable[[str], None] | None = None,
-                    progress: bool = True, threads: int | None = 1) -> list[ProfileSample]:
+                    progress: bool = True, threads: int | None = 1,
+                    stat: str = "median") -> list[ProfileSample]:
     """Time every shape of ``grid`` on ``model_dir``'s real executor; the raw samples (what
     ``pdserve calibrate`` fits efficiency factors to).
 
@@ -156,7 +159,7 @@ def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = Non
     with bar:
         task = bar.add_task("", total=len(shapes))
         for sh in shapes:
-            t = measure(engine, sh, reps)
+            t = measure(engine, sh, reps, stat)
             samples.append(ProfileSample(sh.prefill_chunks, sh.decode_context_lens, t))
             bar.update(task, advance=1)
     return samples

@@ -202,3 +202,16 @@ def test_bfloat16_on_cpu(tiny_dirs, hf_models):
             total += 1
             assert rel_err(got, want) < 0.1
     assert agree >= 0.8 * total
+
+
+def test_engine_rejects_mixture_of_experts():
+    from pdserve.config import ModelConfig
+    from pdserve.model.loader import build_model
+    from pdserve.sim.models import CATALOGUE
+
+    cfg = ModelConfig.from_hf_dict(dict(CATALOGUE["mixtral-8x7b"], num_hidden_layers=1,
+                                        hidden_size=64, intermediate_size=64,
+                                        num_attention_heads=4, num_key_value_heads=4,
+                                        vocab_size=300), name="mixtral-tiny")
+    with pytest.raises(ValueError, match="'mixtral-tiny' is a mixture of experts"):
+        build_model(cfg)

@@ -90,3 +90,48 @@ def test_model_from_directory_and_errors(tmp_path):
     assert canonical_model_name("gpt-2") is None
     with pytest.raises(ValueError, match="unknown model 'gpt-2'.*opt-13b"):
         get_model_config("gpt-2")
+
+
+def test_qwen3_and_moe_catalogue_configs():
+    """Parameter counts against the model cards (total / activated)."""
+    q = get_model_config("Qwen/Qwen3-8B")
+    assert (q.family, q.qk_norm, q.head_dim, q.num_kv_heads, q.attention_bias) == \
+        ("qwen3", True, 128, 8, False)
+    assert q.num_params() == pytest.approx(8.2e9, rel=0.01)
+    small = get_model_config("qwen3-0.6b")
+    assert small.head_dim * small.num_heads != small.hidden_size  # explicit head_dim: 128·16
+    assert small.num_params() == pytest.approx(0.6e9, rel=0.01)
+    a3b = get_model_config("Qwen/Qwen3-30B-A3B")
+    assert (a3b.num_experts, a3b.num_experts_per_tok, a3b.moe_intermediate_size,
+            a3b.num_moe_layers) == (128, 8, 768, 48)
+    assert a3b.num_params() == pytest.approx(30.5e9, rel=0.01)
+    assert a3b.num_params(active=True) == pytest.approx(3.3e9, rel=0.02)
+    big = get_model_config("qwen3-235b-a22b")
+    assert big.num_params() == pytest.approx(235e9, rel=0.01)
+    assert big.num_params(active=True) == pytest.approx(22e9, rel=0.02)
+    mix = get_model_config("mistralai/Mixtral-8x7B-v0.1")
+    assert (mix.family, mix.num_experts, mix.num_experts_per_tok) == ("llama", 8, 2)
+    assert mix.num_params() == pytest.approx(46.7e9, rel=0.01)
+    assert mix.num_params(active=True) == pytest.approx(12.9e9, rel=0.01)
+    assert get_model_config("mixtral-8x22b").num_params() == pytest.approx(141e9, rel=0.01)
+
+
+def test_moe_config_fields_from_hf(tmp_path):
+    """Qwen2-MoE style: shared expert, every second layer sparse, layer 0 dense."""
+    from pdserve.config import ModelConfig
+
+    d = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+         "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 128,
+         "decoder_sparse_step": 2, "mlp_only_layers": [1]}
+    m = ModelConfig.from_hf_dict(d)
+    assert (m.family, m.num_moe_layers, m.shared_expert_intermediate_size) == ("qwen2", 1, 128)
+    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64
+    moe = 4 * 3 * 64 * 32 + 64 * 4 + 3 * 64 * 128 + 64
+    assert m.num_params() == 4 * attn + 3 * 3 * 64 * 256 + moe + 2 * 1000 * 64
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 must be in 1..num_experts=4"):
+        ModelConfig.from_hf_dict({**d, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        ModelConfig.from_hf_dict({**d, "architectures": ["GPT2LMHeadModel"],
+                                  "model_type": "gpt2"})

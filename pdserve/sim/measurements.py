@@ -1,0 +1,274 @@
+"""Step-time measurements to calibrate the analytic model on, and where they come from
+(torch-free).
+
+A :class:`Measurement` is one measured time and what produced it. Loaders:
+
+* raw step samples — ``pdserve-step-samples`` JSON (:func:`load_samples` /
+  :func:`save_samples`), what ``pdserve calibrate --measure MODEL_DIR`` records with the
+  profiler;
+* fitted profiles — ours (``pdserve profile``) or DistServe's published A100 JSON, evaluated on
+  the shapes they were fitted over (:func:`from_profile`, :func:`from_distserve_json`);
+* SplitwiseSim's measured ``perf_model.csv`` (:func:`from_splitwise`);
+* Vidur's per-operator H100 profiles (:func:`from_vidur_mlp`, :func:`from_vidur_allreduce`);
+* a serving log of per-step times and batch shapes (:func:`from_step_log`).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from pdserve.config import ModelConfig
+from pdserve.sim.latency import FittedProfile, ProfileSample
+
+SAMPLES_FORMAT = "pdserve-step-samples"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured time and what produced it.
+
+    A whole engine step (``sample``: its prefill chunks, decode contexts and seconds) of
+    ``model`` at ``tp`` (``ep``) in ``dtype`` — or, with ``components``, only those parts of
+    :meth:`AnalyticModel.breakdown` (an operator-level profile such as Vidur's linear layers) —
+    or, with ``allreduce_bytes`` > 0, one all-reduce of that many bytes over ``tp`` GPUs.
+    ``group`` labels where it came from (held-out splits and reports group by it).
+    """
+
+    sample: ProfileSample
+    model: ModelConfig
+    tp: int = 1
+    ep: int = 1
+    dtype: str = "float16"
+    components: tuple[str, ...] = ()
+    allreduce_bytes: float = 0.0
+    group: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.sample.seconds
+
+
+def model_config(spec: str | ModelConfig) -> ModelConfig:
+    """A catalogue name or a checkpoint directory as a :class:`ModelConfig`."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    from pdserve.sim.models import get_model_config
+
+    return get_model_config(spec)
+
+
+def load_samples(path: str | os.PathLike[str], model: str | ModelConfig | None = None
+                 ) -> list[Measurement]:
+    """A ``pdserve-step-samples`` JSON file (``model``: catalogue name or directory, unless
+    the file names one)."""
+    p = os.fspath(path)
+    try:
+        with open(p) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read samples file {p!r}: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != SAMPLES_FORMAT:
+        raise ValueError(f"{p!r} is not a {SAMPLES_FORMAT} file")
+    spec = model or d.get("model_dir") or d.get("model")
+    if not spec:
+        raise ValueError(f"{p!r} names no model: pass one")
+    cfg = model_config(spec)
+    out = []
+    for i, s in enumerate(d.get("samples") or []):
+        try:
+            sample = ProfileSample(tuple((int(a), int(b)) for a, b in s["prefill_chunks"]),
+                                   tuple(int(c) for c in s["decode_context_lens"]),
+                                   float(s["seconds"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{p!r}: samples[{i}] is malformed ({e!r})") from None
+        out.append(Measurement(sample, cfg, int(d.get("tp", 1)), 1, d.get("dtype", "float16"),
+                               group=d.get("group", os.path.basename(p))))
+    if not out:
+        raise ValueError(f"{p!r} has no samples")
+    return out
+
+
+def save_samples(path: str | os.PathLike[str], samples: Sequence[ProfileSample],
+                 **meta: Any) -> None:
+    """Write raw samples as ``pdserve-step-samples`` JSON (``meta``: model, model_dir,
+    hardware, dtype, tp, source)."""
+    doc = {"format": SAMPLES_FORMAT, "version": 1, **meta,
+           "samples": [{"prefill_chunks": [list(c) for c in s.prefill_chunks],
+                        "decode_context_lens": list(s.decode_context_lens),
+                        "seconds": s.seconds} for s in samples]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def profile_shapes(max_prefill_tokens: int = 4096, max_decode_batch: int = 128,
+                   max_ctx: int = 2048) -> list[ProfileSample]:
+    """Shapes a fitted profile is evaluated on to become measurements: DistServe's profiler
+    range (prefill batches of 1–8 prompts of 16–2048 tokens; decode batches of 1–max at
+    context 64–2048)."""
+    out = [ProfileSample.prefill([n] * b, 0.0) for n in (16, 64, 128, 256, 512, 1024, 2048)
+           for b in (1, 2, 4, 8) if n * b <= max_prefill_tokens]
+    out += [ProfileSample.decode([c] * b, 0.0) for b in (1, 4, 16, 32, 64, 96, 128)
+            for c in (64, 256, 512, 1024, 2048) if b <= max_decode_batch and c <= max_ctx]
+    return out
+
+
+def from_profile(profile: FittedProfile, model: str | ModelConfig,
+                 shapes: Sequence[ProfileSample] | None = None, group: str = ""
+                 ) -> list[Measurement]:
+    """Measurements from a fitted profile's predictions on ``shapes`` (default
+    :func:`profile_shapes`) — when only coefficients were published (DistServe)."""
+    cfg = model_config(model)
+    out = []
+    for s in shapes or profile_shapes():
+        t = profile.step_time(s.prefill_chunks, s.decode_context_lens)
+        out.append(Measurement(replace(s, seconds=t), cfg, profile.tp, 1, profile.dtype,
+                               group=group or f"{cfg.name} tp{profile.tp}"))
+    return out
+
+
+def from_distserve_json(path: str | os.PathLike[str],
+                        models: Sequence[str] | None = None) -> list[Measurement]:
+    """Every (model, TP) entry of a ``simdistserve`` profile file whose model the catalogue
+    knows (or only ``models``), evaluated on :func:`profile_shapes`."""
+    from pdserve.sim.models import canonical_model_name
+
+    with open(path) as f:
+        data = json.load(f)
+    out = []
+    for key, entries in data.items():
+        canon = canonical_model_name(key)
+        if canon is None or (models and canon not in models):
+            continue
+        for tp in sorted(entries, key=int):
+            prof = FittedProfile.from_distserve_json(path, key, int(tp))
+            out += from_profile(prof, canon, group=f"{canon} tp{tp}")
+    if not out:
+        raise ValueError(f"{os.fspath(path)!r}: no entry for a known model {models or ''}")
+    return out
+
+
+SPLITWISE_MODELS = {"llama2-70b": "llama-2-70b"}
+
+
+def from_splitwise(path: str | os.PathLike[str], hardware: str) -> list[Measurement]:
+    """SplitwiseSim's ``perf_model.csv`` rows for ``hardware`` (``a100-80gb``, ``h100-80gb``,
+    ``h100-80gb-pcap``), median over repeats per shape:
+
+    * ``prompt_time`` → a prefill step of ``batch_size`` prompts of ``prompt_size`` tokens;
+    * ``token_time`` (mean time per generated token) → a decode step of ``batch_size``
+      sequences at the mean context ``prompt_size + token_size / 2`` (exact for a model linear
+      in the context, as decode attention is).
+
+    Some rows are faster than any GPU could be (``64 × 512`` prompts in 0.36 s on two H100s);
+    :func:`drop_unphysical` removes them."""
+    rows: dict[tuple[str, int, int, int, int], list[tuple[float, float]]] = defaultdict(list)
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["hardware"] != hardware or r["model"] not in SPLITWISE_MODELS:
+                continue
+            key = (r["model"], int(r["tensor_parallel"]), int(r["prompt_size"]),
+                   int(r["batch_size"]), int(r["token_size"]))
+            rows[key].append((float(r["prompt_time"]), float(r["token_time"])))
+    if not rows:
+        raise ValueError(f"{os.fspath(path)!r}: no rows for hardware {hardware!r} "
+                         f"(models {sorted(SPLITWISE_MODELS)})")
+    out = []
+    for (mname, tp, prompt, batch, tokens), vals in sorted(rows.items()):
+        cfg = model_config(SPLITWISE_MODELS[mname])
+        pt = float(np.median([v[0] for v in vals])) * 1e-3
+        tt = float(np.median([v[1] for v in vals])) * 1e-3
+        grp = f"{mname} tp{tp}"
+        out.append(Measurement(ProfileSample.prefill([prompt] * batch, pt), cfg, tp,
+                               group=grp))
+        ctx = prompt + tokens // 2
+        out.append(Measurement(ProfileSample.decode([ctx] * batch, tt), cfg, tp, group=grp))
+    return out
+
+
+VIDUR_LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+                    "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+
+
+def from_vidur_mlp(path: str | os.PathLike[str], model: str | ModelConfig = "llama-2-7b"
+                   ) -> list[Measurement]:
+    """Vidur's per-operator profile (``<model>_mlp.csv.gz``): per ``(num_tokens, TP)`` the
+    median times of one layer's token-level operators (QKV, RoPE, output projection, MLP, norms,
+    residual add; attention itself is not in the file) × layers + the embedding, compared with
+    the roofline's ``linear`` component of a ``num_tokens``-token step. Duplicate rows
+    (repeated profiling runs) are averaged."""
+    cfg = model_config(model)
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    acc: dict[tuple[int, int], list[float]] = defaultdict(list)
+    with opener(path, "rt") as f:
+        for r in csv.DictReader(f):
+            per_layer = sum(float(r[f"time_stats.{op}.median"]) for op in VIDUR_LINEAR_OPS)
+            total = per_layer * cfg.num_layers + float(r["time_stats.emb.median"])
+            acc[(int(r["num_tokens"]), int(r["num_tensor_parallel_workers"]))].append(total)
+    out = []
+    for (tokens, tp), ts in sorted(acc.items()):
+        s = ProfileSample.prefill([tokens], float(np.mean(ts)) * 1e-3)
+        out.append(Measurement(s, cfg, tp, components=("linear", "launch"),
+                               group=f"linear tp{tp}"))
+    return out
+
+
+def from_vidur_allreduce(path: str | os.PathLike[str], model: str | ModelConfig = "llama-2-7b",
+                         min_bytes: float = 0.0) -> list[Measurement]:
+    """Vidur's all-reduce profile: median seconds per ``(num_workers, size)`` — ``size`` in
+    FP16 elements (Vidur's ``GraphedCollective`` buffer), so bytes = 2 · size."""
+    cfg = model_config(model)
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    out = []
+    with opener(path, "rt") as f:
+        for r in csv.DictReader(f):
+            nbytes = 2.0 * int(r["size"])
+            if nbytes < min_bytes:
+                continue
+            tp = int(r["num_workers"])
+            s = ProfileSample((), (), float(r["time_stats.all_reduce.median"]) * 1e-3)
+            out.append(Measurement(s, cfg, tp, allreduce_bytes=nbytes,
+                                   group=f"allreduce tp{tp}"))
+    return out
+
+
+def from_step_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: int = 1,
+                  dtype: str = "float16") -> list[Measurement]:
+    """A serving log: JSON lines, one per engine step, each ``{"elapsed": seconds,
+    "prefill_chunks": [[start, n], ...], "decode_context_lens": [...]}`` (optionally
+    ``"instance_id"``) — a live instance's ``StepReport.elapsed`` with its batch's
+    ``ScheduledBatch.shape()``. Empty steps are skipped; every measurement is grouped by
+    instance."""
+    cfg = model_config(model)
+    p = os.fspath(path)
+    try:
+        with open(p) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"cannot read step log {p!r}: {e.strerror}") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            sample = ProfileSample(tuple((int(a), int(b)) for a, b in r["prefill_chunks"]),
+                                   tuple(int(c) for c in r["decode_context_lens"]),
+                                   float(r["elapsed"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{p!r} line {i}: not a step record ({e!r})") from None
+        if sample.seconds > 0 and (sample.prefill_chunks or sample.decode_context_lens):
+            out.append(Measurement(sample, cfg, tp, 1, dtype,
+                                   group=str(r.get("instance_id", "log"))))
+    if not out:
+        raise ValueError(f"{p!r} has no non-empty steps")
+    return out
