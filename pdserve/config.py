@@ -443,17 +443,29 @@ BACKENDS: tuple[str, ...] = ("inproc", "ray")
 
 @dataclass(frozen=True)
 class Link:
-    """A KV link: ``bandwidth_gb_per_s`` in GB/s per direction (``None`` = unlimited) and
-    ``latency_s`` per transfer. A transfer of ``n`` bytes takes at least
-    ``n / bandwidth + latency`` (TetriInfer's emulated network, DistServe §4.2's links)."""
+    """An interconnect — the one link type of the deployment spec, the hardware catalogue
+    (``pdserve/data/hardware/links.yaml``: NVLink, PCIe, Ethernet, ...) and both drivers:
+    ``bandwidth_gb_per_s`` in GB/s per direction (``None`` = unlimited) and ``latency_s`` per
+    transfer; a transfer of ``n`` bytes takes at least ``n / bandwidth + latency``
+    (TetriInfer's emulated network, DistServe §4.2's links). ``name``/``description`` label a
+    catalogue entry."""
 
     bandwidth_gb_per_s: float | None = None
     latency_s: float = 0.0
+    name: str = ""
+    description: str = ""
 
     def __post_init__(self) -> None:
+        what = f"link {self.name!r}" if self.name else "link"
         _require(self.bandwidth_gb_per_s is None or self.bandwidth_gb_per_s > 0,
-                 f"link bandwidth must be > 0 GB/s, got {self.bandwidth_gb_per_s}")
-        _require(self.latency_s >= 0, f"link latency must be >= 0 s, got {self.latency_s}")
+                 f"{what}: bandwidth_gb_per_s must be > 0, got {self.bandwidth_gb_per_s}")
+        _require(self.latency_s >= 0, f"{what}: latency_s must be >= 0, got {self.latency_s}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        if self.bandwidth_gb_per_s is None:
+            return float("inf")
+        return self.bandwidth_gb_per_s * 1e9
 
     def min_time(self, nbytes: float) -> float:
         t = self.latency_s
@@ -625,8 +637,7 @@ class ClusterConfig:
             elif isinstance(d.get(name), str):  # a catalogue link (nvlink3, eth-25g, ...)
                 from pdserve.sim.hardware import get_link
 
-                spec = get_link(d[name])
-                d[name] = Link(spec.bandwidth_gbs, spec.latency_s)
+                d[name] = get_link(d[name])
         return cls(engine=engine, roles=tuple(roles), **d)
 
     def to_dict(self) -> dict[str, Any]:

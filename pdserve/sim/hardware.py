@@ -8,7 +8,7 @@ The catalogue is a set of YAML files shipped in ``pdserve/data/hardware/`` — o
 * ``DeviceSpec.peak_tflops`` is **dense** FP16/BF16 tensor throughput (NVIDIA sheets quote
   sparse numbers with an asterisk at twice the dense value; those are not used);
   ``fp8_tflops`` / ``fp32_tflops`` likewise (0 = not published / not supported).
-* ``LinkSpec.bandwidth_gbs`` is the **per-direction** data rate one GPU (or one NIC) can push,
+* ``LinkSpec.bandwidth_gb_per_s`` is the **per-direction** data rate one GPU (or one NIC) can push,
   in GB/s (1e9 bytes/s). NVLink and PCIe sheets quote the *bidirectional* aggregate (A100:
   "600 GB/s"); a single transfer or one ring step of an all-reduce sees half of it. Network
   links are quoted in Gb/s: 25 Gb/s Ethernet (DistServe §6.1 testbed) = 3.125 GB/s.
@@ -28,7 +28,7 @@ A device file::
     sources: ["NVIDIA H100 datasheet ..."]
     efficiency: {mfu_gemm: 0.7, ...}           # Efficiency fields; missing ones take defaults
     cluster: {num_nodes: 1, gpus_per_node: 8, network: ib-ndr}
-    links: [{name: my-link, bandwidth_gbs: 100.0, latency_s: 5.0e-6}]
+    links: [{name: my-link, bandwidth_gb_per_s: 100.0, latency_s: 5.0e-6}]
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-_T = TypeVar("_T", "DeviceSpec", "LinkSpec")
+from pdserve.config import Link
+
+_T = TypeVar("_T", "DeviceSpec", Link)
 GIB = 1024**3
 HARDWARE_FORMAT = "pdserve-hardware"
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "hardware"
@@ -95,28 +97,10 @@ class Efficiency:
             raise ValueError(f"comm_latency_s must be >= 0, got {self.comm_latency_s}")
 
 
-@dataclass(frozen=True)
-class LinkSpec:
-    """An interconnect: per-direction ``bandwidth_gbs`` (GB/s) and per-message ``latency_s``."""
-
-    name: str
-    bandwidth_gbs: float
-    latency_s: float = 0.0
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_gbs <= 0:
-            raise ValueError(f"link {self.name!r}: bandwidth_gbs must be > 0")
-        if self.latency_s < 0:
-            raise ValueError(f"link {self.name!r}: latency_s must be >= 0")
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bandwidth_gbs * 1e9
-
-    def min_time(self, nbytes: float) -> float:
-        """``nbytes / bandwidth + latency`` (same contract as ``cluster.transport.Link``)."""
-        return nbytes / self.bytes_per_s + self.latency_s
+# one link type: a catalogue link is a :class:`pdserve.config.Link` with a name (the catalogue
+# requires ``name`` and ``bandwidth_gb_per_s``; see _REQUIRED_LINK_FIELDS)
+LinkSpec = Link
+_REQUIRED_LINK_FIELDS = ("name", "bandwidth_gb_per_s")
 
 
 @dataclass(frozen=True)
@@ -244,6 +228,8 @@ def _build(cls: type, d: Any, where: str, what: str) -> Any:
                          f"known: {sorted(names)}")
     missing = [n for n, f in names.items() if f.default is MISSING
                and f.default_factory is MISSING and n not in d]
+    if cls is Link:
+        missing += [n for n in _REQUIRED_LINK_FIELDS if d.get(n) is None]
     if missing:
         raise ValueError(f"{where}: {what} is missing required field(s) {missing}")
     for n, v in d.items():

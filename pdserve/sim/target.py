@@ -124,7 +124,7 @@ def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
     latency = base
     if pp > 1:
         dev = device_of(sim, base)
-        link = get_link(dev.intra_node_link) if dev is not None else None
+        link = dev.intra_link if dev is not None else None
         latency = PipelineModel(base, pp, model, link, dtype)
     if sim.step_overhead_ms > 0 or sim.seq_overhead_ms > 0:
         latency = DriverOverhead(latency, sim.step_overhead_ms / 1000, sim.seq_overhead_ms / 1000)
@@ -156,8 +156,9 @@ def _resolve_link(link: Link | None, device: DeviceSpec | None, streams: int) ->
     uses ``streams`` such links at once (each GPU sends its own shard, DistServe §4.2)."""
     if link is not None:
         return link
-    spec = get_link(device.intra_node_link if device is not None else "loopback")
-    return Link(spec.bandwidth_gbs * max(streams, 1), spec.latency_s)
+    spec = device.intra_link if device is not None else get_link("loopback")
+    assert spec.bandwidth_gb_per_s is not None
+    return Link(spec.bandwidth_gb_per_s * max(streams, 1), spec.latency_s, spec.name)
 
 
 @dataclass

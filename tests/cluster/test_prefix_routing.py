@@ -291,15 +291,14 @@ def test_simulated_cluster_keeps_the_index_exact(router):
     """End to end: real workers (simulated executor) forward their KV events through the
     controller; with small caches (evictions) every request finishes and the router's index
     holds exactly the blocks each instance's pool caches."""
+    from pdserve.config import ClusterConfig
     from pdserve.sim.simulator import SimRequest
-    from pdserve.sim.target import SimSetup, build_simulator
+    from pdserve.sim.target import SimulationConfig, build_simulator
 
-    sim = build_simulator(SimSetup(model="opt-13b", num_instances=2, num_kv_blocks=96,
-                                   max_model_len=512)).simulator
-    r = make_router(router)
-    sim.controller.prefill_router = r
-    for inst in sim.insts.values():  # what a driver does for a router with wants_kv_events
-        inst.worker.record_events = inst.worker.engine.scheduler.pool.record_events = True
+    sim = build_simulator(SimulationConfig(ClusterConfig.from_dict(
+        {"model": "opt-13b", "num_instances": 2, "prefill_router": router,
+         "engine": {"num_kv_blocks": 96, "max_model_len": 512}}))).simulator
+    r = sim.controller.prefill_router  # the simulator turned the workers' KV events on
     reqs = [SimRequest(f"q{k}", 0.05 * k, S1[:8 * (k % 4 + 1)] + [k] * 40, 8)
             for k in range(60)]
     res = sim.run(reqs)

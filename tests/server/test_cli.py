@@ -121,7 +121,7 @@ def test_demo_uses_the_tiny_model(model_dir: str, monkeypatch: pytest.MonkeyPatc
     (("--model", "/nonexistent/dir"), "/nonexistent/dir"),
     (("--max-model-len", "1000"), "exceeds the model's max_position_embeddings"),
     (("--config", "/nonexistent/d.yaml"), "/nonexistent/d.yaml"),
-    (("--kv-link", "-1"), "link bandwidth must be > 0"),
+    (("--kv-link", "-1"), "bandwidth_gb_per_s must be > 0"),
 ])
 def test_bad_values_exit_2(model_dir: str, capsys: pytest.CaptureFixture[str],
                            argv: tuple[str, ...], message: str) -> None:
@@ -189,7 +189,7 @@ async def test_serve_and_shutdown(model_dir: str, monkeypatch: pytest.MonkeyPatc
     ("roles: [{role: decode}]", "roles must be [colocated] or [prefill, decode]"),
     ("roles: [{role: colocated, count: two}]", "count must be an integer >= 1, got 'two'"),
     ("colour: blue", "unknown deployment setting(s) ['colour']"),
-    ("kv_link: {bandwidth_gb_per_s: -3}", "link bandwidth must be > 0"),
+    ("kv_link: {bandwidth_gb_per_s: -3}", "bandwidth_gb_per_s must be > 0"),
     ("model: [", "cannot read deployment spec"),
 ])
 def test_bad_spec_files_name_the_value(model_dir: str, tmp_path: Path, text: str, message: str,

@@ -34,15 +34,17 @@ def test_unknown_device_lists_choices():
 
 
 def test_links():
-    assert get_link("ETH-25G").bandwidth_gbs == 25 / 8  # DistServe §6.1 testbed
+    assert get_link("ETH-25G").bandwidth_gb_per_s == 25 / 8  # DistServe §6.1 testbed
     assert get_link("ethernet") is get_link("eth-25g")
-    assert get_link("eth-100g").bandwidth_gbs == 12.5
-    assert get_link("ib-hdr").bandwidth_gbs == 25.0 and get_link("ndr").bandwidth_gbs == 50.0
+    assert get_link("eth-100g").bandwidth_gb_per_s == 12.5
+    assert get_link("ib-hdr").bandwidth_gb_per_s == 25.0
+    assert get_link("ndr").bandwidth_gb_per_s == 50.0
     # per-direction halves of the spec sheets' bidirectional NVLink numbers
-    assert get_link(get_device("a100").intra_node_link).bandwidth_gbs == 300.0
-    assert get_link(get_device("a800").intra_node_link).bandwidth_gbs == 200.0  # 400 GB/s bidir
-    assert get_link(get_device("h100").intra_node_link).bandwidth_gbs == 450.0
-    assert get_link("pcie5").bandwidth_gbs == 2 * get_link("pcie4").bandwidth_gbs
+    assert get_link(get_device("a100").intra_node_link).bandwidth_gb_per_s == 300.0
+    # 400 GB/s bidirectional
+    assert get_link(get_device("a800").intra_node_link).bandwidth_gb_per_s == 200.0
+    assert get_link(get_device("h100").intra_node_link).bandwidth_gb_per_s == 450.0
+    assert get_link("pcie5").bandwidth_gb_per_s == 2 * get_link("pcie4").bandwidth_gb_per_s
     assert get_link("eth-25g").min_time(3.125e9) == pytest.approx(1.0 + 50e-6)
     assert {"nvlink3", "nvlink4", "pcie4", "pcie5", "ib-hdr", "ib-ndr", "eth-25g"} <= \
         set(list_links())
@@ -51,8 +53,8 @@ def test_links():
 
 
 def test_spec_validation():
-    with pytest.raises(ValueError, match="bandwidth_gbs"):
-        LinkSpec("x", 0.0)
+    with pytest.raises(ValueError, match="bandwidth_gb_per_s"):
+        LinkSpec(0.0, name="x")
     with pytest.raises(ValueError, match="peak_tflops"):
         DeviceSpec("x", 0.0, 1.0, 1.0, "pcie4")
 

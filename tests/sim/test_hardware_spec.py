@@ -57,8 +57,9 @@ def test_catalogue_names_aliases_and_cluster():
     assert get_device("4090") is get_device("RTX-4090")
     c = load_hardware("h100")
     assert (c.num_nodes, c.gpus_per_node, c.num_gpus, c.network) == (1, 8, 8, "ib-ndr")
-    assert c.intra_node_link.bandwidth_gbs == 450.0 and c.network_link.bandwidth_gbs == 50.0
-    assert get_link("nvlink5").bandwidth_gbs == 900.0  # 1.8 TB/s bidirectional
+    assert c.intra_node_link.bandwidth_gb_per_s == 450.0
+    assert c.network_link.bandwidth_gb_per_s == 50.0
+    assert get_link("nvlink5").bandwidth_gb_per_s == 900.0  # 1.8 TB/s bidirectional
     assert get_device("h100").flops_per_s("float8") == 1979e12
     with pytest.raises(ValueError, match="A100-80GB.*no FP8"):
         get_device("a100").flops_per_s("float8")
@@ -87,7 +88,7 @@ peak_tflops: 100.0
 memory_gib: 10
 memory_bw_gbs: 1000.0
 intra_node_link: toylink
-links: [{name: toylink, bandwidth_gbs: 100.0, latency_s: 0.0}]
+links: [{name: toylink, bandwidth_gb_per_s: 100.0, latency_s: 0.0}]
 efficiency: {mfu_gemm: 1.0, mfu_attention: 1.0, mbu_weights: 1.0, mbu_kv: 1.0, comm: 1.0,
              step_overhead_s: 0.0}
 cluster: {num_nodes: 2, gpus_per_node: 4, network: toylink}
@@ -97,7 +98,7 @@ cluster: {num_nodes: 2, gpus_per_node: 4, network: toylink}
 def test_custom_device_file_with_its_own_link(tmp_path):
     c = load_hardware(_write(tmp_path, GOOD))
     assert c.device.name == "toy" and c.num_gpus == 8
-    assert c.intra_node_link.bandwidth_gbs == 100.0 and c.network_link.name == "toylink"
+    assert c.intra_node_link.bandwidth_gb_per_s == 100.0 and c.network_link.name == "toylink"
     assert c.device.efficiency == Efficiency(1.0, 1.0, 1.0, 1.0, 1.0, step_overhead_s=0.0)
 
 

@@ -235,7 +235,7 @@ def test_gqa_moves_fewer_kv_bytes():
 def test_kv_transfer_time_hand_computed():
     # OPT-13B: 40 layers × 2 (K, V) × 5120 × 2 bytes = 819,200 bytes per token
     assert OPT13.kv_bytes_per_token("float16") == 40 * 2 * 5120 * 2
-    link = LinkSpec("25g", 25 / 8, 1e-3)  # 25 Gb/s = 3.125 GB/s, 1 ms
+    link = LinkSpec(25 / 8, 1e-3, "25g")  # 25 Gb/s = 3.125 GB/s, 1 ms
     t = kv_transfer_time(512, OPT13, "float16", link)
     assert t == pytest.approx(512 * 819_200 / 3.125e9 + 1e-3, rel=1e-12)  # 0.13522 s
     assert kv_transfer_time(512, OPT13, "float16", link, streams=2) == \
@@ -274,7 +274,7 @@ def test_analytic_emits_fitted_profile():
 
 # ------------------------------------------------------------------------------ pipeline
 def test_pipeline_model(prof):
-    link = LinkSpec("l", 10.0, 1e-4)
+    link = LinkSpec(10.0, 1e-4, "l")
     assert PipelineModel(prof, 1).step_time([(0, 512)], []) == prof.prefill_time([512])
     pm = PipelineModel(prof, pp=4, model=OPT13, link=link)
     send = 512 * 5120 * 2 / 10e9 + 1e-4
