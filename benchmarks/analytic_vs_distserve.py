@@ -13,13 +13,15 @@ coefficients of both for OPT-13B TP 1.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.latency import FittedProfile
 from pdserve.sim.models import get_model_config
 
-DEFAULT_PROFILE = "/work/shared/profiles/distserve_profiler-a100-80g.distserve.json"
+DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "..", "pdserve", "data", "profiles",
+                               "distserve_profiler-a100-80g.distserve.json")  # shipped
 CONFIGS = (("opt-13b", (1, 2, 4)), ("opt-66b", (2, 4, 8)))
 PREFILL = ((1, 128), (1, 512), (1, 2048), (4, 512))  # (batch, prompt length)
 DECODE = ((1, 512), (16, 512), (64, 1024), (128, 1024))  # (batch, context length)

@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from pdserve.sim.calibrate import calibrate, drop_unphysical, error_stats, relative_errors
 from pdserve.sim.hardware import Efficiency, get_device, load_hardware, save_hardware
@@ -38,7 +39,7 @@ from pdserve.sim.measurements import (
     load_samples,
 )
 
-PROFILES = "/work/shared/profiles"
+PROFILES = str(Path(__file__).resolve().parents[2] / "shared" / "profiles")  # ../shared
 LOO_MAX = 450  # leave-one-out refits once per sample: skipped above this many
 
 

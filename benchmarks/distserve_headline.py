@@ -75,7 +75,8 @@ from pdserve.sim.target import simulate as simulate_requests
 DEFAULT_PROFILE = "distserve_profiler-a100-80g.distserve"  # shipped with pdserve
 # DistServe's fit of vLLM's own engine (their simulator's vLLM baseline): sensitivity only
 VLLM_PROFILE = "distserve_profiler-a100-80g.vllm"
-DEFAULT_MAX_TOKENS_CSV = "/work/shared/profiles/distserve_max_num_tokens.csv"
+DEFAULT_MAX_TOKENS_CSV = str(Path(__file__).resolve().parents[2] / "shared" / "profiles"
+                             / "distserve_max_num_tokens.csv")  # ../shared beside the repo
 MODEL = "opt-13b"
 DEVICE = "A100-80GB"
 SLO_CHATBOT = SLO(0.25, 0.1)  # DistServe Table 1, chatbot OPT-13B

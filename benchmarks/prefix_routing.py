@@ -38,7 +38,8 @@ from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig
 from pdserve.sim.target import SimulationConfig, build_simulator, to_sim_requests
 
-SHARED = os.environ.get("PDSERVE_SHARED", "/work/shared")
+SHARED = os.environ.get("PDSERVE_SHARED",
+                        os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 PROFILE = "distserve_profiler-a100-80g.distserve"  # shipped with pdserve
 TRACES = os.path.join(SHARED, "traces")
 ROUTERS = ["round_robin", "shortest_queue", "kv_overlap", "sglang_cache_aware", "preble",

@@ -80,8 +80,9 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
                      help="fitted profile: ours (pdserve profile) or DistServe's JSON; a path or "
                           "a shipped/shared profile's name, e.g. "
                           "distserve_profiler-a100-80g.distserve")
-    src.add_argument("--hardware", metavar="NAME",
-                     help="analytic roofline on this device (A100-80GB, H100, ...) "
+    src.add_argument("--hardware", metavar="NAME|FILE",
+                     help="analytic roofline on this device: a catalogue name (A100-80GB, H100, "
+                          "L40S, ...) or a hardware spec file (pdserve calibrate writes one) "
                           "(default: A100-80GB when no --profile)")
     g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
                    help="serving-path cost added to every step (see benchmarks/fidelity.py) "

@@ -1,3 +1,4 @@
+
 """Calibration: recovers known factors from synthetic measurements, leaves unconstrained
 factors alone, reads each published source, and the ``pdserve calibrate`` subcommand writes a
 spec file that loads back."""
@@ -5,6 +6,7 @@ spec file that loads back."""
 import argparse
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +24,8 @@ from pdserve.sim.measurements import (
 )
 from pdserve.sim.models import get_model_config
 
-PROFILES = "/work/shared/profiles"
+# ../shared/profiles beside the repository (the development and CI layout)
+PROFILES = str(Path(__file__).resolve().parents[3] / "shared" / "profiles")
 TRUE = Efficiency(mfu_gemm=0.55, mfu_attention=0.4, mbu_weights=0.7, mbu_kv=0.5, comm=0.45,
                   comm_latency_s=20e-6, step_overhead_s=3e-3, layer_overhead_s=20e-6,
                   seq_overhead_s=0.1e-3, overlap=0.8)

@@ -18,7 +18,8 @@ from pdserve.sim.target import build_simulator
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "distserve_headline.py"
 PROFILE = os.environ.get("PDSERVE_DISTSERVE_PROFILE",
-                         "/work/shared/profiles/distserve_profiler-a100-80g.distserve.json")
+                         str(ROOT / "pdserve" / "data" / "profiles"
+                             / "distserve_profiler-a100-80g.distserve.json"))
 needs_profile = pytest.mark.skipif(not os.path.isfile(PROFILE),
                                    reason="DistServe A100 profile not available")
 

@@ -1,3 +1,4 @@
+
 """Latency models: DistServe's fitted form on hand-computed numbers, relative-LSQ fitting,
 the analytic roofline (monotonicity, TP, GQA, bound against DistServe's measured profile),
 KV transfer time and pipeline parallelism."""
@@ -6,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,7 +35,8 @@ OPT13_TP1 = {
     "decoding_smallbs": [19.934702624895458, 0.0006269356524350583, 0.03850697740828398],
     "decoding_largebs": [7.1661889468253595, 0.0005798000403396046, 0.15831096191764046],
 }
-SHARED = "/work/shared/profiles/distserve_profiler-a100-80g.distserve.json"
+SHARED = str(Path(__file__).resolve().parents[2] / "pdserve" / "data" / "profiles"
+             / "distserve_profiler-a100-80g.distserve.json")  # shipped with pdserve
 OPT13 = get_model_config("opt-13b")
 
 
