@@ -55,6 +55,34 @@ def _help(text: str, **kw: Any) -> Any:
 GiB = 1 << 30
 
 
+def read_text(path: str | os.PathLike[str], what: str) -> str:
+    """A file's text; ``ValueError`` naming ``what`` and the file when it cannot be read."""
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise ValueError(f"{what} {p!r} does not exist")
+    try:
+        with open(p) as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {p!r}: {e.strerror}") from None
+
+
+def load_data_file(path: str | os.PathLike[str], what: str) -> Any:
+    """A JSON (``.json``) or YAML (any other name) file's content — deployment specs, hardware
+    specs, target lists; ``ValueError`` naming ``what`` and the file on any problem."""
+    p = os.fspath(path)
+    text = read_text(p, what)
+    kind = "JSON" if p.endswith(".json") else "YAML"
+    try:
+        if kind == "JSON":
+            return json.loads(text)
+        import yaml
+
+        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except Exception as e:  # yaml.YAMLError, json.JSONDecodeError
+        raise ValueError(f"{what} {p!r} is not valid {kind}: {e}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer, as far as serving needs it.

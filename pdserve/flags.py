@@ -18,14 +18,12 @@ the user typed it; the help text shows the effective default.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import types
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, fields
-from pathlib import Path
 from typing import Any, NoReturn
 
 from pdserve.config import (
@@ -37,6 +35,7 @@ from pdserve.config import (
     EngineConfig,
     Link,
     SchedulerConfig,
+    load_data_file,
 )
 from pdserve.engine.policies import POLICIES
 
@@ -226,7 +225,7 @@ _CLUSTER_FLAGS = ("model", "strategy", "num_instances", "num_prefill", "num_deco
 def deployment_dict(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
     """The ``--config`` file's mapping overlaid with the flags the user gave."""
     values = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
-    spec = load_file(values["config"], "deployment spec") if values.get("config") else {}
+    spec = load_data_file(values["config"], "deployment spec") if values.get("config") else {}
     if not isinstance(spec, dict):
         raise ValueError(f"deployment spec {values['config']!r} must be a mapping")
     spec = dict(spec)
@@ -245,22 +244,6 @@ def deployment_from_args(args: argparse.Namespace | dict[str, Any]) -> ClusterCo
     d = deployment_dict(args)
     d.pop("simulation", None)  # what `pdserve simulate` adds to a spec; a live run ignores it
     return ClusterConfig.from_dict(d)
-
-
-def load_file(path: str, what: str) -> Any:
-    """A YAML (``.yaml``/``.yml``) or JSON file's content; ``ValueError`` naming the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{what} {path!r} does not exist")
-    text = p.read_text()
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            return yaml.safe_load(text)
-        return json.loads(text)
-    except Exception as e:  # a syntax error
-        raise ValueError(f"cannot read {what} {path!r}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------- running

@@ -34,7 +34,8 @@ from pdserve.bench.runner import (
 )
 from pdserve.bench.targets import Target, make_target, target_names
 from pdserve.bench.workloads import Workload, workload_help
-from pdserve.flags import UsageError, guarded, load_file, positive, positive_int
+from pdserve.config import load_data_file
+from pdserve.flags import UsageError, guarded, positive, positive_int
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -395,7 +396,7 @@ def _compare_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _read_config(path: str) -> list[dict[str, Any]]:
     try:
-        data = load_file(path, "targets config")
+        data = load_data_file(path, "targets config")
     except ValueError as e:
         raise UsageError(str(e)) from None
     items = data.get("targets") if isinstance(data, dict) else data

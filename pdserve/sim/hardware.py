@@ -39,7 +39,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pdserve.config import Link
+from pdserve.config import Link, load_data_file
 
 _T = TypeVar("_T", "DeviceSpec", Link)
 GIB = 1024**3
@@ -196,21 +196,7 @@ class ClusterSpec:
 # ------------------------------------------------------------------------- reading files
 def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = os.fspath(path)
-    try:
-        with open(p) as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read hardware file {p!r}: {e.strerror}") from None
-    try:
-        if p.endswith(".json"):
-            d = json.loads(text)
-        else:
-            import yaml
-
-            d = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except Exception as e:  # yaml.YAMLError, json.JSONDecodeError
-        kind = "JSON" if p.endswith(".json") else "YAML"
-        raise ValueError(f"hardware file {p!r} is not valid {kind}: {e}") from None
+    d = load_data_file(p, "hardware file")
     if not isinstance(d, dict):
         raise ValueError(f"hardware file {p!r}: expected a mapping at the top level, "
                          f"got {type(d).__name__}")

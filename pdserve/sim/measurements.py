@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.config import ModelConfig
+from pdserve.config import ModelConfig, read_text
 from pdserve.sim.latency import FittedProfile, ProfileSample
 
 SAMPLES_FORMAT = "pdserve-step-samples"
@@ -250,11 +250,7 @@ def from_step_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: in
     instance."""
     cfg = model_config(model)
     p = os.fspath(path)
-    try:
-        with open(p) as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise ValueError(f"cannot read step log {p!r}: {e.strerror}") from None
+    lines = read_text(p, "step log").splitlines()
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():

@@ -190,7 +190,7 @@ async def test_serve_and_shutdown(model_dir: str, monkeypatch: pytest.MonkeyPatc
     ("roles: [{role: colocated, count: two}]", "count must be an integer >= 1, got 'two'"),
     ("colour: blue", "unknown deployment setting(s) ['colour']"),
     ("kv_link: {bandwidth_gb_per_s: -3}", "bandwidth_gb_per_s must be > 0"),
-    ("model: [", "cannot read deployment spec"),
+    ("model: [", "is not valid YAML"),
 ])
 def test_bad_spec_files_name_the_value(model_dir: str, tmp_path: Path, text: str, message: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
