@@ -204,13 +204,8 @@ class PrefixIndex:
         for node in found:  # hot loop: most blocks change nothing
             if live & node.mask != live:
                 held = live & node.mask
-                dropped = live & ~held if i else 0
-                while dropped:
-                    low = dropped & -dropped
-                    iid = ids[low.bit_length() - 1]
-                    if iid is not None:
-                        lengths[iid] = i
-                    dropped ^= low
+                if i:  # the instances that held every block so far but not this one
+                    _record(lengths, ids, live & ~held, i)
                 if not held:
                     live = 0
                     break
@@ -222,12 +217,7 @@ class PrefixIndex:
         path = found[:i]
         n = len(path)
         if n:
-            while live:
-                low = live & -live
-                iid = ids[low.bit_length() - 1]
-                if iid is not None:
-                    lengths[iid] = n
-                live ^= low
+            _record(lengths, ids, live, n)
             if start < n:
                 segments.append((start, n))
         return PrefixMatch(path, lengths, segments, len(token_ids), bs)
@@ -305,3 +295,13 @@ def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 def block_size_of(events: Sequence[KVEvent]) -> int | None:
     """The block size of the first stored block in ``events`` (``None``: only removals)."""
     return next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+
+
+def _record(lengths: dict[str, int], ids: Sequence[str | None], mask: int, n: int) -> None:
+    """``lengths[iid] = n`` for every instance whose bit is set in ``mask``."""
+    while mask:
+        low = mask & -mask
+        iid = ids[low.bit_length() - 1]
+        if iid is not None:
+            lengths[iid] = n
+        mask ^= low
