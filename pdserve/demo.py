@@ -69,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="context of the served model; longer requests are clipped "
                         "(default: %(default)s)")
     w.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    w.add_argument("--repeats", type=positive_int, default=1,
+                   help="replay the workload this many times per deployment, alternating, and "
+                        "judge differences against the spread (default: %(default)s)")
     s = p.add_argument_group("SLOs")
     s.add_argument("--slo-ttft", type=positive, default=DEFAULT_SLO_TTFT,
                    help="time-to-first-token objective in seconds (default: %(default)s)")
@@ -93,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     # The bench client logs nothing; quiet the runtime's per-request info lines.
     logging.getLogger("pdserve").setLevel(logging.WARNING)
-    summaries = asyncio.run(_demo(args, slo, console))
-    _print_table(summaries, slo, args, Console())
+    summaries, records = asyncio.run(_demo(args, slo, console))
+    _print_table(summaries, records, slo, args, Console())
     if args.chat:
         _chat(Console())
     if args.output_json:
@@ -122,22 +125,37 @@ def _deployments(args: argparse.Namespace, model: str) -> list[Deployment]:
     ]
 
 
-async def _demo(args: argparse.Namespace, slo: Any, console: Console) -> dict[str, Any]:
+@contextlib.contextmanager
+def _step(console: Console, what: str) -> Any:
+    """A spinner on a terminal; plain ``pdserve demo: ...`` lines when the output is a file or
+    a pipe (so a log shows progress at once, and how long each step took)."""
+    if console.is_terminal:
+        with console.status(what):
+            yield
+        return
+    t0 = time.monotonic()
+    print(f"pdserve demo: {what}", file=sys.stderr, flush=True)
+    yield
+    print(f"pdserve demo: ... {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+async def _demo(args: argparse.Namespace, slo: Any,
+                console: Console) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     from pdserve.bench.metrics import summarize
     from pdserve.bench.targets import HttpTarget
     from pdserve.bench.workloads import make_workload
 
     t0 = time.monotonic()
-    with console.status("making the tiny model..."):
+    with _step(console, "making the tiny model..."):
         model = args.model or _default_model()
     deps = _deployments(args, model)
     backend = args.backend
     started_ray = False
     try:
         if backend == "ray":
-            with console.status("starting a local Ray instance..."):
+            with _step(console, "starting a local Ray instance..."):
                 started_ray = _start_ray(sum(d.config.num_gpus for d in deps))
-        with console.status(f"loading {sum(d.config.num_gpus for d in deps)} model instances "
+        with _step(console, f"loading {sum(d.config.num_gpus for d in deps)} model instances "
                             f"({'Ray actors' if backend == 'ray' else 'in process'})..."):
             await asyncio.gather(*(_start(d) for d in deps))
         console.print(f"[dim]{len(deps)} deployments up in {time.monotonic() - t0:.0f} s: "
@@ -153,23 +171,27 @@ async def _demo(args: argparse.Namespace, slo: Any, console: Console) -> dict[st
         console.print(f"[dim]workload {args.workload}: {len(workload)} requests, Poisson "
                       f"{args.rate:g} req/s, prompt mean {d['prompt_len']['mean']:.0f} tokens, "
                       f"output mean {d['output_len']['mean']:.0f} tokens (forced)[/dim]")
-        summaries = {}
-        for dep in deps:
-            target = HttpTarget(dep.url, timeout=60.0, num_gpus=dep.config.num_gpus,
-                                name=dep.label, progress=not args.no_progress)
-            await target.prepare()
-            records = await target.run(workload.requests)
-            summaries[dep.label] = summarize(records, slo, args.attainment,
-                                             dep.config.num_gpus)
+        all_records: dict[str, list[list[Any]]] = {d.label: [] for d in deps}
+        for rep in range(args.repeats):  # deployments alternate, so load drift hits both
+            for dep in deps:
+                target = HttpTarget(dep.url, timeout=60.0, num_gpus=dep.config.num_gpus,
+                                    name=dep.label, progress=not args.no_progress)
+                await target.prepare()
+                with _step(console, f"replaying the workload against {dep.label}"
+                           + (f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1
+                              else "")):
+                    all_records[dep.label].append(await target.run(workload.requests))
+        summaries = {d.label: summarize([r for run in all_records[d.label] for r in run], slo,
+                                        args.attainment, d.config.num_gpus) for d in deps}
     finally:
-        with console.status("shutting down..."):
+        with _step(console, "shutting down..."):
             await asyncio.gather(*(_stop(d) for d in deps), return_exceptions=True)
             if started_ray:
                 import ray
 
                 ray.shutdown()
     console.print(f"[dim]done in {time.monotonic() - t0:.0f} s[/dim]")
-    return summaries
+    return summaries, all_records
 
 
 CHAT_QUESTION = "What is the capital of France?"
@@ -190,7 +212,7 @@ def _chat(console: Console) -> None:
     from pdserve.request import SamplingParams
     from pdserve.tokenizer import apply_chat_template
 
-    with console.status(f"asking {DEFAULT_CHAT_MODEL}..."):
+    with _step(console, f"asking {DEFAULT_CHAT_MODEL}..."):
         llm = LLM(model, max_model_len=512, num_kv_blocks=64)
         ids = apply_chat_template(llm.tokenizer, [{"role": "user", "content": CHAT_QUESTION}])
         (out,) = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0))
@@ -255,8 +277,47 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:.0f} %"
 
 
-def _print_table(summaries: dict[str, Any], slo: Any, args: argparse.Namespace,
-                 console: Console) -> None:
+def _noise_notes(runs: dict[str, list[list[Any]]], boot: int = 2000) -> list[str]:
+    """Whether each mean difference between the two deployments is beyond noise. With
+    ``--repeats`` ≥ 2: the per-repeat means of the two must not overlap (run-to-run noise,
+    machine load included). With one run each: a bootstrap 95 % interval of the difference of
+    per-request means (request-to-request noise only; say so)."""
+    import numpy as np
+
+    (a_label, a), (b_label, b) = list(runs.items())[:2]
+    rng = np.random.default_rng(0)
+
+    def values(run: list[Any], metric: str) -> Any:
+        return np.array([v for r in run if r.ok and (v := getattr(r, metric)) is not None])
+
+    out = []
+    for metric in ("ttft", "tpot"):
+        xa = values([r for run in a for r in run], metric)
+        xb = values([r for run in b for r in run], metric)
+        if len(xa) < 3 or len(xb) < 3:
+            continue
+        d = (xb.mean() - xa.mean()) * 1000
+        head = f"{metric.upper()} mean, {b_label} − {a_label}: {d:+.1f} ms"
+        if len(a) >= 2:
+            ma = [1000 * values(run, metric).mean() for run in a]
+            mb = [1000 * values(run, metric).mean() for run in b]
+            apart = max(ma) < min(mb) or max(mb) < min(ma)
+            out.append(f"{head}; per repeat {a_label} {min(ma):.1f}–{max(ma):.1f} ms, "
+                       f"{b_label} {min(mb):.1f}–{max(mb):.1f} ms: "
+                       + ("beyond" if apart else "within") + " run-to-run noise")
+            continue
+        diffs = (rng.choice(xb, (boot, len(xb))).mean(1)
+                 - rng.choice(xa, (boot, len(xa))).mean(1))
+        lo, hi = np.percentile(diffs, [2.5, 97.5]) * 1000
+        out.append(f"{head} (95 % interval {lo:+.1f} to {hi:+.1f} ms over requests: "
+                   + ("within" if lo <= 0 <= hi else "beyond") + " request-to-request noise; "
+                   "one run each, so machine load between the runs is not covered: "
+                   "--repeats 3 measures it)")
+    return out
+
+
+def _print_table(summaries: dict[str, Any], records: dict[str, list[Any]], slo: Any,
+                 args: argparse.Namespace, console: Console) -> None:
     labels = list(summaries)
     table = Table(title=f"pdserve demo: {args.num_requests} requests, Poisson {args.rate:g} "
                         f"req/s, backend {args.backend}",
@@ -283,6 +344,12 @@ def _print_table(summaries: dict[str, Any], slo: Any, args: argparse.Namespace,
                 for label, s in summaries.items()]
     table.add_row("KV hand-off mean", *transfer)
     console.print(table)
+    for line in _noise_notes(records):
+        console.print(line)
+    console.print("[dim]On this machine both deployments share the same CPU cores: "
+                  "disaggregation cannot add compute here, so the columns show the mechanics "
+                  "(routing, KV hand-off, SLO accounting), not what a GPU cluster would gain. "
+                  "Ask `pdserve simulate` for that (README).[/dim]")
     for label, s in summaries.items():
         for err, n in s.errors.items():
             console.print(f"[red]{label}: {n} × {err}[/red]")

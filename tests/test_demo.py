@@ -18,9 +18,13 @@ def test_demo_inprocess(tmp_path_factory: pytest.TempPathFactory, tmp_path,
                  "--num-requests", "6", "--rate", "20", "--length-scale", "0.1", "--no-progress",
                  "--slo-ttft", "5", "--slo-tpot", "1", "--output-json", str(out)])
     assert code == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    # not a terminal: plain progress lines, at once, with each step's time
+    assert "pdserve demo: loading 4 model instances" in captured.err
+    assert "pdserve demo: replaying the workload against colocated" in captured.err
     for word in ("colocated (2 instances)", "disaggregated (1P + 1D)", "TTFT P90", "TPOT mean",
-                 "SLO attainment"):
+                 "SLO attainment", "request-to-request noise", "share the same CPU cores"):
         assert word in printed
     data = json.loads(out.read_text())
     assert data["backend"] == "inproc" and data["slo"] == {"ttft": 5, "tpot": 1}
@@ -35,3 +39,25 @@ def test_demo_bad_flag(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
         main(["demo", flag, "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and flag in err and len(err.strip().splitlines()) == 1
+
+
+def test_noise_notes_judge_differences_against_the_spread() -> None:
+    from types import SimpleNamespace
+
+    from pdserve.demo import _noise_notes
+
+    def run(ttfts: list[float]) -> list[SimpleNamespace]:
+        return [SimpleNamespace(ok=True, ttft=t, tpot=0.01) for t in ttfts]
+
+    # repeats: per-repeat means 0.10/0.12 vs 0.30/0.31 do not overlap; TPOTs are equal
+    notes = _noise_notes({"a": [run([0.1] * 5), run([0.12] * 5)],
+                          "b": [run([0.3] * 5), run([0.31] * 5)]})
+    assert "beyond run-to-run noise" in notes[0] and "+195.0 ms" in notes[0]
+    assert "within run-to-run noise" in notes[1]
+    # overlapping repeats are noise
+    notes = _noise_notes({"a": [run([0.1] * 5), run([0.3] * 5)],
+                          "b": [run([0.2] * 5), run([0.25] * 5)]})
+    assert "within run-to-run noise" in notes[0]
+    # one run each: a bootstrap over requests, labelled as such
+    notes = _noise_notes({"a": [run([0.1, 0.11, 0.09, 0.1])], "b": [run([0.5, 0.52, 0.49, 0.5])]})
+    assert "beyond request-to-request noise" in notes[0] and "--repeats" in notes[0]
