@@ -233,7 +233,7 @@ def _start_ray(num_instances: int) -> bool:
     if ray.is_initialized():
         return False
     ray.init(num_cpus=num_instances, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
+             logging_level=logging.ERROR)
     return True
 
 

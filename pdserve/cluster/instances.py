@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -221,13 +223,64 @@ async def _await(ref: Any) -> Any:
 
 
 def init_ray(address: str | None, num_instances: int) -> None:
-    """Join ``address`` or start a local Ray instance with room for every instance actor."""
+    """Join ``address`` or start a local Ray instance with room for every instance actor.
+
+    Ray's own warnings (e.g. about token authentication) are silenced: pdserve reports what
+    goes wrong itself. A cluster that refuses the connection is a ``RuntimeError`` saying what
+    to check."""
     import ray
 
     if ray.is_initialized():
         return
-    if address:
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_instances), include_dashboard=False,
-                 ignore_reinit_error=True, log_to_driver=False)
+    quiet = {"ignore_reinit_error": True, "log_to_driver": False,
+             "logging_level": logging.ERROR}
+    try:
+        if address:
+            ray.init(address=address, **quiet)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, num_instances), include_dashboard=False,
+                     **quiet)
+    except Exception as e:  # ConnectionError, RuntimeError, auth and version errors
+        raise RuntimeError(ray_connect_hint(address, e)) from None
+
+
+def ray_connect_hint(address: str | None, error: BaseException) -> str:
+    import ray
+
+    where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
+    return (f"cannot start or join {where}: {type(error).__name__}: {error}. Check that the "
+            f"address is the head node's (`ray status` there prints it), that the cluster "
+            f"runs Ray {ray.__version__} like this process, and, for a cluster started with "
+            f"token authentication, that RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) holds its "
+            f"token")
+
+
+def wait_for_resources(need: dict[str, float], timeout_s: float = 30.0,
+                       poll_s: float = 0.5) -> None:
+    """Return once the Ray cluster has ``need`` (e.g. ``{"CPU": 3}``) available; after
+    ``timeout_s`` raise a ``RuntimeError`` naming what is missing (instead of actors that
+    wait forever for resources the cluster does not have)."""
+    import ray
+
+    total = ray.cluster_resources()
+    short = {k: v for k, v in need.items() if total.get(k, 0.0) < v}
+    if short:
+        raise RuntimeError(_resource_message(need, total, ray.available_resources(), False))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = ray.available_resources()
+        if all(free.get(k, 0.0) >= v for k, v in need.items()):
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(_resource_message(need, total, free, True))
+        time.sleep(poll_s)
+
+
+def _resource_message(need: dict[str, float], total: dict[str, float],
+                      free: dict[str, float], waited: bool) -> str:
+    parts = ", ".join(f"{v:g} {k} (cluster total {total.get(k, 0.0):g}, free "
+                      f"{free.get(k, 0.0):g})" for k, v in need.items())
+    why = ("others hold them; free them or wait" if waited
+           else "add nodes or lower the instance counts")
+    return (f"the Ray cluster cannot place this deployment's instance actors (one per "
+            f"instance): it needs {parts}; {why}")

@@ -26,6 +26,7 @@ from pdserve.cluster.instances import (
     RayInstance,
     init_ray,
     load_worker,
+    wait_for_resources,
 )
 from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
@@ -305,6 +306,11 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     clients: list[InstanceClient]
     if config.backend == "ray":
         init_ray(config.ray_address, len(specs))
+        need = {"CPU": float(len(specs))}
+        gpus = sum(1 for s in specs if s.engine.device.startswith("cuda"))  # one per actor
+        if gpus:
+            need["GPU"] = float(gpus)
+        await asyncio.get_running_loop().run_in_executor(None, wait_for_resources, need)
         clients = list(await asyncio.gather(*(
             RayInstance.create(s.instance_id, s.engine, events[s.instance_id]) for s in specs)))
     else:

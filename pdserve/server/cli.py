@@ -76,6 +76,11 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     from pdserve.cluster.runtime import build_runtime
     from pdserve.server.app import build_app
 
+    n = sum(r.count for r in config.roles)
+    where = (f"Ray at {config.ray_address}" if config.ray_address else "a local Ray instance") \
+        if config.backend == "ray" else "this process"
+    print(f"pdserve: loading {config.model!r} on {n} instance(s) in {where}...",
+          file=sys.stderr, flush=True)
     runtime = await build_runtime(config)
     loop = asyncio.get_running_loop()
     main_thread = threading.current_thread() is threading.main_thread()
