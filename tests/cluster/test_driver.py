@@ -32,9 +32,17 @@ def test_core_starts_the_next_step_before_processing_the_report() -> None:
     assert core.dispatch([Send("colocated-0", late)]) == []
     rep = StepReport("colocated-0", "colocated", 0.0, 0.01, stepped=True, has_work=True)
     effects: list = []
-    core.step_done("colocated-0", rep, effects.extend)
-    # first the next step, carrying the command queued during the last one, and before the
-    # controller saw the report; then the report
+    log: list[str] = []
+    _order_probe(core.controller, log)
+
+    def run(batch: list) -> None:
+        log.extend("start" for e in batch if isinstance(e, StartStep))
+        effects.extend(batch)
+
+    core.step_done("colocated-0", rep, run)
+    # first the next step, carrying the command queued during the last one, is handed to the
+    # driver before the controller sees the report; then the report's effects
+    assert log == ["start", "report colocated-0 0.000000"]
     assert effects[0] == StartStep("colocated-0", [late])
     assert isinstance(effects[1], Deliver) and effects[1].report is rep
     assert core.busy["colocated-0"] and not core.queues["colocated-0"]
