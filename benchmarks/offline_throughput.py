@@ -30,6 +30,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import pdserve  # noqa: F401 - first: sets OpenMP's wait policy before torch loads
+
+# isort: split
 import torch
 
 from pdserve.llm import LLM
