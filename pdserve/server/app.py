@@ -60,6 +60,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 RETRY_AFTER_S = 1
+LARGE_TEXT = 1 << 16  # characters; longer texts are tokenized on their own thread
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 DONE = b"data: [DONE]\n\n"
 
@@ -267,11 +268,11 @@ class _Fanout:
 class OpenAIServer:
     """The endpoints' logic, independent of routing.
 
-    Tokenization, detokenization and chat templating run on one worker thread (a Hugging Face
-    fast tokenizer is not safe to call from several threads at once), structured-output
-    compilation on another, so the event loop (and ``/health``) never waits for them. A prompt
-    with more characters than ``max_model_len`` tokens could hold is refused before it is
-    tokenized."""
+    Tokenization, detokenization and chat templating run on a worker thread, structured-output
+    compilation on another, so the event loop (and ``/health``) never waits for them. Texts of
+    more than ``LARGE_TEXT`` characters are tokenized on a thread of their own, so that one huge
+    prompt does not hold up the others. A prompt with more characters than ``max_model_len``
+    tokens could hold is refused before it is tokenized."""
 
     def __init__(self, runtime: ServingRuntime, model_name: str) -> None:
         self.runtime = runtime
@@ -279,6 +280,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(runtime, model_name)
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
+        self.large_text_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer-l")
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._max_chars: int | None = None
 
@@ -288,6 +290,7 @@ class OpenAIServer:
 
     def close(self) -> None:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.large_text_pool.shutdown(wait=False, cancel_futures=True)
         self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
@@ -296,9 +299,11 @@ class OpenAIServer:
                                 f"`{self.model_name}`).", param="model")
 
     # ----------------------------------------------------------------- off-loop work
-    async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, large: bool = False,
+                        **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizer_pool, partial(fn, *args, **kwargs))
+        pool = self.large_text_pool if large else self.tokenizer_pool
+        return await loop.run_in_executor(pool, partial(fn, *args, **kwargs))
 
     async def max_chars(self) -> int:
         """Characters that ``max_model_len`` tokens can hold at most: the longest token's
@@ -326,6 +331,7 @@ class OpenAIServer:
         await self._check_chars(text, field)
         try:
             ids = await self._off_loop(self.tokenizer.encode, text,
+                                       large=len(text) > LARGE_TEXT,
                                        add_special_tokens=add_special_tokens)
         except Exception as e:  # a tokenizer may reject text in its own ways
             raise APIError(400, f"cannot tokenize the {field}: {e}", param=field) from e
