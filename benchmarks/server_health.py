@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -151,7 +152,10 @@ async def phase(url: str, name: str, seconds: float, probe_every: float, big: in
 
 
 async def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    text = "lorem ipsum dolor sit amet " * (5_000_000 // 27)
+    rng = random.Random(0)  # distinct random words: no tokenizer cache helps
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    words = ["".join(rng.choices(alphabet, k=rng.randint(2, 12))) for _ in range(200_000)]
+    text = " ".join(rng.choices(words, k=900_000))[:5_000_000]
     body = json.dumps({"prompt": text, "max_tokens": 4}).encode()
     plan = [("idle", 0, 0), ("5 MB bodies", args.big_senders, 0),
             (f"{args.streams} streams", 0, args.streams),
@@ -186,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if args.server_pythonpath:
         env["PYTHONPATH"] = args.server_pythonpath
+    # cwd elsewhere: ``python -c`` puts the working directory first on sys.path
     proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE, model, str(port),
-                             str(args.max_model_len)], env=env)
+                             str(args.max_model_len)], env=env, cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
