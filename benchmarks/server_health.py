@@ -2,7 +2,8 @@
 "Serving API: the event loop under load").
 
 Starts a server in a child process on 127.0.0.1 (a random tiny llama on an in-process
-colocated runtime, or ``--model DIR``), then probes ``GET /health`` from another child process
+colocated runtime (``--backend inproc``, or ``ray`` for an engine in its own process), or
+``--model DIR``), then probes ``GET /health`` from another child process
 every ``--probe-ms`` milliseconds for ``--phase-s`` seconds in each of four phases (the burst of
 streams is waited for to its end):
 
@@ -17,7 +18,7 @@ request took to get its answer, and how many streams completed. Bounded in time 
 loopback only.
 
     python benchmarks/server_health.py [--phase-s 5] [--streams 200] [--big-senders 2]
-        [--max-model-len 2048] [--model DIR] [--server-pythonpath PATH]
+        [--max-model-len 2048] [--backend inproc|ray] [--model DIR] [--server-pythonpath PATH]
 
 ``--server-pythonpath`` runs the server from another checkout (to compare with an older
 version of pdserve).
@@ -46,17 +47,17 @@ from pdserve.cluster.runtime import build_runtime
 from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.server.app import build_app
 
-async def main(model, port, max_len):
+async def main(model, port, max_len, backend):
     engine = EngineConfig.from_kwargs(model, model_max_len=max(max_len, 1024),
                                       max_model_len=max_len, num_kv_blocks=2048,
                                       max_num_batched_tokens=2048, max_num_seqs=256)
     rt = await build_runtime(ClusterConfig(engine=engine, strategy="colocated",
-                                           backend="inproc"))
+                                           backend=backend))
     cfg = uvicorn.Config(build_app(rt), host="127.0.0.1", port=port, log_level="warning",
                          lifespan="off", timeout_graceful_shutdown=2)
     await uvicorn.Server(cfg).serve()
 
-asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
 """
 
 
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-senders", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--model", default=None, help="model dir (default: a random tiny llama)")
+    ap.add_argument("--backend", default="inproc", choices=["inproc", "ray"],
+                    help="inproc: the engine steps on a thread of the server's process (they "
+                         "share the GIL); ray: in an actor process")
     ap.add_argument("--server-pythonpath", default=None)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         env["PYTHONPATH"] = args.server_pythonpath
     # cwd elsewhere: ``python -c`` puts the working directory first on sys.path
     proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE, model, str(port),
-                             str(args.max_model_len)], env=env, cwd=tempfile.gettempdir())
+                             str(args.max_model_len), args.backend], env=env,
+                            cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
