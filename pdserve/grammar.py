@@ -167,17 +167,18 @@ class GrammarState:
     __slots__ = ("guide", "consumed", "eos_token_id", "failed")
 
     def __init__(self, index: Any, eos_token_id: int) -> None:
+        """``index=None`` (an expression that did not compile) allows only EOS."""
         from outlines_core import Guide
 
-        self.guide = Guide(index)
+        self.guide = Guide(index) if index is not None else None
         self.consumed = 0
         self.eos_token_id = eos_token_id
-        self.failed = False
+        self.failed = index is None
 
     def sync(self, output_ids: list[int]) -> None:
         """Advance over the output tokens not seen yet."""
         for t in output_ids[self.consumed:]:
-            if self.failed:
+            if self.guide is None or self.failed:
                 break
             try:
                 self.guide.advance(t, return_tokens=False)
@@ -189,7 +190,7 @@ class GrammarState:
         """The allowed next tokens after ``output_ids``, as ``ceil(vocab / 32)`` int32 words."""
         self.sync(output_ids)
         words = np.zeros((vocab + 31) // 32, dtype=np.int32)
-        if self.failed:
+        if self.guide is None or self.failed:
             words.view(np.uint8)[self.eos_token_id // 8] |= 1 << (self.eos_token_id % 8)
             return words
         self.guide.write_mask_into(words.ctypes.data, words.size, 4)

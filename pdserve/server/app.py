@@ -309,11 +309,6 @@ class OpenAIServer:
     def tokenizer(self) -> Any:
         return self.runtime.tokenizer
 
-    def close(self) -> None:
-        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        self.large_text_pool.shutdown(wait=False, cancel_futures=True)
-        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
-
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.runtime.model_name):
             raise APIError(404, f"The model `{model}` does not exist (this server serves "
