@@ -73,7 +73,7 @@ def make_body(rng: random.Random) -> tuple[str, dict[str, Any], bool]:
                     logit_bias={"10": -100, "11": 5})
     expect_400 = rng.random() < 0.05
     if expect_400:
-        body[rng.choice(["temperature", "n", "top_logprobs"])] = -1
+        body[rng.choice(["temperature", "n", "top_p", "presence_penalty"])] = -5
     if rng.random() < 0.5:
         if body.get("stream") and rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
