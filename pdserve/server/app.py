@@ -42,17 +42,15 @@ from pdserve.server.errors import (
     validation_error,
 )
 from pdserve.server.fanout import Fanout
+from pdserve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    ResponseFormat,
     TokenizeRequest,
     TokenizeResponse,
     dump_json,

@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 
 from pdserve.request import RequestOutput, SamplingParams
+from pdserve.server.formats import ResponseFormat
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import ResponseFormat
 
 
 async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
