@@ -14,6 +14,12 @@ run is bounded by ``--requests`` and ``--time-limit``.
 
     python benchmarks/soak.py [--requests 300] [--concurrency 24] [--cancel 0.3]
         [--strategies colocated,disaggregated] [--time-limit 300] [--model DIR] [--seed 0]
+        [--kill-after SECONDS]
+
+``--kill-after`` adds chaos: the deployment gets a spare instance (2 colocated, or 1 prefill +
+2 decode) and the last one crashes (in-process: it stops answering, as a dead actor would) that
+many seconds into the run; 5xx answers with an error object then count as explicit errors, and
+the pools of the surviving instances are checked.
 """
 
 from __future__ import annotations
@@ -83,8 +89,9 @@ def make_body(rng: random.Random) -> tuple[str, dict[str, Any], bool]:
 
 
 async def one_request(c: httpx.AsyncClient, path: str, body: dict[str, Any],
-                      expect_400: bool) -> str:
-    """The request's outcome: ``ok``, ``error <code>`` or ``broken: <why>``."""
+                      expect_400: bool, allow_5xx: bool = False) -> str:
+    """The request's outcome: ``ok``, ``error <code>`` or ``broken: <why>``. With
+    ``allow_5xx`` (an instance was killed) a 5xx with an error object is an explicit error."""
     n = body.get("n", 1)
     if not body.get("stream"):
         r = await c.post(path, json=body)
@@ -92,7 +99,8 @@ async def one_request(c: httpx.AsyncClient, path: str, body: dict[str, Any],
             err = r.json().get("error", {})
             if err.get("code") != r.status_code or not err.get("message"):
                 return f"broken: error without an error object ({r.status_code})"
-            if r.status_code >= 500 or (expect_400 and r.status_code != 400):
+            if (r.status_code >= 500 and not allow_5xx) or (
+                    expect_400 and r.status_code != 400):
                 return f"broken: {r.status_code} {err.get('message')}"
             return f"error {r.status_code}"
         if expect_400:
@@ -105,7 +113,8 @@ async def one_request(c: httpx.AsyncClient, path: str, body: dict[str, Any],
     async with c.stream("POST", path, json=body) as r:
         if r.status_code >= 400:
             await r.aread()
-            if r.status_code >= 500 or (expect_400 and r.status_code != 400):
+            if (r.status_code >= 500 and not allow_5xx) or (
+                    expect_400 and r.status_code != 400):
                 return f"broken: {r.status_code}"
             return f"error {r.status_code}"
         finished: set[int] = set()
@@ -119,7 +128,7 @@ async def one_request(c: httpx.AsyncClient, path: str, body: dict[str, Any],
                 continue
             chunk = json.loads(data)
             if "error" in chunk:
-                if chunk["error"]["code"] >= 500:
+                if chunk["error"]["code"] >= 500 and not allow_5xx:
                     return f"broken: error chunk {chunk['error']}"
                 return f"error {chunk['error']['code']} (in stream)"
             for ch in chunk["choices"]:
@@ -131,7 +140,9 @@ async def one_request(c: httpx.AsyncClient, path: str, body: dict[str, Any],
 
 
 async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel: float,
-               time_limit: float, seed: int) -> dict[str, Any]:
+               time_limit: float, seed: int, kill_after: float | None = None) -> dict[str, Any]:
+    """``kill_after``: crash the last instance that many seconds into the run (its requests
+    are recomputed elsewhere or end with an explicit error)."""
     rng = random.Random(seed)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -157,7 +168,8 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
                 if time.monotonic() - t0 > time_limit:
                     outcomes["not sent (time limit)"] += 1
                     return
-                task = asyncio.create_task(one_request(c, path, body, bad))
+                task = asyncio.create_task(one_request(c, path, body, bad,
+                                                       allow_5xx=kill_after is not None))
                 try:
                     if cancel_after is None:
                         outcome = await task
@@ -177,7 +189,17 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
                 outcome = "broken"
             outcomes[outcome] += 1
 
+        async def kill() -> str | None:
+            if kill_after is None:
+                return None
+            await asyncio.sleep(kill_after)
+            victim = list(runtime.instances)[-1]
+            runtime.instances[victim].client.kill()
+            return victim
+
+        killer = asyncio.create_task(kill())
         await asyncio.gather(*(run(i) for i in range(requests)))
+        killed = await killer
         elapsed = time.monotonic() - t0
         health = (await c.get("/health")).status_code
 
@@ -195,20 +217,26 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
         await asyncio.wait_for(serve, 10)
     return {"requests": requests, "elapsed_s": round(elapsed, 2), "outcomes": dict(outcomes),
             "broken": broken, "health_after": health, "leaked_blocks": leaked,
+            "killed": killed,
             "pools": pools,
             "ok": not broken and not leaked and health == 200}
 
 
-async def run_strategies(model: str, strategies: list[str], **kw: Any) -> dict[str, Any]:
+async def run_strategies(model: str, strategies: list[str], kill_after: float | None = None,
+                         **kw: Any) -> dict[str, Any]:
+    """One soak per strategy; with ``kill_after`` the deployment has a spare instance of the
+    killed role (2 colocated; 1 prefill + 2 decode)."""
     results = {}
+    spare = 1 if kill_after is not None else 0
     for strategy in strategies:
         engine = EngineConfig.from_kwargs(model, model_max_len=1024, max_model_len=MAX_LEN,
                                           num_kv_blocks=96, max_num_batched_tokens=512,
                                           max_num_seqs=16)
         rt = await build_runtime(ClusterConfig(engine=engine, strategy=strategy,
-                                               backend="inproc"))
+                                               backend="inproc", num_instances=1 + spare,
+                                               num_decode=1 + spare))
         try:
-            results[strategy] = await soak(rt, **kw)
+            results[strategy] = await soak(rt, kill_after=kill_after, **kw)
         finally:
             await rt.shutdown()
     return results
@@ -224,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop sending new requests after this many seconds (per strategy)")
     ap.add_argument("--model", default=None, help="model dir (default: a random tiny llama)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-after", type=float, default=None,
+                    help="crash one instance (of a spare pair) this many seconds into the run")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -235,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run_strategies(
         model, args.strategies.split(","), requests=args.requests,
         concurrency=args.concurrency, cancel=args.cancel, time_limit=args.time_limit,
-        seed=args.seed))
+        seed=args.seed, kill_after=args.kill_after))
     for strategy, r in results.items():
-        print(f"{strategy}: {r['requests']} requests in {r['elapsed_s']} s; "
+        killed = f"killed {r['killed']}; " if r["killed"] else ""
+        print(f"{strategy}: {killed}{r['requests']} requests in {r['elapsed_s']} s; "
               f"outcomes {r['outcomes']}; health after {r['health_after']}; "
               f"leaked blocks {r['leaked_blocks'] or 'none'}; "
               f"{'OK' if r['ok'] else 'FAILED'}")
