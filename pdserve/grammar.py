@@ -58,6 +58,25 @@ def regex_for_schema(schema: str | dict[str, Any]) -> str:
         raise ValueError(f"unsupported JSON schema: {e}") from e
 
 
+MAX_REGEX_CHARS = 100_000
+MAX_REPEAT = 2000  # a counted repetition {m,n} unrolls into up to n automaton states
+_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+
+
+def check_regex(regex: str) -> None:
+    """Refuse expressions whose automaton would take seconds to minutes to build: over
+    ``MAX_REGEX_CHARS`` characters, or a counted repetition over ``MAX_REPEAT`` (``x{5000}``
+    takes over a second on a 512-token vocabulary). Raises ``ValueError``."""
+    if len(regex) > MAX_REGEX_CHARS:
+        raise ValueError(f"the output constraint is too large ({len(regex)} characters as a "
+                         f"regular expression, at most {MAX_REGEX_CHARS})")
+    for m in _REPEAT.finditer(regex):
+        bound = max(int(m.group(1)), int(m.group(2) or 0))
+        if bound > MAX_REPEAT:
+            raise ValueError(f"the output constraint repeats up to {bound} times "
+                             f"({m.group(0)}); at most {MAX_REPEAT} is supported")
+
+
 def regex_for_choice(choices: list[str]) -> str:
     """One of ``choices`` exactly."""
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
@@ -142,6 +161,7 @@ class GrammarCompiler:
         is invalid or unsupported."""
         from outlines_core import Index
 
+        check_regex(regex)
         with self._lock:
             if regex in self._cache:
                 self._cache.move_to_end(regex)
