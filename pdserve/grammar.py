@@ -58,6 +58,25 @@ def regex_for_schema(schema: str | dict[str, Any]) -> str:
         raise ValueError(f"unsupported JSON schema: {e}") from e
 
 
+MAX_REGEX_CHARS = 100_000
+MAX_REPEAT = 2000  # a counted repetition {m,n} unrolls into up to n automaton states
+_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+
+
+def check_regex(regex: str) -> None:
+    """Refuse expressions whose automaton would take seconds to minutes to build: over
+    ``MAX_REGEX_CHARS`` characters, or a counted repetition over ``MAX_REPEAT`` (``x{5000}``
+    takes over a second on a 512-token vocabulary). Raises ``ValueError``."""
+    if len(regex) > MAX_REGEX_CHARS:
+        raise ValueError(f"the output constraint is too large ({len(regex)} characters as a "
+                         f"regular expression, at most {MAX_REGEX_CHARS})")
+    for m in _REPEAT.finditer(regex):
+        bound = max(int(m.group(1)), int(m.group(2) or 0))
+        if bound > MAX_REPEAT:
+            raise ValueError(f"the output constraint repeats up to {bound} times "
+                             f"({m.group(0)}); at most {MAX_REPEAT} is supported")
+
+
 def regex_for_choice(choices: list[str]) -> str:
     """One of ``choices`` exactly."""
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
@@ -142,6 +161,7 @@ class GrammarCompiler:
         is invalid or unsupported."""
         from outlines_core import Index
 
+        check_regex(regex)
         with self._lock:
             if regex in self._cache:
                 self._cache.move_to_end(regex)
@@ -167,17 +187,18 @@ class GrammarState:
     __slots__ = ("guide", "consumed", "eos_token_id", "failed")
 
     def __init__(self, index: Any, eos_token_id: int) -> None:
+        """``index=None`` (an expression that did not compile) allows only EOS."""
         from outlines_core import Guide
 
-        self.guide = Guide(index)
+        self.guide = Guide(index) if index is not None else None
         self.consumed = 0
         self.eos_token_id = eos_token_id
-        self.failed = False
+        self.failed = index is None
 
     def sync(self, output_ids: list[int]) -> None:
         """Advance over the output tokens not seen yet."""
         for t in output_ids[self.consumed:]:
-            if self.failed:
+            if self.guide is None or self.failed:
                 break
             try:
                 self.guide.advance(t, return_tokens=False)
@@ -189,7 +210,7 @@ class GrammarState:
         """The allowed next tokens after ``output_ids``, as ``ceil(vocab / 32)`` int32 words."""
         self.sync(output_ids)
         words = np.zeros((vocab + 31) // 32, dtype=np.int32)
-        if self.failed:
+        if self.guide is None or self.failed:
             words.view(np.uint8)[self.eos_token_id // 8] |= 1 << (self.eos_token_id % 8)
             return words
         self.guide.write_mask_into(words.ctypes.data, words.size, 4)

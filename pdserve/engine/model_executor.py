@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -15,6 +16,8 @@ from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.model.layers import build_attention_metadata, gather_elements_per_block
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleRow
+
+log = logging.getLogger(__name__)
 
 
 def sliding_window(cfg: ModelConfig) -> int | None:
@@ -182,7 +185,11 @@ class ModelExecutor:
 
                 self._grammar_compiler = GrammarCompiler.for_tokenizer(
                     load_tokenizer(self.config.model), self.eos_token_ids[0])
-            index = self._grammar_compiler.compile(req.params.guided_regex)
+            try:
+                index = self._grammar_compiler.compile(req.params.guided_regex)
+            except ValueError as e:  # the server checks first; direct engine users may not
+                log.error("request %s: %s; it ends now", req.request_id, e)
+                index = None
             req.grammar = GrammarState(index, self.eos_token_ids[0])
         return req.grammar.bitmask(req.output_token_ids, vocab)
 

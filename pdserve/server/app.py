@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,94 +27,39 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__, grammar
 from pdserve.cluster.protocol import QueueFullError, RequestFailedError, ServingRuntime
 from pdserve.request import RequestOutput, SamplingParams, derive_seed, validate_prompt
+from pdserve.server.errors import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    APIError,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    param_of,
+    validation_error,
+)
+from pdserve.server.fanout import Fanout
+from pdserve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import (
     ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    ResponseFormat,
     TokenizeRequest,
     TokenizeResponse,
     dump_json,
 )
 from pdserve.tokenizer import apply_chat_template
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
-RETRY_AFTER_S = 1
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+INLINE_TEXT = 256  # characters; shorter texts are tokenized on the loop (a few microseconds)
+LARGE_TEXT = 1 << 16  # characters; longer texts are tokenized on their own thread
 DONE = b"data: [DONE]\n\n"
-
-
-class APIError(Exception):
-    """An error answered with HTTP ``status`` and an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, type: str | None = None,
-                 param: str | None = None) -> None:
-        message = message.encode("utf-8", "backslashreplace").decode()  # no lone surrogates
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or ERROR_TYPES.get(status, "server_error")
-        self.param = param
-
-    def body(self) -> str:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
-                                             param=self.param, code=self.status)
-                             ).model_dump_json()
-
-    def response(self) -> Response:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
-        return Response(self.body(), status_code=self.status, media_type="application/json",
-                        headers=headers)
-
-
-def _param_of(message: str, fields: set[str]) -> str | None:
-    """The request field a validation message starts with (``'top_p must be ...'``)."""
-    word = message.split(" ", 1)[0]
-    return word if word in fields else None
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error") or first.get("msg")
-        return APIError(400, f"request body is not valid JSON: {detail}")
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    path_parts = [p for i, p in enumerate(loc)
-                  if i == 0 or not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
-    path = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
-                   for i, p in enumerate(path_parts))
-    msgs = [str(e.get("msg", "")).removeprefix("Value error, ") for e in errors
-            if [p for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
-    msg = " or ".join(dict.fromkeys(msgs))
-    param = str(loc[0]) if loc and isinstance(loc[0], str) else None
-    if not path:
-        if first.get("type") == "missing":
-            return APIError(400, "request body is required")
-        fields = {"top_logprobs", "logprobs", "prompt", "messages"}
-        return APIError(400, msg, param=_param_of(msg, fields))
-    if first.get("type") == "missing":
-        return APIError(400, f"'{path}' is required", param=param)
-    return APIError(400, f"invalid value for '{path}': {msg}", param=param)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -143,13 +87,6 @@ class EventStreamResponse(StreamingResponse):
                     await aclose()
 
 
-async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
-    aclose = getattr(outputs, "aclose", None)
-    if aclose is not None:
-        with anyio.CancelScope(shield=True):
-            await aclose()
-
-
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -169,109 +106,15 @@ def default_served_model_name(model: str) -> str:
     return os.path.basename(path) or model
 
 
-class _Fanout:
-    """The choices of one API request, each an engine request, merged into one stream of
-    ``(choice index, output)``.
-
-    The first sample of each prompt is submitted at once (so that a bad prompt or a full queue
-    fails the API request before anything is sent); its other samples are submitted when it
-    produces its first token, when its prompt's full KV blocks are in the prefix cache, so
-    that they reuse them instead of computing the prompt again. Iteration ends when every
-    choice has finished; the first exception of any choice is raised. :meth:`aclose` aborts
-    whatever is still running."""
-
-    def __init__(self, server: OpenAIServer, fmt: ResponseFormat,
-                 jobs: list[tuple[list[int], SamplingParams]]) -> None:
-        self.server = server
-        self.fmt = fmt
-        self.jobs = jobs
-        self.queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = (
-            asyncio.Queue())
-        self.iters: dict[int, AsyncIterator[RequestOutput]] = {}
-        self.tasks: list[asyncio.Future[None]] = []
-        self.finished = 0
-        self.done: set[int] = set()  # choices whose final output was read
-
-    def request_id(self, index: int) -> str:
-        return self.fmt.id if self.fmt.num_choices == 1 else f"{self.fmt.id}-{index}"
-
-    def _submit(self, index: int) -> AsyncIterator[RequestOutput]:
-        ids, params = self.jobs[index]
-        it = self.server.runtime.generate(self.request_id(index), ids, params)
-        self.iters[index] = it
-        return it
-
-    async def start(self) -> None:
-        """Submit each prompt's first sample; on an error abort those submitted and raise."""
-        try:
-            for i in range(0, len(self.jobs), self.fmt.n):
-                self._submit(i)
-        except Exception:
-            await self.aclose()
-            raise
-        for i in list(self.iters):
-            self._pump(i)
-
-    def _pump(self, index: int) -> None:
-        self.tasks.append(asyncio.ensure_future(self._run(index)))
-
-    async def _run(self, index: int) -> None:
-        tracker = self.server.metrics.tracker(len(self.jobs[index][0]))
-        leader = index % self.fmt.n == 0 and self.fmt.n > 1
-        try:
-            async for out in self.iters[index]:
-                tracker.observe(out)
-                if leader:
-                    leader = False
-                    for j in range(index + 1, index + self.fmt.n):
-                        self._submit(j)
-                        self._pump(j)
-                self.queue.put_nowait((index, out, None))
-                if out.finished:
-                    return
-            raise RuntimeError("the runtime ended the output stream without a final output")
-        except Exception as e:
-            tracker.close("error")
-            self.queue.put_nowait((index, None, e))
-        finally:
-            tracker.close()
-
-    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while self.finished < len(self.jobs):
-            index, out, exc = await self.queue.get()
-            if exc is not None:
-                raise exc
-            assert out is not None
-            if out.finished:
-                self.finished += 1
-                self.done.add(index)
-            yield index, out
-
-    async def aclose(self) -> None:
-        """Stop every choice; abort those that have not finished (an output iterator that was
-        never iterated does not abort its request when closed)."""
-        with anyio.CancelScope(shield=True):
-            for t in self.tasks:
-                t.cancel()
-            if self.tasks:
-                await asyncio.wait(self.tasks)
-            for index, it in self.iters.items():
-                await _close(it)
-                if index not in self.done:
-                    await self.server.runtime.abort(self.request_id(index))
-
-
 class OpenAIServer:
     """The endpoints' logic, independent of routing.
 
-    Tokenization, detokenization and chat templating run on one worker thread (a Hugging Face
-    fast tokenizer is not safe to call from several threads at once), structured-output
-    compilation on another, so the event loop (and ``/health``) never waits for them. A prompt
-    with more characters than ``max_model_len`` tokens could hold is refused before it is
-    tokenized."""
+    Tokenization (of texts over ``INLINE_TEXT`` characters: shorter ones cost less than the
+    hand-off), detokenization and chat templating run on a worker thread, structured-output
+    compilation on another, so the event loop (and ``/health``) never waits for them. Texts of
+    more than ``LARGE_TEXT`` characters are tokenized on a thread of their own, so that one huge
+    prompt does not hold up the others. A prompt with more characters than ``max_model_len``
+    tokens could hold is refused before it is tokenized."""
 
     def __init__(self, runtime: ServingRuntime, model_name: str) -> None:
         self.runtime = runtime
@@ -279,6 +122,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(runtime, model_name)
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
+        self.large_text_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer-l")
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._max_chars: int | None = None
 
@@ -286,19 +130,17 @@ class OpenAIServer:
     def tokenizer(self) -> Any:
         return self.runtime.tokenizer
 
-    def close(self) -> None:
-        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
-
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.runtime.model_name):
             raise APIError(404, f"The model `{model}` does not exist (this server serves "
                                 f"`{self.model_name}`).", param="model")
 
     # ----------------------------------------------------------------- off-loop work
-    async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, large: bool = False,
+                        **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizer_pool, partial(fn, *args, **kwargs))
+        pool = self.large_text_pool if large else self.tokenizer_pool
+        return await loop.run_in_executor(pool, partial(fn, *args, **kwargs))
 
     async def max_chars(self) -> int:
         """Characters that ``max_model_len`` tokens can hold at most: the longest token's
@@ -325,8 +167,12 @@ class OpenAIServer:
     async def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         await self._check_chars(text, field)
         try:
-            ids = await self._off_loop(self.tokenizer.encode, text,
-                                       add_special_tokens=add_special_tokens)
+            if len(text) <= INLINE_TEXT:  # microseconds: cheaper than a thread hop
+                ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            else:
+                ids = await self._off_loop(self.tokenizer.encode, text,
+                                           large=len(text) > LARGE_TEXT,
+                                           add_special_tokens=add_special_tokens)
         except Exception as e:  # a tokenizer may reject text in its own ways
             raise APIError(400, f"cannot tokenize the {field}: {e}", param=field) from e
         return list(ids)
@@ -429,7 +275,7 @@ class OpenAIServer:
         try:
             params = body.to_sampling_params(max_tokens, regex)
         except (ValueError, TypeError) as e:
-            param = _param_of(str(e), set(type(body).model_fields))
+            param = param_of(str(e), set(type(body).model_fields))
             if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
                 param = "max_completion_tokens"
             raise APIError(400, str(e), param=param) from e
@@ -451,7 +297,7 @@ class OpenAIServer:
         if isinstance(e, QueueFullError):
             return APIError(429, str(e) or "the server is busy; retry later")
         if isinstance(e, ValueError):
-            param = _param_of(str(e), {"prompt", "max_tokens", "temperature", "top_p", "top_k",
+            param = param_of(str(e), {"prompt", "max_tokens", "temperature", "top_p", "top_k",
                                        "min_p", "seed", "stop", "logprobs"})
             return APIError(400, str(e), param=prompt_field if param == "prompt" else param)
         if isinstance(e, RequestFailedError):
@@ -472,7 +318,7 @@ class OpenAIServer:
             for j in range(fmt.n):
                 pj = p if j == 0 or p.seed is None else replace(p, seed=derive_seed(p.seed, j))
                 jobs.append((ids, pj))
-        fan = _Fanout(self, fmt, jobs)
+        fan = Fanout(self.runtime, self.metrics, fmt, jobs)
         try:
             await fan.start()
         except (QueueFullError, ValueError, RequestFailedError) as e:
@@ -492,7 +338,7 @@ class OpenAIServer:
         timeline = _timeline(finals) if body.return_timeline else None
         return Response(dump_json(fmt.response(finals, timeline)), media_type="application/json")
 
-    async def _collect(self, raw: Request, fan: _Fanout) -> list[RequestOutput] | None:
+    async def _collect(self, raw: Request, fan: Fanout) -> list[RequestOutput] | None:
         """The final outputs in choice order, or ``None`` if the client disconnected first
         (requests aborted). Exceptions from the runtime propagate."""
 
@@ -517,7 +363,7 @@ class OpenAIServer:
             return None
         return task.result()
 
-    async def _stream(self, fan: _Fanout, fmt: ResponseFormat, include_usage: bool,
+    async def _stream(self, fan: Fanout, fmt: ResponseFormat, include_usage: bool,
                       with_timeline: bool) -> AsyncIterator[bytes]:
         """SSE frames: one chunk per delta (= per token) of each choice, each choice's finish
         reason on its last, the usage chunk if asked, then ``[DONE]``. Errors become one error
@@ -590,57 +436,6 @@ def _tokenizer_vocab_size(tokenizer: Any) -> int | None:
         return getattr(tokenizer, "vocab_size", None)
 
 
-class _APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every ``/v1`` path."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(got, self.expected):
-                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
-                                    "<key>')")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _BodyLimitMiddleware:
-    """Answers 413 to a request body over ``max_bytes`` (by its ``Content-Length`` at once, or
-    while a chunked body arrives)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _error(self) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_bytes} bytes")
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = Headers(scope=scope).get("content-length", "")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await self._error().response()(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> Any:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:  # FastAPI passes HTTPException through body parsing
-                    raise StarletteHTTPException(413, self._error().message)
-            return message
-
-        await self.app(scope, limited, send)
-
-
 def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
               api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
@@ -658,7 +453,7 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> Response:
-        return _validation_error(exc).response()
+        return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -668,9 +463,9 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     async def _internal(_: Request, exc: Exception) -> Response:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
-    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

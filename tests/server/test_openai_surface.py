@@ -192,10 +192,10 @@ async def test_body_limit_is_413() -> None:
 
 
 class SlowTokenizerRuntime(FakeRuntime):
-    """A tokenizer that holds the GIL-free sleep for ``delay`` seconds per call."""
+    """A tokenizer that sleeps ``delay`` seconds per call (like a long prompt)."""
 
     def __init__(self, delay: float) -> None:
-        super().__init__()
+        super().__init__(max_model_len=1024)
         tok = self.tokenizer
         encode = tok.encode
 
@@ -210,13 +210,14 @@ async def test_tokenization_does_not_block_the_loop() -> None:
     runtime = SlowTokenizerRuntime(delay=0.5)
     async with await _client(runtime) as c:
         t0 = time.perf_counter()
-        slow = asyncio.create_task(c.post(COMPL, json={"prompt": "abc", "max_tokens": 1}))
-        tok = asyncio.create_task(c.post("/tokenize", json={"prompt": "abc"}))
+        long = "abc " * 100  # over INLINE_TEXT: tokenized on the worker thread
+        slow = asyncio.create_task(c.post(COMPL, json={"prompt": long, "max_tokens": 1}))
+        tok = asyncio.create_task(c.post("/tokenize", json={"prompt": long}))
         await asyncio.sleep(0.05)
         assert (await c.get("/health")).status_code == 200
         assert time.perf_counter() - t0 < 0.3  # not behind the two 0.5 s encodes
         assert not slow.done()
-        assert (await slow).status_code == 200 and (await tok).json()["count"] == 3
+        assert (await slow).status_code == 200 and (await tok).json()["count"] == 400
 
 
 async def test_too_many_characters_are_refused_without_tokenizing() -> None:
