@@ -51,8 +51,7 @@ async def main(model, port, max_len, backend):
     engine = EngineConfig.from_kwargs(model, model_max_len=max(max_len, 1024),
                                       max_model_len=max_len, num_kv_blocks=2048,
                                       max_num_batched_tokens=2048, max_num_seqs=256)
-    rt = await build_runtime(ClusterConfig(engine=engine, strategy="colocated",
-                                           backend=backend))
+    rt = await build_runtime(ClusterConfig.from_dict({"engine": engine, "backend": backend}))
     cfg = uvicorn.Config(build_app(rt), host="127.0.0.1", port=port, log_level="warning",
                          lifespan="off", timeout_graceful_shutdown=2)
     await uvicorn.Server(cfg).serve()

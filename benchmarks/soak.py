@@ -232,9 +232,9 @@ async def run_strategies(model: str, strategies: list[str], kill_after: float | 
         engine = EngineConfig.from_kwargs(model, model_max_len=1024, max_model_len=MAX_LEN,
                                           num_kv_blocks=96, max_num_batched_tokens=512,
                                           max_num_seqs=16)
-        rt = await build_runtime(ClusterConfig(engine=engine, strategy=strategy,
-                                               backend="inproc", num_instances=1 + spare,
-                                               num_decode=1 + spare))
+        rt = await build_runtime(ClusterConfig.from_dict({
+            "engine": engine, "strategy": strategy, "backend": "inproc",
+            "num_instances": 1 + spare, "num_decode": 1 + spare}))
         try:
             results[strategy] = await soak(rt, kill_after=kill_after, **kw)
         finally:

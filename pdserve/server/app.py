@@ -396,7 +396,8 @@ class OpenAIServer:
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
                                          root=self.runtime.model_name,
-                                         max_model_len=self.runtime.max_model_len)])
+                                         max_model_len=self.runtime.max_model_len,
+                                         vocab_size=getattr(self.runtime, "vocab_size", None))])
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)

@@ -14,7 +14,14 @@ import sys
 import threading
 
 from pdserve.config import ClusterConfig
-from pdserve.flags import add_deployment_flags, deployment_from_args, guarded, one_line_errors
+from pdserve.flags import (
+    add_deployment_flags,
+    deployment_from_args,
+    guarded,
+    one_line_errors,
+    positive_int,
+)
+from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,7 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     m.add_argument("--served-model-name", help="model name clients use (default: --model)")
     m.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     m.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    m.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    m.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints "
+                                     "(default: none)")
+    m.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get HTTP 413 (default: %(default)s)")
     m.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_deployment_flags(p, model_help="Hugging Face model directory")
@@ -69,12 +79,13 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
 async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000,
                 served_model_name: str | None = None, api_key: str | None = None,
-                log_level: str = "info") -> None:
+                log_level: str = "info",
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down."""
     import uvicorn
 
     from pdserve.cluster.runtime import build_runtime
-    from pdserve.server.app import build_app
+    from pdserve.server.app import build_app, default_served_model_name
 
     n = sum(r.count for r in config.roles)
     where = (f"Ray at {config.ray_address}" if config.ray_address else "a local Ray instance") \
@@ -86,7 +97,7 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     main_thread = threading.current_thread() is threading.main_thread()
     handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
     try:
-        app = build_app(runtime, served_model_name, api_key)
+        app = build_app(runtime, served_model_name, api_key, max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
         # uvicorn re-raises the signal it caught once it has stopped; route it to a no-op so
@@ -97,7 +108,7 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
-            name = served_model_name or runtime.model_name
+            name = served_model_name or default_served_model_name(runtime.model_name)
             print(f"pdserve: serving {name!r} on http://{host}:{port}/v1 "
                   f"({config.strategy}, {config.num_gpus} instance(s))", flush=True)
 
@@ -116,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config, args.host, args.port, args.served_model_name, args.api_key,
-                          args.log_level))
+                          args.log_level, args.max_request_bytes))
     return 0
 
 

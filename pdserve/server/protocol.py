@@ -461,6 +461,7 @@ class ModelCard(BaseModel):
     owned_by: str = "pdserve"
     root: str
     max_model_len: int
+    vocab_size: int | None = None  # pdserve's addition: benchmark clients draw token ids below it
     parent: str | None = None
 
 

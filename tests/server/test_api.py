@@ -221,7 +221,8 @@ async def test_models(client: httpx.AsyncClient, runtime: FakeRuntime) -> None:
     assert body["object"] == "list" and len(body["data"]) == 1
     assert card == {"id": MODEL, "object": "model", "created": card["created"],
                     "owned_by": "pdserve", "root": runtime.model_name,
-                    "max_model_len": runtime.max_model_len, "parent": None}
+                    "max_model_len": runtime.max_model_len,
+                    "vocab_size": None, "parent": None}  # the fake runtime has no vocab_size
 
 
 @pytest.mark.parametrize(("path", "name"), [

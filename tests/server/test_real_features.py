@@ -29,8 +29,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(params=["disaggregated", "colocated"])
 async def served(request: pytest.FixtureRequest,
                  model_dir: str) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    rt = await build_runtime(ClusterConfig(engine=engine_config(model_dir, num_kv_blocks=64),
-                                           strategy=request.param, backend="inproc"))
+    rt = await build_runtime(ClusterConfig.from_dict({
+        "engine": engine_config(model_dir, num_kv_blocks=64), "strategy": request.param,
+        "backend": "inproc"}))
     async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
         yield c, rt
         await assert_pools_clean(rt)
