@@ -14,12 +14,14 @@ run is bounded by ``--requests`` and ``--time-limit``.
 
     python benchmarks/soak.py [--requests 300] [--concurrency 24] [--cancel 0.3]
         [--strategies colocated,disaggregated] [--time-limit 300] [--model DIR] [--seed 0]
-        [--kill-after SECONDS]
+        [--kills N --kill-every SECONDS]
 
-``--kill-after`` adds chaos: the deployment gets a spare instance (2 colocated, or 1 prefill +
-2 decode) and the last one crashes (in-process: it stops answering, as a dead actor would) that
-many seconds into the run; 5xx answers with an error object then count as explicit errors, and
-the pools of the surviving instances are checked.
+``--kills N`` adds chaos: the deployment gets N spare instances of the killed role (colocated,
+or decode beside one prefill instance) and one of them crashes (in-process: it stops
+answering, as a dead actor would) every ``--kill-every`` seconds; 5xx answers with an error
+object then count as explicit errors, and the pools of the surviving instances are checked.
+The server process's resident memory is sampled after the first tenth of the requests and at
+the end (``rss_mb``): a leak shows as growth.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -140,9 +143,13 @@ async def one_request(c: httpx.AsyncClient, path: str, body: dict[str, Any],
 
 
 async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel: float,
-               time_limit: float, seed: int, kill_after: float | None = None) -> dict[str, Any]:
-    """``kill_after``: crash the last instance that many seconds into the run (its requests
-    are recomputed elsewhere or end with an explicit error)."""
+               time_limit: float, seed: int, kill_at: Sequence[float] = ()) -> dict[str, Any]:
+    """``kill_at``: crash the last live instance at each of these times into the run (its
+    requests are recomputed elsewhere or end with an explicit error)."""
+    import psutil
+
+    proc = psutil.Process()
+    rss: list[float] = []
     rng = random.Random(seed)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -169,7 +176,7 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
                     outcomes["not sent (time limit)"] += 1
                     return
                 task = asyncio.create_task(one_request(c, path, body, bad,
-                                                       allow_5xx=kill_after is not None))
+                                                       allow_5xx=bool(kill_at)))
                 try:
                     if cancel_after is None:
                         outcome = await task
@@ -188,14 +195,17 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
                 broken.append(f"{path} {json.dumps(body)[:200]} -> {outcome}")
                 outcome = "broken"
             outcomes[outcome] += 1
+            if sum(outcomes.values()) in (max(requests // 10, 1), requests):
+                rss.append(proc.memory_info().rss / 2**20)
 
-        async def kill() -> str | None:
-            if kill_after is None:
-                return None
-            await asyncio.sleep(kill_after)
-            victim = list(runtime.instances)[-1]
-            runtime.instances[victim].client.kill()
-            return victim
+        async def kill() -> list[str]:
+            killed: list[str] = []
+            for t in kill_at:
+                await asyncio.sleep(max(t - (time.monotonic() - t0), 0.0))
+                victim = [iid for iid, i in runtime.instances.items() if i.view.alive][-1]
+                runtime.instances[victim].client.kill()
+                killed.append(victim)
+            return killed
 
         killer = asyncio.create_task(kill())
         await asyncio.gather(*(run(i) for i in range(requests)))
@@ -218,16 +228,19 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
     return {"requests": requests, "elapsed_s": round(elapsed, 2), "outcomes": dict(outcomes),
             "broken": broken, "health_after": health, "leaked_blocks": leaked,
             "killed": killed,
+            "rss_mb": [round(x, 1) for x in rss],
             "pools": pools,
             "ok": not broken and not leaked and health == 200}
 
 
-async def run_strategies(model: str, strategies: list[str], kill_after: float | None = None,
-                         **kw: Any) -> dict[str, Any]:
-    """One soak per strategy; with ``kill_after`` the deployment has a spare instance of the
-    killed role (2 colocated; 1 prefill + 2 decode)."""
+async def run_strategies(model: str, strategies: list[str], kills: int = 0,
+                         kill_every: float = 10.0, **kw: Any) -> dict[str, Any]:
+    """One soak per strategy; with ``kills`` the deployment has that many spare instances of
+    the killed role (colocated; decode beside one prefill instance), one crashing every
+    ``kill_every`` seconds."""
     results = {}
-    spare = 1 if kill_after is not None else 0
+    spare = kills
+    kill_at = [kill_every * (k + 1) for k in range(kills)]
     for strategy in strategies:
         engine = EngineConfig.from_kwargs(model, model_max_len=1024, max_model_len=MAX_LEN,
                                           num_kv_blocks=96, max_num_batched_tokens=512,
@@ -236,7 +249,7 @@ async def run_strategies(model: str, strategies: list[str], kill_after: float | 
             "engine": engine, "strategy": strategy, "backend": "inproc",
             "num_instances": 1 + spare, "num_decode": 1 + spare}))
         try:
-            results[strategy] = await soak(rt, kill_after=kill_after, **kw)
+            results[strategy] = await soak(rt, kill_at=kill_at, **kw)
         finally:
             await rt.shutdown()
     return results
@@ -252,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop sending new requests after this many seconds (per strategy)")
     ap.add_argument("--model", default=None, help="model dir (default: a random tiny llama)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kill-after", type=float, default=None,
-                    help="crash one instance (of a spare pair) this many seconds into the run")
+    ap.add_argument("--kills", type=int, default=0,
+                    help="crash this many (spare) instances during the run (default: 0)")
+    ap.add_argument("--kill-every", type=float, default=10.0,
+                    help="seconds between crashes, the first one included (default: 10)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -265,12 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run_strategies(
         model, args.strategies.split(","), requests=args.requests,
         concurrency=args.concurrency, cancel=args.cancel, time_limit=args.time_limit,
-        seed=args.seed, kill_after=args.kill_after))
+        seed=args.seed, kills=args.kills, kill_every=args.kill_every))
     for strategy, r in results.items():
-        killed = f"killed {r['killed']}; " if r["killed"] else ""
+        killed = f"killed {', '.join(r['killed'])}; " if r["killed"] else ""
         print(f"{strategy}: {killed}{r['requests']} requests in {r['elapsed_s']} s; "
               f"outcomes {r['outcomes']}; health after {r['health_after']}; "
-              f"leaked blocks {r['leaked_blocks'] or 'none'}; "
+              f"leaked blocks {r['leaked_blocks'] or 'none'}; server RSS {r['rss_mb']} MiB; "
               f"{'OK' if r['ok'] else 'FAILED'}")
         for b in r["broken"][:20]:
             print("   ", b)
