@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.bench.report import plot_grouped_bars
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig
 from pdserve.sim.target import SimulationConfig, build_simulator, to_sim_requests
@@ -99,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate-per-instance", type=float, default=3.0)
     ap.add_argument("--mooncake-speedup", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", metavar="DIR", help="write prefix_routing_<workload>.png here")
     a = ap.parse_args(argv)
+    rows: list[dict[str, Any]] = []
     print("| workload | instances | router | mean lat (s) | P99 lat (s) | mean TTFT (s) | "
           "P99 TTFT (s) | cache hit | imbalance | wall (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 res = sim.run(to_sim_requests(w.requests, 50272))
                 s = summarize(sim, res)
+                rows.append({"workload": wname, "instances": n_inst, "router": router, **s})
                 print(f"| {wname} | {n_inst} | {router} | {s['lat_mean']:.2f} | "
                       f"{s['lat_p99']:.2f} | {s['ttft_mean']:.3f} | {s['ttft_p99']:.2f} | "
                       f"{s['hit']:.1%} | {s['imbalance']:.2f} | "
@@ -119,6 +123,14 @@ def main(argv: list[str] | None = None) -> None:
                 if s["decisions"]:
                     print(f"<!-- {wname} {n_inst} {router}: {s['decisions']} -->",
                           file=sys.stderr)
+    for wname in a.workloads.split(",") if a.plot else ():
+        path = plot_grouped_bars(
+            [r for r in rows if r["workload"] == wname], "instances", "router",
+            (("lat_mean", "mean latency (s)"), ("lat_p99", "P99 latency (s)"),
+             ("hit", "prefix-cache hit rate")),
+            os.path.join(a.plot, f"prefix_routing_{wname}.png"),
+            f"{wname} workload, simulated OPT-13B on A100 (DistServe's profile)")
+        print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

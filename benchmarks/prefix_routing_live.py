@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import uvicorn
 
+from pdserve.bench.report import plot_grouped_bars
 from pdserve.bench.targets import HttpTarget
 from pdserve.bench.workloads import make_workload
 from pdserve.cluster.runtime import build_runtime
@@ -34,6 +35,8 @@ from pdserve.config import ClusterConfig
 from pdserve.server.app import build_app
 
 MAX_LEN = 1024
+METRICS = (("lat_mean", "mean latency (s)"), ("ttft_mean", "mean TTFT (s)"),
+           ("hit", "prefix-cache hit rate"))
 WORKLOAD = "prefix:num_prefixes=8,shared_len=512,unique_len=48,output_len=16,block_size=16"
 
 
@@ -76,36 +79,6 @@ async def one_run(model: str, n: int, router: str, num_requests: int, rate: floa
             "imbalance": float(max(computed) / np.mean(computed)) if np.mean(computed) else 1.0}
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = sorted({r["instances"] for r in rows})
-    routers = list(dict.fromkeys(r["router"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, (key, label) in zip(axes, (("lat_mean", "mean latency (s)"),
-                                       ("ttft_mean", "mean TTFT (s)"),
-                                       ("hit", "prefix-cache hit rate"))):
-        width = 0.8 / len(routers)
-        for k, router in enumerate(routers):
-            ys = [next((r[key] for r in rows if r["router"] == router and r["instances"] == n),
-                       np.nan) for n in sizes]
-            ax.bar(np.arange(len(sizes)) + k * width, ys, width, label=router)
-        ax.set_xticks(np.arange(len(sizes)) + width * (len(routers) - 1) / 2)
-        ax.set_xticklabels([f"{n} instances" for n in sizes])
-        ax.set_title(label)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("prefix workload, live CPU instances (tiny llama)")
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "prefix_routing_live.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--instances", default="2,4")
@@ -137,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.output_json).write_text(json.dumps(rows, indent=1))
     if a.plot:
-        print(f"wrote {plot(rows, Path(a.plot))}", file=sys.stderr)
+        path = plot_grouped_bars(rows, "instances", "router", METRICS,
+                                 Path(a.plot) / "prefix_routing_live.png",
+                                 "prefix workload, live CPU instances (tiny llama)")
+        print(f"wrote {path}", file=sys.stderr)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 

@@ -194,3 +194,29 @@ def plot_breakdown(breakdowns: Mapping[str, Mapping[str, Any]], path: str | Path
     ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35))
     ax.grid(alpha=0.3, axis="x")
     return _save(fig, path)
+
+
+def plot_grouped_bars(rows: Sequence[Mapping[str, Any]], group: str, series: str,
+                      metrics: Sequence[tuple[str, str]], path: str | Path,
+                      title: str = "") -> Path:
+    """One panel per ``(key, label)`` in ``metrics``: a bar per ``series`` value (e.g. router)
+    in each ``group`` (e.g. instance count), heights ``row[key]``."""
+    import numpy as np
+
+    groups = sorted({r[group] for r in rows})
+    names = list(dict.fromkeys(r[series] for r in rows))
+    fig = _figure(4.3 * len(metrics), 3.6)
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    width = 0.8 / len(names)
+    for ax, (key, label) in zip(axes, metrics):
+        for k, name in enumerate(names):
+            ys = [next((r[key] for r in rows if r[series] == name and r[group] == g), np.nan)
+                  for g in groups]
+            ax.bar(np.arange(len(groups)) + k * width, ys, width, label=name)
+        ax.set_xticks(np.arange(len(groups)) + width * (len(names) - 1) / 2)
+        ax.set_xticklabels([f"{g} {group}" for g in groups])
+        ax.set_title(label)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
