@@ -242,10 +242,17 @@ async def test_preble_router_is_fed_by_the_instances_kv_events(model_dir: str) -
 def test_unplaceable_instances_fail_with_the_missing_resources(ray_instances: Any) -> None:
     """Instead of actors that wait forever: a deployment larger than the cluster fails at once,
     one that others' actors crowd out fails after the timeout; both name the resources."""
+    import ray
+
     from pdserve.cluster.instances import wait_for_resources
 
-    with pytest.raises(RuntimeError, match=r"needs 9 CPU \(cluster total 4, free 0\); add nodes"):
-        wait_for_resources({"CPU": 9})
-    # the four instance actors hold every CPU
-    with pytest.raises(RuntimeError, match=r"needs 1 CPU \(cluster total 4, free 0\); others"):
-        wait_for_resources({"CPU": 1}, timeout_s=0.3, poll_s=0.1)
+    total = ray.cluster_resources()["CPU"]
+    with pytest.raises(RuntimeError, match=rf"needs {total + 5:g} CPU \(cluster total "
+                                           rf"{total:g}, free .*\); add nodes"):
+        wait_for_resources({"CPU": total + 5})
+    # the instance actors hold CPUs: asking for one more than is free times out
+    free = ray.available_resources().get("CPU", 0.0)
+    assert free < total
+    with pytest.raises(RuntimeError, match=rf"needs {free + 1:g} CPU \(cluster total "
+                                           rf"{total:g}, free {free:g}\); others hold them"):
+        wait_for_resources({"CPU": free + 1}, timeout_s=0.3, poll_s=0.1)
