@@ -54,7 +54,9 @@ class ShiftDetector:
 
     ``reference``: the stats the current plan assumed (``None``: the first full window).
     A shift needs at least ``min_requests`` in the window; the rate and each mean length are
-    compared as ``|window / reference − 1| > threshold``.
+    compared as ``|window / reference − 1| > threshold``. A window that deviates starts a fresh
+    window, and the shift is reported when that one — the new pattern alone — still deviates
+    (at most two windows after the change); it becomes the reference.
     """
 
     def __init__(self, window_s: float, reference: WindowStats | None = None,
@@ -68,6 +70,7 @@ class ShiftDetector:
         self.min_requests = min_requests
         self._win: deque[tuple[float, int, int]] = deque()
         self._start: float | None = None
+        self._pending = False
         self.shifts: list[Shift] = []
 
     def window(self) -> WindowStats:
@@ -88,23 +91,37 @@ class ShiftDetector:
         if self.reference is None:
             self.reference = cur
             return None
-        ref = self.reference
-        reasons = []
+        reasons = self._deviations(cur, self.reference)
+        if not reasons:
+            self._pending = False  # a blip: the pattern came back
+            return None
+        if not self._pending:
+            # the window straddles the change: confirm on a window of the new pattern alone,
+            # which is also what the search should be re-run on
+            self._pending = True
+            self._restart(t)
+            return None
+        shift = Shift(t, tuple(reasons), self.reference, cur)
+        self.shifts.append(shift)
+        self.reference = cur
+        self._pending = False
+        self._restart(t)
+        return shift
+
+    def _restart(self, t: float) -> None:
+        self._start = t
+        self._win.clear()
+
+    def _deviations(self, cur: WindowStats, ref: WindowStats) -> list[str]:
+        out = []
         for name, a, b, th in (("rate", cur.rate, ref.rate, self.rate_threshold),
                                ("prompt length", cur.mean_prompt, ref.mean_prompt,
                                 self.length_threshold),
                                ("output length", cur.mean_output, ref.mean_output,
                                 self.length_threshold)):
             if b > 0 and abs(a / b - 1) > th:
-                reasons.append(f"{name} {b:.1f} -> {a:.1f}")
-        if not reasons:
-            return None
-        shift = Shift(t, tuple(reasons), ref, cur)
-        self.shifts.append(shift)
-        self.reference = cur
-        self._start = t  # the next decision needs a full window of the new pattern
-        self._win.clear()
-        return shift
+                out.append(f"{name} {b:.1f} -> {a:.1f}")
+        return out
 
 
 def detect(requests: Sequence[WorkloadRequest], detector: ShiftDetector) -> list[Shift]:
