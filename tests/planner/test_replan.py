@@ -37,7 +37,7 @@ def test_steady_trace_raises_no_shift():
     assert detect(reqs, ShiftDetector(60.0)) == []
 
 
-def test_length_shift_detected_within_one_window():
+def test_length_shift_detected_within_two_windows():
     # code-like (long prompt, short output) then conversation-like (shorter prompt, long output)
     reqs = _trace([(300, 4.0, 2000, 20), (300, 4.0, 1000, 250)])
     shifts = detect(reqs, ShiftDetector(60.0))
