@@ -134,17 +134,19 @@ def cmd_replan(args: argparse.Namespace) -> dict[str, Any]:
     rate, n = args.rate, args.num_requests
     base = Problem(model="opt-13b", profile=PROFILE, slo=SLO(1.0, 0.1), rate=rate, nodes=1,
                    gpus_per_node=4, num_requests=args.plan_requests)
-    code = make_workload("azure-code", n, seed=0, rate=rate, max_model_len=2048,
-                         prompt_mode="ids", vocab_size=50272)
-    conv = make_workload("azure-conv", n, seed=0, rate=rate, max_model_len=2048,
-                         prompt_mode="ids", vocab_size=50272)
+    code = make_workload("azure-code", n, seed=0, rate=rate, arrival="poisson",
+                         max_model_len=2048, prompt_mode="ids", vocab_size=50272)
+    conv = make_workload("azure-conv", n, seed=0, rate=rate, arrival="poisson",
+                         max_model_len=2048, prompt_mode="ids", vocab_size=50272)
     shift_t = code.requests[-1].arrival_time
     reqs = list(code.requests) + [replace(r, request_id=f"conv-{r.request_id}",
                                           arrival_time=shift_t + r.arrival_time)
                                   for r in conv.requests]
     shifts = detect(reqs, ShiftDetector(args.window_s))
     plan_a = plan(replace(base, workload="azure-code"), args.workers)
-    plan_b = plan(replace(base, workload="azure-conv"), args.workers)
+    # re-run on the recent window: its pattern (conversation) at its observed rate (§4.3)
+    seen = shifts[0].after.rate if shifts else rate
+    plan_b = plan(replace(base, workload="azure-conv", rate=seen), args.workers)
     sim_a = SimulationConfig.from_dict(deployment_file(plan_a))
     sim_b = SimulationConfig.from_dict(deployment_file(plan_b))
     switch = shifts[0].time + args.reload_s if shifts else None
