@@ -118,7 +118,7 @@ def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_replan(args: argparse.Namespace) -> dict[str, Any]:
-    """Azure code then Azure conversation on OPT-13B (1 node x 4): the plan for code serves the
+    """Azure code then Azure conversation on OPT-13B (1 node x 8, TP and PP up to 2): the plan for code serves the
     whole trace, or the monitor detects the shift and the plan for the recent window takes
     over ``--reload-s`` later (the old deployment drains what it accepted)."""
     from pdserve.bench.workloads import make_workload
@@ -133,7 +133,7 @@ def cmd_replan(args: argparse.Namespace) -> dict[str, Any]:
 
     rate, n = args.rate, args.num_requests
     base = Problem(model="opt-13b", profile=PROFILE, slo=SLO(1.0, 0.1), rate=rate, nodes=1,
-                   gpus_per_node=4, num_requests=args.plan_requests)
+                   gpus_per_node=8, num_requests=args.plan_requests, max_tp=2, max_pp=2)
     code = make_workload("azure-code", n, seed=0, rate=rate, arrival="poisson",
                          max_model_len=2048, prompt_mode="ids", vocab_size=50272)
     conv = make_workload("azure-conv", n, seed=0, rate=rate, arrival="poisson",
