@@ -118,9 +118,10 @@ def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cmd_replan(args: argparse.Namespace) -> dict[str, Any]:
-    """Azure code then Azure conversation on OPT-13B (1 node x 8, TP and PP up to 2): the plan for code serves the
-    whole trace, or the monitor detects the shift and the plan for the recent window takes
-    over ``--reload-s`` later (the old deployment drains what it accepted)."""
+    """Azure code then Azure conversation on OPT-13B (1 node x 8, TP and PP up to 2): the plan
+    for code serves the whole trace, or the monitor detects the shift and the plan for the
+    recent window takes over ``--reload-s`` later (the old deployment drains what it
+    accepted)."""
     from pdserve.bench.workloads import make_workload
     from pdserve.planner.replan import (
         ShiftDetector,
