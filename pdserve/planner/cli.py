@@ -267,6 +267,9 @@ def plot_plan(result: Any, folder: Path, top: int) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     pls = [result.best, *result.alternatives][:top]
+    for extra in (result.best_colocated, result.best_disaggregated):  # both strategies shown
+        if extra is not None and extra not in pls:
+            pls.append(extra)
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(pls) + 1.5))
     colors = ["tab:blue" if x.strategy == "colocated" else "tab:orange" for x in pls]
     ax.barh([x.name for x in pls][::-1], [x.per_gpu_rps for x in pls][::-1], color=colors[::-1])
