@@ -13,9 +13,9 @@ breakdown works as it does for a live server.
 Simulation defaults that differ from a live CPU run: weights and KV in float16 (the engine's
 ``dtype`` unless given), and the model ``opt-13b`` unless given.
 
-Pipeline parallelism uses :class:`~pdserve.sim.latency.PipelineModel`: a step takes the
-pipeline's latency (``base + (pp − 1)·send``); the engine runs one batch at a time, so the
-extra throughput of micro-batches in flight on different stages is not modelled.
+Pipeline parallelism uses :class:`~pdserve.sim.latency.PipelineModel`; the simulator runs a
+PP = k instance as k virtual engines sharing k stages, so up to k batches are in flight (each
+waits one pass, ``base + (k − 1)·send``; the pipeline completes one every ``base / k``).
 """
 
 from __future__ import annotations
