@@ -295,7 +295,18 @@ class SchedulerConfig:
     prefill_token_target: int | None = _help(
         "DistServe's L_m: a prefill instance batches whole prompts up to this many tokens "
         "(default: the token budget)", default=None)
-    policy: str = _help("local waiting-queue policy", default="fcfs")
+    policy: str = _help("local waiting-queue policy: fcfs, preble, or TetriInfer's prefill "
+                        "orders sjf / ljf by prompt length (section 3.3.1)", default="fcfs")
+    prefill_sched_batch: int = _help(
+        "TetriInfer's PrefillSchedBatch: sjf/ljf sort the waiting requests in consecutive "
+        "groups of this many, groups in arrival order, so that nothing starves", default=16)
+    prefill_chunk_size: int | None = _help(
+        "TetriInfer's ChunkSize (section 3.3.3): a prefill instance runs prefill-only steps of "
+        "exactly this many tokens, slicing and merging prompts and padding the last chunk "
+        "(`pdserve profile` reports the saturation point; default: off)", default=None)
+    admission: str = _help(
+        "decode admission (TetriInfer section 3.4): greedy, reserve-static or reserve-dynamic",
+        default="greedy")
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
@@ -305,6 +316,17 @@ class SchedulerConfig:
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _require(self.prefill_token_target is None or self.prefill_token_target >= 1,
                  f"prefill_token_target must be >= 1, got {self.prefill_token_target}")
+        _require(self.prefill_sched_batch >= 1,
+                 f"prefill_sched_batch must be >= 1, got {self.prefill_sched_batch}")
+        _require(self.prefill_chunk_size is None or self.prefill_chunk_size >= 1,
+                 f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        from pdserve.engine.admission import ADMISSIONS
+        from pdserve.engine.policies import POLICIES
+
+        _require(self.policy in POLICIES,
+                 f"unknown scheduling policy {self.policy!r}; available: {sorted(POLICIES)}")
+        _require(self.admission in ADMISSIONS,
+                 f"unknown admission policy {self.admission!r}; available: {sorted(ADMISSIONS)}")
         if not self.enable_chunked_prefill and self.role != "prefill":
             _require(self.token_budget >= self.max_model_len,
                      "without chunked prefill max_num_batched_tokens "
@@ -341,6 +363,7 @@ class EngineConfig:
         "device", "dtype", "seed", "block_size", "num_kv_blocks", "enable_prefix_caching",
         "gpu_memory_utilization", "cpu_kv_gib", "max_num_batched_tokens", "max_num_seqs",
         "max_model_len", "enable_chunked_prefill", "role", "prefill_token_target", "policy",
+        "prefill_sched_batch", "prefill_chunk_size", "admission",
     )
 
     @classmethod
