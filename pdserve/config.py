@@ -532,6 +532,12 @@ class ClusterConfig:
     backend: str = "ray"
     ray_address: str | None = None
     max_waiting_requests: int = 1024
+    # TetriInfer (§3.3.2 length predictor, §3.5 instance flip; pdserve/predict, cluster/flip.py)
+    length_predictor: str = "none"
+    predictor_granularity: int = 200
+    predictor_accuracy: float = 1.0
+    predictor_data: str | None = None
+    flip: str = "none"
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got "
@@ -547,6 +553,16 @@ class ClusterConfig:
                  f"roles must be [colocated] or [prefill, decode], got {names}")
         object.__setattr__(self, "engine", dict(self.engine))
         self.engine_config()  # validates the shared engine settings now
+        from pdserve.cluster.flip import parse_flip
+        from pdserve.predict import PREDICTOR_NAMES, check_granularity
+
+        _require(self.length_predictor in PREDICTOR_NAMES,
+                 f"unknown length predictor {self.length_predictor!r}; available: "
+                 f"{list(PREDICTOR_NAMES)}")
+        check_granularity(self.predictor_granularity)
+        _require(0.0 <= self.predictor_accuracy <= 1.0,
+                 f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
+        parse_flip(self.flip)
         if self.gpus_per_node is not None:
             for r in self.roles:
                 _require(r.tp * r.pp <= self.gpus_per_node,

@@ -29,6 +29,7 @@ from pdserve.cluster.instances import (
 )
 from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.cluster.routing import InstanceView
+from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
@@ -77,7 +78,9 @@ class ClusterRuntime:
             for c in clients
         }
         self.controller = Controller([i.view for i in self.instances.values()],
-                                     config.prefill_router, config.decode_router)
+                                     config.prefill_router, config.decode_router,
+                                     **controller_extras(config,
+                                                         model_config.max_position_embeddings))
         self.core = DriverCore(self.controller, self.instances)
         self._streams: dict[str, _Stream] = {}
         self.batch_log: list[tuple[str, list[tuple[str, int, int]]]] | None = None  # tests

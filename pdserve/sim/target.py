@@ -30,6 +30,7 @@ from typing import Any
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
+from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
@@ -206,7 +207,8 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
         if dep.inter_node_link is not None else intra
     simulator = Simulator(instances, model, dep.prefill_router, dep.decode_router,
                           intra_node_link=intra, inter_node_link=inter,
-                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches)
+                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches,
+                          controller_kw=controller_extras(dep, model.max_position_embeddings))
     max_len = specs[0].engine.scheduler.max_model_len
     describe = {"model": model.name, "strategy": dep.strategy, "roles": info,
                 "num_gpus": simulator.num_gpus, "max_model_len": max_len,
