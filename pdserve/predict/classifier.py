@@ -50,7 +50,7 @@ class SoftmaxClassifier(_Fitted):
     name = "classifier"
 
     def __init__(self, granularity: int = 200, num_buckets: int = 10, hash_dims: int = 256,
-                 l2: float = 1e-3, epochs: int = 300, lr: float = 0.05, seed: int = 0) -> None:
+                 l2: float = 1e-2, epochs: int = 300, lr: float = 0.05, seed: int = 0) -> None:
         super().__init__(granularity, num_buckets)
         self.hash_dims, self.l2, self.epochs, self.lr, self.seed = hash_dims, l2, epochs, lr, seed
         self.w: np.ndarray | None = None
@@ -58,6 +58,8 @@ class SoftmaxClassifier(_Fitted):
     def fit(self, prompt_lens: Sequence[int], output_lens: Sequence[int],
             prompts: Sequence[Sequence[int] | None] | None = None) -> SoftmaxClassifier:
         prompts = prompts if prompts is not None else [None] * len(prompt_lens)
+        if all(p is None for p in prompts):
+            self.hash_dims = 0  # length-only pairs: no token features to learn from
         x = features(prompts, prompt_lens, self.hash_dims)
         y = self.labels(output_lens)
         self.mean = x.mean(0)
