@@ -209,8 +209,10 @@ class TransitionWatcher:
 
 def _backlog(views: list[InstanceView], role: str) -> bool:
     """Work waiting for ``role``: prefill — requests not yet given their first token beyond
-    one per instance; decode — requests routed but not yet given memory to pull into."""
+    one per instance; decode — KV routed to an instance beyond what its free blocks (last
+    report) can take."""
     mine = [v for v in views if v.role == role and not v.draining]
     if role == "prefill":
         return sum(v.queued for v in mine) > len(mine)
-    return any(v.pending_tokens > 0 for v in mine)
+    return any(v.stats is not None and v.pending_tokens > v.stats.num_free_blocks * v.block_size
+               for v in mine)
