@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
-    p.add_argument("--out-dir", default="benchmarks/results/tetri")
+    p.add_argument("--out-dir", default="out/tetri", help="JSON and plots")
     p.add_argument("--ablations", action="store_true")
     p.add_argument("--vllm-max-seqs", type=int, default=16,
                    help="the baseline's batch size (TetriInfer §5.2.1 sets vLLM's to 16; "

@@ -57,6 +57,7 @@ class Activity:
 class FlipPolicy:
     name = ""
     window_s = 60.0
+    needs_backlog = True  # flip only towards a role with work waiting (module docstring)
 
     def wants_flip(self, inst: InstanceView, act: Activity, now: float) -> bool:
         raise NotImplementedError
@@ -192,7 +193,7 @@ class TransitionWatcher:
             act = self.activity.setdefault(inst.instance_id, Activity(now, now))
             target = OTHER[inst.role]
             serving = [v for v in views if v.role == inst.role and not v.draining]
-            if len(serving) < 2 or not _backlog(views, target):
+            if len(serving) < 2 or (self.policy.needs_backlog and not _backlog(views, target)):
                 continue
             if self.policy.wants_flip(inst, act, now):
                 inst.draining = True

@@ -37,7 +37,8 @@ class Pairs:
 
 
 def load_pairs(source: str, traces_dir: str | None = None) -> Pairs:
-    """A JSONL file of logged pairs, or a trace's (input, output) lengths."""
+    """A JSONL file of logged pairs, or a trace's (input, output) lengths (and prompt text's
+    bytes where the trace has text)."""
     p = Path(source)
     if p.suffix in (".jsonl", ".json") or p.is_file():
         if not p.is_file():
@@ -57,8 +58,10 @@ def load_pairs(source: str, traces_dir: str | None = None) -> Pairs:
     from pdserve.bench.traces import load_trace
 
     t = load_trace(source, traces_dir)
-    return Pairs(t.input_lens.astype(np.int64), t.output_lens.astype(np.int64),
-                 [None] * len(t))
+    # a trace with prompt text (HumanEval): its UTF-8 bytes stand in for token ids
+    prompts = ([list(p.encode("utf-8")) for p in t.prompts] if t.prompts is not None
+               else [None] * len(t))
+    return Pairs(t.input_lens.astype(np.int64), t.output_lens.astype(np.int64), prompts)
 
 
 def split(pairs: Pairs, eval_share: float = 0.2, seed: int = 0) -> tuple[Pairs, Pairs]:
