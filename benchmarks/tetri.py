@@ -60,7 +60,7 @@ def vllm(max_seqs: int) -> ClusterConfig:
 
 def tetri(link_gbs: float, chunk: int, **over: Any) -> ClusterConfig:
     prefill = {"policy": over.pop("policy", "sjf"), "prefill_sched_batch": 16,
-               "prefill_chunk_size": over.pop("chunk", chunk)}
+               "prefill_chunk_size": over.pop("chunk_size", chunk)}
     decode = {"admission": over.pop("admission", "reserve-dynamic")}
     d = {"model": "opt-13b", "kv_link": Link(link_gbs),
          "roles": [{"role": "prefill", "count": over.pop("num_prefill", 1), "engine": prefill},
@@ -155,20 +155,24 @@ def main(argv: list[str] | None = None) -> None:
 
 def ablations(args: argparse.Namespace, chunk: int, results: dict[str, Any]) -> list[str]:
     """One knob at a time from TetriInfer's setting, on ``mixed`` and ``lphd`` at 300 GB/s."""
+    d3 = {"num_decode": 3}
     variants = {
         "TetriInfer": {},
         "FCFS prefill": {"policy": "fcfs"},
         "LJF prefill": {"policy": "ljf"},
-        "ChunkSize 512 (paper's)": {"chunk": 512},
-        "ChunkSize 2048": {"chunk": 2048},
+        "ChunkSize 512 (paper's)": {"chunk_size": 512},
+        "ChunkSize 2048": {"chunk_size": 2048},
+        "whole prompts (no chunks)": {"chunk_size": None},
         "greedy admission": {"admission": "greedy"},
         "reserve-static": {"admission": "reserve-static"},
-        "least_load dispatch": {"decode_router": "least_load"},
-        "random dispatch": {"decode_router": "random"},
-        "imbalanced dispatch": {"decode_router": "imbalanced"},
         "oracle 100 %": {"predictor_accuracy": 1.0},
-        "2P+2D": {"num_prefill": 2, "num_decode": 2},
-        "2P+2D, no flip": {"num_prefill": 2, "num_decode": 2, "flip": "none"},
+        "1P+3D power_of_two_length": d3,
+        "1P+3D least_load": {**d3, "decode_router": "least_load"},
+        "1P+3D random": {**d3, "decode_router": "random"},
+        "1P+3D imbalanced": {**d3, "decode_router": "imbalanced"},
+        "2P+2D no flip": {"num_prefill": 2, "num_decode": 2, "flip": "none"},
+        "2P+2D flip idle:60": {"num_prefill": 2, "num_decode": 2},
+        "2P+2D flip idle:5": {"num_prefill": 2, "num_decode": 2, "flip": "idle:5"},
     }
     lines = ["| workload | variant | TTFT s | JCT s | busy s | perf/$ (req per busy s) | "
              "preemptions | flips |", "|---|---|---|---|---|---|---|---|"]
