@@ -103,7 +103,8 @@ class ReserveDynamic(AdmissionPolicy):
         others = list(sched.running) + list(sched.pulling.values())
         if not others:
             return ReserveStatic().admit(sched, req, need)
-        rem = [expected_total_tokens(r, max_len) - r.num_tokens for r in others]
+        # a running request still makes at least one token, whatever its prediction said
+        rem = [max(expected_total_tokens(r, max_len) - r.num_tokens, 1) for r in others]
         m = min(rem)
         grow = sum(kv.blocks_for(r.num_tokens + min(m, k)) - len(r.block_ids)
                    for r, k in zip(others, rem))

@@ -258,3 +258,16 @@ def test_chunk_size_is_where_prefill_throughput_saturates():
     chunk, curve = saturation_chunk_size(Lin())
     assert chunk == 1024
     assert [n for n, _ in curve] == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def test_reserve_dynamic_counts_at_least_one_more_token_per_running_request():
+    """3 blocks of 4; every request 3 + 1 tokens (1 block), predicted output in [0, 2), so
+    expected to be done already — but a running request makes at least one more token.
+    R2: its block + R1 growing to 5 tokens (+1 block) = 2 <= 2 free -> admitted.
+    R3: its block + R1 and R2 growing (+1 each) = 3 > 1 free -> waits."""
+    eng = decode_engine("reserve-dynamic", num_blocks=3)
+    transfer(eng, "R1", 3, 0, max_tokens=4)
+    assert admitted(eng) == ["R1"]
+    transfer(eng, "R2", 3, 0, max_tokens=4)
+    transfer(eng, "R3", 3, 0, max_tokens=4)
+    assert admitted(eng) == ["R2"]
