@@ -206,3 +206,51 @@ def test_low_load_policy_busy_share():
     assert not pol.wants_flip(v, act, 50.0)  # not watched for a whole window yet
     act.steps.append((60.0, 3.0))
     assert not pol.wants_flip(v, act, 60.0)  # 6.5 / 60 >= 10 %
+
+
+# ------------------------------------------------------------------ the command line
+TETRI_FLAGS = ["--strategy", "disaggregated", "--num-prefill", "2", "--policy", "sjf",
+               "--prefill-sched-batch", "16", "--prefill-chunk-size", "512",
+               "--decode-router", "power_of_two_length", "--admission", "reserve-dynamic",
+               "--length-predictor", "oracle", "--predictor-accuracy", "0.749",
+               "--flip", "idle:60", "--kv-link", "300"]
+
+
+def test_simulate_with_tetriinfer_flags(tmp_path, capsys):
+    import json
+
+    from pdserve.cli import main as pdserve_main
+
+    out = tmp_path / "t.json"
+    rc = pdserve_main(["simulate", "--hardware", "A100-80GB", "--model", "opt-13b",
+                       *TETRI_FLAGS, "--workload", "fixed:input=300,output=20",
+                       "--num-requests", "20", "--rate", "5", "--no-progress",
+                       "--output-json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    spec = data["deployment"]["spec"]
+    assert spec["flip"] == "idle:60" and spec["length_predictor"] == "oracle"
+    assert spec["engine"]["prefill_chunk_size"] == 512
+    assert spec["engine"]["admission"] == "reserve-dynamic"
+    assert data["summary"]["num_ok"] == 20
+
+
+@pytest.mark.parametrize("flags, bad", [
+    (["--flip", "sometimes"], "sometimes"),
+    (["--predictor-granularity", "0"], "'0'"),
+    (["--length-predictor", "psychic"], "psychic"),
+    (["--admission", "lazy"], "lazy"),
+    (["--policy", "shortest"], "shortest"),
+    (["--predictor-accuracy", "1.5"], "1.5"),
+    (["--prefill-chunk-size", "0"], "'0'"),
+])
+def test_bad_tetriinfer_flags_exit_2_with_one_line(flags, bad, capsys):
+    from pdserve.cli import main as pdserve_main
+
+    args = ["simulate", "--strategy", "disaggregated", "--workload", "fixed:input=8,output=2",
+            "--num-requests", "2", "--rate", "1", "--no-progress", *flags]
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(pdserve_main(args))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and bad in err, err
