@@ -166,6 +166,7 @@ def ablations(args: argparse.Namespace, chunk: int, results: dict[str, Any]) -> 
         "greedy admission": {"admission": "greedy"},
         "reserve-static": {"admission": "reserve-static"},
         "oracle 100 %": {"predictor_accuracy": 1.0},
+        "exact lengths (no predictor: max_tokens)": {"length_predictor": "none"},
         "1P+3D power_of_two_length": d3,
         "1P+3D least_load": {**d3, "decode_router": "least_load"},
         "1P+3D random": {**d3, "decode_router": "random"},
@@ -195,9 +196,17 @@ def plot(results: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
     gbs = args.links[-1]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
     x = np.arange(len(args.workloads))
+    ax = axes[3]
+    ours = [runs[f"{w}/tetri/{gbs:g}"]["perf_per_dollar"] / runs[f"{w}/vllm"]["perf_per_dollar"]
+            for w in args.workloads]
+    ax.bar(x - 0.2, ours, 0.4, label="ours", color="tab:orange")
+    ax.bar(x + 0.2, [PAPER[w][3] for w in args.workloads], 0.4, label="paper", color="tab:gray")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, [w.upper() for w in args.workloads])
+    ax.set_title("perf/$, TetriInfer / vLLM")
+    ax.legend()
     for ax, (key, label) in zip(axes, (("ttft", "avg TTFT (s)"), ("jct", "avg JCT (s)"),
-                                       ("resource_s", "resource usage (busy s)"),
-                                       ("perf_per_dollar", "perf/$ (req / busy s)"))):
+                                       ("resource_s", "resource usage (busy s)"))):
         ax.bar(x - 0.2, [runs[f"{w}/vllm"][key] for w in args.workloads], 0.4,
                label=f"vLLM (batch {args.vllm_max_seqs})")
         ax.bar(x + 0.2, [runs[f"{w}/tetri/{gbs:g}"][key] for w in args.workloads], 0.4,
