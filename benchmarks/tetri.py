@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"({paper_cell(pp[3], True)}) | {len(t['flips'])} |")
             print(lines[-1], file=sys.stderr)
     if args.ablations:
-        lines += ["", *ablations(args, chunk, results)]
+        lines += ["", *ablations(args, chunk, results), "", *flip_scenario(chunk, results)]
     print(f"{time.perf_counter() - t0:.0f} s wall", file=sys.stderr)
     print("\n".join(lines))
     results["vllm_max_seqs"] = args.vllm_max_seqs
@@ -185,6 +185,23 @@ def ablations(args: argparse.Namespace, chunk: int, results: dict[str, Any]) -> 
                          f"{r['resource_s']:.1f} | {r['perf_per_dollar']:.2f} | "
                          f"{r['preemptions']} | {len(r['flips'])} |")
             print(lines[-1], file=sys.stderr)
+    return lines
+
+
+def flip_scenario(chunk: int, results: dict[str, Any]) -> list[str]:
+    """Instance flips where they can help: LPHD at 6 req/s (Poisson, 600 requests) on 2 prefill
+    + 2 decode instances — the prefill instances are mostly idle, the decode ones saturated."""
+    a = argparse.Namespace(arrival="poisson", rate=6.0, num_requests=600, seed=0)
+    lines = ["| flip policy (LPHD, Poisson 6 req/s, 600 requests, 2P+2D) | TTFT s | JCT s | "
+             "busy s | req / busy s | flips (instance, decided at s) |", "|---" * 6 + "|"]
+    for flip in ("none", "idle:60", "idle:10", "load:0.1:10", "load:0.1:60"):
+        r = run(tetri(300.0, chunk, num_prefill=2, num_decode=2, flip=flip), "lphd", a)
+        results["runs"][f"lphd/flip-scenario/{flip}"] = r
+        done = ", ".join(f"{f['instance_id']} → {f['to_role']} at {f['decided']:.1f}"
+                         for f in r["flips"]) or "—"
+        lines.append(f"| {flip} | {r['ttft']:.2f} | {r['jct']:.1f} | {r['resource_s']:.1f} | "
+                     f"{r['perf_per_dollar']:.2f} | {done} |")
+        print(lines[-1], file=sys.stderr)
     return lines
 
 

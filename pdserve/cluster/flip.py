@@ -13,8 +13,9 @@ completion time are recorded (:class:`FlipRecord`).
 The watcher runs on the controller's events (instance reports), at most every
 ``check_interval_s``: sans-IO, so the live runtime and the simulator flip identically. A role
 always keeps at least one instance that is not draining, and an instance flips only towards a
-role with a backlog (prefill: requests waiting for their first token; decode: transfers
-waiting for memory), so an idle cluster does not flip back and forth.
+role that needs one — work waiting for it (prefill: requests waiting for their first token;
+decode: transfers waiting for memory) or all of its instances busy at least 90 % of the
+policy's window — so an idle cluster does not flip back and forth.
 
 Policies (``ClusterConfig.flip``, ``--flip``): ``none``; ``idle[:SECONDS]`` — flip an instance
 idle for that long (default 60 s, the paper's evaluation); ``load[:SHARE[:SECONDS]]`` — flip an
@@ -193,7 +194,8 @@ class TransitionWatcher:
             act = self.activity.setdefault(inst.instance_id, Activity(now, now))
             target = OTHER[inst.role]
             serving = [v for v in views if v.role == inst.role and not v.draining]
-            if len(serving) < 2 or (self.policy.needs_backlog and not _backlog(views, target)):
+            if len(serving) < 2 or (self.policy.needs_backlog
+                                    and not self._needed(views, target, now)):
                 continue
             if self.policy.wants_flip(inst, act, now):
                 inst.draining = True
@@ -206,6 +208,22 @@ class TransitionWatcher:
                                      SetRole(target, self.schedulers[target])))
                 break  # one flip decision per check
         return acts
+
+
+    def _needed(self, views: list[InstanceView], role: str, now: float) -> bool:
+        """``role`` could use another instance: work waits for it (:func:`_backlog`), or every
+        one of its instances was busy at least ``SATURATED`` of the last window."""
+        if _backlog(views, role):
+            return True
+        mine = [v for v in views if v.role == role and not v.draining]
+        w = self.policy.window_s
+        return bool(mine) and all(
+            v.instance_id in self.activity
+            and now - self.activity[v.instance_id].since >= w
+            and self.activity[v.instance_id].busy_share(now, w) >= SATURATED for v in mine)
+
+
+SATURATED = 0.9  # busy share of the window at which a role counts as needing another instance
 
 
 def _backlog(views: list[InstanceView], role: str) -> bool:

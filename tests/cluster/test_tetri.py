@@ -254,3 +254,19 @@ def test_bad_tetriinfer_flags_exit_2_with_one_line(flags, bad, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and bad in err, err
+
+
+def test_a_saturated_role_needs_an_instance_without_a_backlog():
+    """No transfer waits for memory, but both decode instances were busy 95 % of the last
+    window: an idle prefill instance may flip to decode; at 50 % busy it may not."""
+    from pdserve.cluster.flip import Activity
+
+    w = TransitionWatcher(IdleFlip(10.0), {"prefill": sched("prefill"), "decode": sched("decode")})
+    views = [InstanceView("p0", "prefill", 10, 4), InstanceView("d0", "decode", 10, 4),
+             InstanceView("d1", "decode", 10, 4)]
+    for v in views[1:]:
+        act = w.activity[v.instance_id] = Activity(since=0.0, last_busy=20.0)
+        act.steps.extend([(15.0, 5.0), (19.5, 4.5)])  # 9.5 s of [10, 20]
+    assert w._needed(views, "decode", 20.0)
+    w.activity["d1"].steps.popleft()  # d1: 4.5 s busy
+    assert not w._needed(views, "decode", 20.0)
