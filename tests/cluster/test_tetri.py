@@ -164,7 +164,7 @@ class FlipAt(FlipPolicy):
         self.iid, self.t = iid, t
 
     def wants_flip(self, inst, act, now):
-        return inst.instance_id == self.iid and now >= self.t
+        return inst.instance_id == self.iid and inst.role == "prefill" and now >= self.t
 
 
 def test_flip_under_load_drains_first_and_loses_nothing():

@@ -35,7 +35,7 @@ class FlipFirstCheck(FlipPolicy):
         self.iid = iid
 
     def wants_flip(self, inst, act, now):  # noqa: ANN001
-        return inst.instance_id == self.iid
+        return inst.instance_id == self.iid and inst.role == "prefill"  # once
 
 
 async def test_tetri_live_matches_offline_and_flips_without_loss(model_dir: str) -> None:
