@@ -155,6 +155,7 @@ class TransitionWatcher:
         self.activity: dict[str, Activity] = {}
         self.records: list[FlipRecord] = []
         self._open: dict[str, FlipRecord] = {}  # instance -> its flip in progress
+        self._sent: dict[str, float] = {}  # instance -> when SetRole was last sent
         self._last_check = float("-inf")
 
     def observe(self, rep: StepReport) -> None:
@@ -170,6 +171,7 @@ class TransitionWatcher:
     def flipped(self, inst: InstanceView, role: str, now: float) -> None:
         """``inst`` reported ``role``: the flip is complete."""
         rec = self._open.pop(inst.instance_id, None)
+        self._sent.pop(inst.instance_id, None)
         inst.role, inst.draining = role, False
         self.activity[inst.instance_id] = Activity(now, now)
         if rec is not None:
@@ -181,8 +183,14 @@ class TransitionWatcher:
         acts: list[Action] = []
         for iid, rec in self._open.items():  # drained instances flip now
             inst = ctl.instances[iid]
-            if rec.drained is None and inst.active == 0 and inst.alive:
+            if not inst.alive or inst.active:
+                continue
+            if rec.drained is None:
                 rec.drained = now
+            # (re)send: a SetRole that met a request still on the worker (an abort on its
+            # way) is refused there and sent again at a later check
+            if now - self._sent.get(iid, float("-inf")) >= self.check_interval_s:
+                self._sent[iid] = now
                 acts.append(Send(iid, SetRole(rec.to_role, self.schedulers[rec.to_role])))
         if now - self._last_check < self.check_interval_s or isinstance(self.policy, NoFlip):
             return acts
@@ -204,11 +212,11 @@ class TransitionWatcher:
                 self._open[inst.instance_id] = rec
                 if inst.active == 0:
                     rec.drained = now
+                    self._sent[inst.instance_id] = now
                     acts.append(Send(inst.instance_id,
                                      SetRole(target, self.schedulers[target])))
                 break  # one flip decision per check
         return acts
-
 
     def _needed(self, views: list[InstanceView], role: str, now: float) -> bool:
         """``role`` could use another instance: work waits for it (:func:`_backlog`), or every

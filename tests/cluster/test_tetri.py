@@ -270,3 +270,21 @@ def test_a_saturated_role_needs_an_instance_without_a_backlog():
     assert w._needed(views, "decode", 20.0)
     w.activity["d1"].steps.popleft()  # d1: 4.5 s busy
     assert not w._needed(views, "decode", 20.0)
+
+
+def test_set_role_is_refused_while_the_worker_holds_a_request():
+    from pdserve.cluster.worker import AddRequest, InstanceWorker, SetRole
+    from tests.engine.fakes import FakeExecutor
+
+    eng = EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=16),
+                       scheduler=sched("prefill"))
+    w = InstanceWorker("p0", eng, FakeExecutor(16, 4))
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    rep = w.handle([AddRequest("r", [1, 2, 3], p, 0.0), SetRole("decode", sched("decode"))],
+                   0.0, step=False)
+    assert rep.role == "prefill" and "drain it first" in rep.errors[0][1]
+    w.handle([], 0.0)  # prefill -> held
+    w.engine.release("r")
+    rep = w.handle([SetRole("decode", sched("decode"))], 1.0)
+    assert rep.role == "decode" and not rep.errors
+    assert w.engine.scheduler.role == "decode"
