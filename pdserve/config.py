@@ -323,7 +323,18 @@ class SchedulerConfig:
     prefill_token_target: int | None = _help(
         "DistServe's L_m: a prefill instance batches whole prompts up to this many tokens "
         "(default: the token budget)", default=None)
-    policy: str = _help("local waiting-queue policy", default="fcfs")
+    policy: str = _help("local waiting-queue policy: fcfs, preble, or TetriInfer's prefill "
+                        "orders sjf / ljf by prompt length (section 3.3.1)", default="fcfs")
+    prefill_sched_batch: int = _help(
+        "TetriInfer's PrefillSchedBatch: sjf/ljf sort the waiting requests in consecutive "
+        "groups of this many, groups in arrival order, so that nothing starves", default=16)
+    prefill_chunk_size: int | None = _help(
+        "TetriInfer's ChunkSize (section 3.3.3): a prefill instance runs prefill-only steps of "
+        "exactly this many tokens, slicing and merging prompts and padding the last chunk "
+        "(`pdserve profile` reports the saturation point; default: off)", default=None)
+    admission: str = _help(
+        "decode admission (TetriInfer section 3.4): greedy, reserve-static or reserve-dynamic",
+        default="greedy")
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
@@ -333,6 +344,17 @@ class SchedulerConfig:
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _require(self.prefill_token_target is None or self.prefill_token_target >= 1,
                  f"prefill_token_target must be >= 1, got {self.prefill_token_target}")
+        _require(self.prefill_sched_batch >= 1,
+                 f"prefill_sched_batch must be >= 1, got {self.prefill_sched_batch}")
+        _require(self.prefill_chunk_size is None or self.prefill_chunk_size >= 1,
+                 f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        from pdserve.engine.admission import ADMISSIONS
+        from pdserve.engine.policies import POLICIES
+
+        _require(self.policy in POLICIES,
+                 f"unknown scheduling policy {self.policy!r}; available: {sorted(POLICIES)}")
+        _require(self.admission in ADMISSIONS,
+                 f"unknown admission policy {self.admission!r}; available: {sorted(ADMISSIONS)}")
         if not self.enable_chunked_prefill and self.role != "prefill":
             _require(self.token_budget >= self.max_model_len,
                      "without chunked prefill max_num_batched_tokens "
@@ -369,6 +391,7 @@ class EngineConfig:
         "device", "dtype", "seed", "block_size", "num_kv_blocks", "enable_prefix_caching",
         "gpu_memory_utilization", "cpu_kv_gib", "max_num_batched_tokens", "max_num_seqs",
         "max_model_len", "enable_chunked_prefill", "role", "prefill_token_target", "policy",
+        "prefill_sched_batch", "prefill_chunk_size", "admission",
     )
 
     @classmethod
@@ -573,6 +596,12 @@ class ClusterConfig:
     backend: str = "ray"
     ray_address: str | None = None
     max_waiting_requests: int = 1024
+    # TetriInfer (§3.3.2 length predictor, §3.5 instance flip; pdserve/predict, cluster/flip.py)
+    length_predictor: str = "none"
+    predictor_granularity: int = 200
+    predictor_accuracy: float = 1.0
+    predictor_data: str | None = None
+    flip: str = "none"
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got "
@@ -588,6 +617,16 @@ class ClusterConfig:
                  f"roles must be [colocated] or [prefill, decode], got {names}")
         object.__setattr__(self, "engine", dict(self.engine))
         self.engine_config()  # validates the shared engine settings now
+        from pdserve.cluster.flip import parse_flip
+        from pdserve.predict import PREDICTOR_NAMES, check_granularity
+
+        _require(self.length_predictor in PREDICTOR_NAMES,
+                 f"unknown length predictor {self.length_predictor!r}; available: "
+                 f"{list(PREDICTOR_NAMES)}")
+        check_granularity(self.predictor_granularity)
+        _require(0.0 <= self.predictor_accuracy <= 1.0,
+                 f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
+        parse_flip(self.flip)
         if self.gpus_per_node is not None:
             for r in self.roles:
                 _require(r.tp * r.pp <= self.gpus_per_node,

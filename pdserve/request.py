@@ -287,6 +287,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes",
         "timeline", "logprobs", "num_preemptions", "stop_reason", "detok", "grammar",
+        "predicted",
     )
 
     def __init__(
@@ -312,6 +313,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.detok: Any = None  # incremental detokenizer state (engine-owned)
         self.grammar: Any = None  # structured-output matcher state (executor-owned)
+        self.predicted: Any = None  # predicted output length range (pdserve.predict), if any
 
     @property
     def num_prompt_tokens(self) -> int:

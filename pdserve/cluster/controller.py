@@ -16,6 +16,7 @@ from its prompt plus the tokens generated so far.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.cluster.routing import InstanceView, Router, make_router
 from pdserve.cluster.worker import (
@@ -76,6 +77,8 @@ class ClusterRequest:
     num_dispatches: int = 0
     # instances the request lives on -> KV tokens promised there and not yet reserved
     placed: dict[str, int] = field(default_factory=dict)
+    predicted: Any = None  # LengthPrediction of the output (TetriInfer §3.3.2)
+    counted_on: str | None = None  # the decode instance whose heavy/light counts include it
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +93,8 @@ class ClusterRequest:
 class Controller:
     def __init__(self, instances: list[InstanceView],
                  prefill_router: str | Router = "shortest_queue",
-                 decode_router: str | Router = "least_load", keep_history: bool = False) -> None:
+                 decode_router: str | Router = "least_load", keep_history: bool = False,
+                 predictor: Any = None, flips: Any = None) -> None:
         if not instances:
             raise ValueError("a cluster needs at least one instance")
         roles = {i.role for i in instances}
@@ -106,6 +110,10 @@ class Controller:
                                else prefill_router)
         self.decode_router = (make_router(decode_router) if isinstance(decode_router, str)
                               else decode_router)
+        # TetriInfer: output-length predictor (pdserve.predict), run beside the prefill, and
+        # the transition watcher that flips instances (cluster/flip.py)
+        self.predictor = predictor
+        self.flips = flips
         self.requests: dict[str, ClusterRequest] = {}
         # every request ever seen, finished ones included (the simulator reports from it)
         self.history: dict[str, ClusterRequest] | None = {} if keep_history else None
@@ -116,7 +124,8 @@ class Controller:
         return self.decode_router if role == "decode" else self.prefill_router
 
     def _live(self, role: str) -> list[InstanceView]:
-        return [i for i in self.instances.values() if i.alive and i.role == role]
+        return [i for i in self.instances.values()
+                if i.alive and i.role == role and not i.draining]
 
     def _place(self, req: ClusterRequest, inst: InstanceView, pending_tokens: int = 0) -> None:
         inst.active += 1
@@ -137,12 +146,27 @@ class Controller:
         inst = self.instances[instance_id]
         inst.pending_tokens -= req.placed.pop(instance_id)
         inst.active -= 1
+        if req.counted_on == instance_id:
+            self._count_decode(req, inst, -1)
         if req.stage == "prefill" and req.instance == instance_id:
             inst.queued -= 1
 
     def _detach_all(self, req: ClusterRequest) -> None:
         for iid in list(req.placed):
             self._detach(req, iid)
+
+    def _count_decode(self, req: ClusterRequest, inst: InstanceView, sign: int) -> None:
+        """Heavy/light decode counts and predicted KV tokens per decode instance (TetriInfer
+        §3.3.4's load information, cluster/tetri.py)."""
+        from pdserve.cluster.tetri import decode_demand
+
+        heavy, tokens = decode_demand(req)
+        if heavy:
+            inst.num_heavy += sign
+        else:
+            inst.num_light += sign
+        inst.predicted_tokens += sign * tokens
+        req.counted_on = inst.instance_id if sign > 0 else None
 
     def _aborts(self, req: ClusterRequest, skip: str | None = None) -> list[Action]:
         return [Send(iid, Abort(req.request_id)) for iid in list(req.placed)
@@ -157,6 +181,8 @@ class Controller:
         self.requests[request_id] = req
         if self.history is not None:
             self.history[request_id] = req
+        if self.predictor is not None and self.entry_role == "prefill":
+            req.predicted = self.predictor.predict(req.prompt_token_ids, params.max_tokens)
         return self._dispatch(req, now)
 
     def _dispatch(self, req: ClusterRequest, now: float,
@@ -191,6 +217,10 @@ class Controller:
         accepted: list[tuple[TokenDelta, ClusterRequest]] = []
         if rep.stats is not None:
             self.instances[iid].stats = rep.stats
+        if self.flips is not None:
+            self.flips.observe(rep)
+            if rep.role != self.instances[iid].role:  # a SetRole took effect: flip complete
+                self.flips.flipped(self.instances[iid], rep.role, rep.now)
         if rep.kv_events and self.instances[iid].alive:  # for a router's prefix index
             self._router_of(iid).on_kv_events(iid, rep.kv_events)
         for rid in rep.imported:
@@ -207,6 +237,8 @@ class Controller:
             accepted.append((d, req))
         for rid, first_block in rep.pulls:
             acts += self.on_pull(iid, rid, first_block, end)
+        if self.flips is not None:
+            acts += self.flips.tick(self, end)
         return acts, accepted
 
     def on_report_delta(self, instance_id: str, d: TokenDelta, now: float) -> list[Action]:
@@ -238,9 +270,10 @@ class Controller:
         req.stage = "transfer"
         req.instance = req.decode_instance = inst.instance_id
         self._place(req, inst, req.num_tokens)
+        self._count_decode(req, inst, +1)
         return [Send(inst.instance_id, AddTransfer(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.params,
-            req.arrival))]
+            req.arrival, req.predicted))]
 
     def on_pull(self, instance_id: str, request_id: str, first_block: int,
                 now: float) -> list[Action]:

@@ -32,6 +32,12 @@ class InstanceView:
     queued: int = 0
     active: int = 0
     pending_tokens: int = 0
+    # TetriInfer (cluster/tetri.py): decodes routed here by predicted length, their predicted
+    # KV tokens; ``draining``: being emptied for a role flip (routers do not see it)
+    num_heavy: int = 0
+    num_light: int = 0
+    predicted_tokens: int = 0
+    draining: bool = False
 
     @property
     def queue_len(self) -> int:
@@ -158,3 +164,4 @@ class LeastLoad(Router):
 # the prefix-aware routers register themselves in ROUTERS (they import this module)
 import pdserve.cluster.cache_routing  # noqa: E402, F401
 import pdserve.cluster.prefix_routing  # noqa: E402, F401
+import pdserve.cluster.tetri  # noqa: E402, F401

@@ -30,6 +30,7 @@ from pdserve.cluster.instances import (
 )
 from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
+from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
@@ -80,7 +81,9 @@ class ClusterRuntime:
         }
         self.controller = Controller([i.view for i in self.instances.values()],
                                      *(routers or make_routers(config.prefill_router,
-                                                               config.decode_router)))
+                                                               config.decode_router)),
+                                     **controller_extras(config,
+                                                         model_config.max_position_embeddings))
         self.core = DriverCore(self.controller, self.instances)
         self._streams: dict[str, _Stream] = {}
         self.batch_log: list[tuple[str, list[tuple[str, int, int]]]] | None = None  # tests

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine, EngineStats, KVPayload, StepResult
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache import KVEvent
@@ -40,6 +40,7 @@ class AddTransfer:
     output_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    predicted: Any = None  # LengthPrediction of the output (TetriInfer §3.3.2), if any
 
 
 @dataclass(slots=True)
@@ -68,7 +69,17 @@ class Abort:
     request_id: str
 
 
-Command = AddRequest | AddTransfer | ImportKV | Release | Abort
+@dataclass(slots=True)
+class SetRole:
+    """TetriInfer §3.5 instance flip: take ``scheduler`` (another role's settings) without a
+    restart or reload. The controller sends it only once the instance is drained."""
+
+    role: str
+    scheduler: SchedulerConfig
+    request_id: str = ""  # (errors are reported per command's request id)
+
+
+Command = AddRequest | AddTransfer | ImportKV | Release | Abort | SetRole
 
 
 # ---------------------------------------------------------------------------------- report
@@ -140,6 +151,7 @@ class InstanceWorker:
         rep = StepReport(self.instance_id, self.role, now)
         for cmd in commands:
             self._apply(cmd, now, rep)
+        rep.role = self.role  # a SetRole took effect
         if self.role == "decode":
             rep.pulls = eng.reserve_pulls(now)
         if step and eng.has_work():
@@ -167,7 +179,8 @@ class InstanceWorker:
                 self._reported[cmd.request_id] = len(cmd.output_token_ids)
             elif isinstance(cmd, AddTransfer):
                 eng.add_transfer_request(cmd.request_id, cmd.prompt_token_ids,
-                                         cmd.output_token_ids, cmd.params, now, cmd.arrival_time)
+                                         cmd.output_token_ids, cmd.params, now, cmd.arrival_time,
+                                         cmd.predicted)
                 self._reported[cmd.request_id] = len(cmd.output_token_ids)
             elif isinstance(cmd, ImportKV):
                 self._import(cmd, now, rep)
@@ -177,6 +190,9 @@ class InstanceWorker:
             elif isinstance(cmd, Abort):
                 eng.abort(cmd.request_id, now)
                 self._reported.pop(cmd.request_id, None)
+            elif isinstance(cmd, SetRole):
+                eng.scheduler.reconfigure(cmd.scheduler)
+                self.role = cmd.role
             else:
                 raise TypeError(f"unknown command {cmd!r}")
         except (ValueError, KeyError) as e:

@@ -197,7 +197,8 @@ class Simulator:
                  prefill_router: str | Router = "shortest_queue",
                  decode_router: str | Router = "least_load",
                  intra_node_link: Link | None = None, inter_node_link: Link | None = None,
-                 kv_dtype: str = "float16", record_batches: bool = False) -> None:
+                 kv_dtype: str = "float16", record_batches: bool = False,
+                 controller_kw: dict[str, Any] | None = None) -> None:
         self.model = model
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
@@ -224,7 +225,7 @@ class Simulator:
         self.controller = Controller(
             [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
                           i.spec.engine.cache.block_size) for i in self.insts.values()],
-            *routers, keep_history=True)
+            *routers, keep_history=True, **(controller_kw or {}))
         self.core = DriverCore(self.controller, self.insts)
         self.num_gpus = sum(s.num_gpus for s in instances)
         self.record_batches = record_batches

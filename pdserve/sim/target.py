@@ -31,6 +31,7 @@ from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.routing import make_routers
+from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
@@ -211,7 +212,8 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
                            prefill_time=lambda n: entry.prefill_time([n]))
     simulator = Simulator(instances, model, *routers,
                           intra_node_link=intra, inter_node_link=inter,
-                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches)
+                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches,
+                          controller_kw=controller_extras(dep, model.max_position_embeddings))
     max_len = specs[0].engine.scheduler.max_model_len
     describe = {"model": model.name, "strategy": dep.strategy, "roles": info,
                 "num_gpus": simulator.num_gpus, "max_model_len": max_len,
