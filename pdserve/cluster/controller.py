@@ -106,8 +106,8 @@ class Controller:
         elif roles == {"temporal"}:
             self.entry_role = "temporal"
         else:
-            raise ValueError(f"instances must be all colocated, prefill + decode or all "
-                             f"temporal, got {roles}")
+            raise ValueError(f"instances must be all colocated or prefill + decode (or all "
+                             f"temporal), got {roles}")
         self.instances = {i.instance_id: i for i in instances}
         # a name, or a router built by the caller (e.g. Preble's with a latency model)
         self.prefill_router = (make_router(prefill_router) if isinstance(prefill_router, str)
