@@ -31,9 +31,13 @@ class MacroRolling(Router):
     (HTTP 429) caps the queue.
 
     **Algorithm 2** (:meth:`check`), for instance ``i`` at time ``now``:
-    (1) TTFT: ``t_total`` = Σ predicted prefill time (``prefill_time``: tokens → seconds, the
-    deployment's latency model) of the prompts routed to ``i`` without a first token yet, plus
-    the new one, must be ≤ ``slo_ttft``; (2) TPOT: the mean saved TPOT of ``i``'s decoding
+    (1) TTFT: ``t_total`` = the predicted prefill time of the prompts routed to ``i`` without a
+    first token yet, plus the new one, must be ≤ ``slo_ttft``. The paper sums per-prompt
+    predictions (``prefill_time``: tokens → seconds, the deployment's latency model); a temporal
+    instance runs those prompts as one prefill-only batch, so with ``prefill_batch_time``
+    (prompt lengths → seconds of one batch) we predict that batch instead — the sum counts the
+    per-step weight read once per prompt, which for short prompts overestimates many times;
+    (2) TPOT: the mean saved TPOT of ``i``'s decoding
     requests, ``L × slo_tpot − (now − first token time)`` with ``L`` tokens generated (from the
     instance's last report), must be ≥ ``t_total``; (3) KV: the new prompt's blocks must fit in
     the free blocks less those of the pending prompts and one per decoding request. An idle
@@ -57,7 +61,9 @@ class MacroRolling(Router):
 
     def __init__(self, slo_ttft: float = 5.0, slo_tpot: float = 0.1,
                  macro_instance_size: int = 4,
-                 prefill_time: Callable[[int], float] | None = None, mitosis: bool = False,
+                 prefill_time: Callable[[int], float] | None = None,
+                 prefill_batch_time: Callable[[list[int]], float] | None = None,
+                 mitosis: bool = False,
                  mitosis_lower: int = 2, mitosis_upper: int = 4,
                  mitosis_initial: int | None = None, mitosis_interval: float = 10.0) -> None:
         require(slo_ttft > 0, f"macro_rolling: slo_ttft must be > 0, got {slo_ttft}")
@@ -69,6 +75,7 @@ class MacroRolling(Router):
         self.slo_ttft, self.slo_tpot = float(slo_ttft), float(slo_tpot)
         self.macro_size = macro_instance_size
         self.prefill_time = prefill_time
+        self.prefill_batch_time = prefill_batch_time
         self.mitosis = Mitosis(mitosis_lower, mitosis_upper)  # validates N_l / N_u
         self.scaling = mitosis
         self.initial = mitosis_initial or mitosis_lower
@@ -168,8 +175,11 @@ class MacroRolling(Router):
         free -= sum(-(-r.num_tokens // bs) for r in pend) + len(saved)
         if not pend and not saved:  # idle: nothing to protect, waiting cannot help
             return need <= free
-        t_total = sum(self._predict(r.num_tokens) for r in pend) + self._predict(
-            request.num_tokens)
+        lens = [r.num_tokens for r in pend] + [request.num_tokens]
+        if self.prefill_batch_time is not None:
+            t_total = float(self.prefill_batch_time(lens))
+        else:
+            t_total = sum(self._predict(n) for n in lens)
         if t_total > self.slo_ttft:  # (1) TTFT
             return False
         if saved and sum(saved) / len(saved) < t_total:  # (2) saved TPOT

@@ -259,3 +259,14 @@ def test_scaling_on_a_load_ramp_migrates_under_load_and_loses_nothing():
     for inst in sim.insts.values():  # no block leaked anywhere
         assert inst.worker.check_integrity() == {
             "used_blocks": 0, "num_blocks": inst.spec.num_kv_blocks, "num_requests": 0}
+
+
+def test_ttft_constraint_predicts_one_prefill_batch_when_it_can():
+    # one batch: 0.2 s + 5 ms per token; pending 60 + new 40 tokens → 0.7 s (the per-prompt sum
+    # would be 0.5 + 0.4 = 0.9 s)
+    r = MacroRolling(slo_ttft=0.75, slo_tpot=0.1, prefill_time=lambda n: 0.2 + 0.005 * n,
+                     prefill_batch_time=lambda lens: 0.2 + 0.005 * sum(lens))
+    r.pending["i0"] = {"p": creq("p", 60)}
+    v = view(progress=[("d", 0.0, 100)])
+    assert r.check(v, creq("new", 40), now=0.0)
+    assert not r.check(v, creq("new", 51), now=0.0)  # 0.2 + 0.555 > 0.75
