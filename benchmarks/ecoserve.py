@@ -13,9 +13,9 @@ multi-head attention, 1.3 MiB of KV per token in fp16) and a 70B-class GQA model
 * ``a100``: A100-80GB with NVLink (one NVLink domain, the fast-link contrast).
 
 Strategies: ``nodg-pf`` colocated prefill-first (vLLM), ``nodg-chunked`` colocated with chunked
-prefill (Sarathi), ``fudg`` prefill + decode instances (best of 1:3, 2:2, 3:1 — as the paper
-tuned MoonCake's ratio; on ``l20`` instances fill nodes in order, prefill ones first, so most
-KV crosses the Ethernet as in MoonCake), ``padg`` temporal instances in one macro
+prefill (Sarathi), ``fudg`` prefill + decode instances (the better of 1:(n−1) and n/2:n/2 —
+the paper tuned MoonCake's ratio; on ``l20`` instances fill nodes in order, prefill ones
+first, so most KV crosses the Ethernet as in MoonCake), ``padg`` temporal instances in one macro
 instance routed by ``macro_rolling`` against the workload's SLOs. TP: 4 for the 30B model, 8 for
 the 70B (the paper's L20 settings), so 8 or 4 instances.
 
@@ -100,7 +100,7 @@ def goodput_case(case: tuple[str, str, str, str, int]) -> dict:
     ratios: list[tuple[int, int] | None] = [None]
     if strategy == "fudg":
         k = GPUS // MODELS[model_key][1]
-        ratios = [(p, k - p) for p in range(1, k) if k <= 4 or p in (1, 2, 4, 6)]
+        ratios = [(1, k - 1), (k // 2, k - k // 2)] if k > 2 else [(1, 1)]
     best: dict[str, Any] | None = None
     t0 = time.time()
     for ratio in ratios:
@@ -273,7 +273,7 @@ def main() -> int:
     p.add_argument("--testbeds", default="l20,a100")
     p.add_argument("--models", default="30b,70b")
     p.add_argument("--workloads", default="alpaca,chatbot,summarization")
-    p.add_argument("--num-requests", type=int, default=400, help="per goodput probe")
+    p.add_argument("--num-requests", type=int, default=300, help="per goodput probe")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", default="results/ecoserve")
     args = p.parse_args()
