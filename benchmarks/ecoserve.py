@@ -81,7 +81,12 @@ def deployment(testbed: str, model_key: str, strategy: str, slo: SLO,
     return SimulationConfig(ClusterConfig.from_dict(d), hardware=TESTBEDS[testbed])
 
 
+MIN_DURATION = 0.0  # seconds of arrivals per probe at least (--min-duration)
+MAX_REQUESTS = 3000
+
+
 def measure(sim: SimulationConfig, wl: str, rate: float, n: int, seed: int = 0) -> dict:
+    n = int(min(max(n, rate * MIN_DURATION), max(n, MAX_REQUESTS)))
     built = build_simulator(sim)
     w = make_workload(wl, n, seed=seed, rate=rate, max_model_len=built.max_model_len,
                       vocab_size=built.model.vocab_size)
@@ -94,8 +99,9 @@ def measure(sim: SimulationConfig, wl: str, rate: float, n: int, seed: int = 0) 
             "failed": sum(not r.ok for r in recs), "router": built.simulator.controller}
 
 
-def goodput_case(case: tuple[str, str, str, str, int]) -> dict:
-    testbed, model_key, wl, strategy, n = case
+def goodput_case(case: tuple[str, str, str, str, int, float]) -> dict:
+    global MIN_DURATION
+    testbed, model_key, wl, strategy, n, MIN_DURATION = case
     slo = WORKLOADS[wl]
     ratios: list[tuple[int, int] | None] = [None]
     if strategy == "fudg":
@@ -130,12 +136,13 @@ def goodput_case(case: tuple[str, str, str, str, int]) -> dict:
 
 
 def part_goodput(args: argparse.Namespace) -> list[dict]:
-    cases = [(tb, mk, wl, st, args.num_requests) for tb in args.testbeds.split(",")
+    cases = [(tb, mk, wl, st, args.num_requests, args.min_duration) for tb in args.testbeds.split(",")
              for mk in args.models.split(",") for wl in args.workloads.split(",")
              for st in ("nodg-pf", "nodg-chunked", "fudg", "padg")]
     with ProcessPoolExecutor(args.jobs) as ex:
         rows = list(ex.map(goodput_case, cases))
-    with open(os.path.join(args.out, "goodput.json"), "w") as f:
+    name = "goodput.json" if args.tag == "" else f"goodput-{args.tag}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(rows, f, indent=1)
     return rows
 
@@ -274,8 +281,12 @@ def main() -> int:
     p.add_argument("--models", default="30b,70b")
     p.add_argument("--workloads", default="alpaca,chatbot,summarization")
     p.add_argument("--num-requests", type=int, default=300, help="per goodput probe")
+    p.add_argument("--min-duration", type=float, default=0.0,
+                   help="at least this many seconds of arrivals per probe (more requests at "
+                        "high rates, up to 3000), so a probe reaches steady state")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", default="results/ecoserve")
+    p.add_argument("--tag", default="", help="suffix of the goodput JSON file")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.part in ("goodput", "all"):
