@@ -136,8 +136,9 @@ def goodput_case(case: tuple[str, str, str, str, int, float]) -> dict:
 
 
 def part_goodput(args: argparse.Namespace) -> list[dict]:
-    cases = [(tb, mk, wl, st, args.num_requests, args.min_duration) for tb in args.testbeds.split(",")
-             for mk in args.models.split(",") for wl in args.workloads.split(",")
+    cases = [(tb, mk, wl, st, args.num_requests, args.min_duration)
+             for tb in args.testbeds.split(",") for mk in args.models.split(",")
+             for wl in args.workloads.split(",")
              for st in ("nodg-pf", "nodg-chunked", "fudg", "padg")]
     with ProcessPoolExecutor(args.jobs) as ex:
         rows = list(ex.map(goodput_case, cases))
