@@ -130,7 +130,8 @@ def goodput_case(case: tuple[str, str, str, str, int, float, str]) -> dict:
         g = search_goodput(run, hi=4.0, precision=0.1, max_probes=12, num_gpus=GPUS,
                            min_rate=0.05, max_rate=200.0)
         at = seen.get(g.lo, {})
-        row = {"definition": DEFINITION, "testbed": testbed, "model": model_key, "workload": wl, "strategy": strategy,
+        row = {"definition": DEFINITION, "testbed": testbed, "model": model_key,
+               "workload": wl, "strategy": strategy,
                "ratio": ratio, "goodput_rps": g.goodput_rps,
                "per_gpu_goodput_rps": g.per_gpu_goodput_rps, "probes": len(g.probes),
                "switch_wait_s": at.get("switch_wait_s"), "ttft_mean_s": at.get("ttft_mean_s")}
