@@ -31,16 +31,18 @@ class MacroRolling(Router):
     (HTTP 429) caps the queue.
 
     **Algorithm 2** (:meth:`check`), for instance ``i`` at time ``now``:
-    (1) TTFT: ``t_total`` = the predicted prefill time of the prompts routed to ``i`` without a
-    first token yet, plus the new one, must be ≤ ``slo_ttft``. The paper sums per-prompt
-    predictions (``prefill_time``: tokens → seconds, the deployment's latency model); a temporal
-    instance runs those prompts as one prefill-only batch, so with ``prefill_batch_time``
+    (1) TTFT: ``t_total`` = the predicted prefill time of the prompts of ``i``'s current prefill
+    phase — routed there and not decoding yet (one token at most in its last report) — plus the
+    new one, must be ≤ ``slo_ttft`` (this bounds the phase's prefill work, so the requests it
+    prefilled first do not wait without end to decode). The paper sums per-prompt predictions
+    (``prefill_time``: tokens → seconds, the deployment's latency model); a temporal instance
+    runs those prompts as one prefill-only batch, so with ``prefill_batch_time``
     (prompt lengths → seconds of one batch) we predict that batch instead — the sum counts the
     per-step weight read once per prompt, which for short prompts overestimates many times;
-    (2) TPOT: the mean saved TPOT of ``i``'s decoding
-    requests, ``L × slo_tpot − (now − first token time)`` with ``L`` tokens generated (from the
+    (2) TPOT: the mean saved TPOT of ``i``'s decodes (past their first decode step),
+    ``L × slo_tpot − (now − first token time)`` with ``L`` tokens generated (from the
     instance's last report), must be ≥ ``t_total``; (3) KV: the new prompt's blocks must fit in
-    the free blocks less those of the pending prompts and one per decoding request. An idle
+    the free blocks less those of the prompts not prefilled yet and one per running request. An idle
     instance (no pending prompt, no decode) takes any request that fits (waiting cannot help).
 
     **Mitosis** (``mitosis=True``): start with ``mitosis_initial`` (default N_l) instances in
@@ -86,7 +88,9 @@ class MacroRolling(Router):
         self.parked: list[str] = []
         self.last: dict[int, int] = {}  # macro index -> position of its last instance
         self._rr = 0
-        self.pending: dict[str, dict[str, ClusterRequest]] = {}  # routed, no first token yet
+        # routed and not decoding yet (Algorithm 2's pending prefills, since the phase switch)
+        self.pending: dict[str, dict[str, ClusterRequest]] = {}
+        self._noted: set[str] = set()  # pending requests whose TTFT mitosis has seen
         # online estimate without a latency model: prompt tokens and seconds of prefills seen
         self._seen = [0, 0.0]
         # mitosis state
@@ -143,36 +147,54 @@ class MacroRolling(Router):
         n, secs = self._seen
         return tokens * secs / n if n else 0.0
 
-    def _pending(self, iid: str) -> list[ClusterRequest]:
-        """Requests routed to ``iid`` still waiting for their first token (the others leave,
-        their TTFT noted for mitosis)."""
+    def _pending(self, view: InstanceView) -> tuple[list[ClusterRequest], list[ClusterRequest]]:
+        """Algorithm 2's pending prefills on ``view``'s instance, split: the prompts routed there
+        without a first token yet, and those prefilled since the phase switch but not decoding
+        yet (one token in the instance's last report). The rest leave (decoding, finished or
+        moved), their TTFT noted for mitosis."""
+        iid = view.instance_id
         pend = self.pending.setdefault(iid, {})
+        rep = view.report
+        fresh = {rid for rid, _, n in rep.progress if n == 1} if rep is not None else set()
+        waiting, prefilled = [], []
         for rid, r in list(pend.items()):
-            if r.stage == "prefill" and r.instance == iid:
+            if r.instance == iid and r.stage == "prefill":
+                waiting.append(r)
                 continue
-            del pend[rid]
-            tl = r.timeline
-            if tl.token_times and tl.arrival is not None:
-                self._window_ttfts.append(tl.token_times[0] - tl.arrival)
-                if tl.prefill_start is not None and tl.prefill_end is not None:
-                    self._seen[0] += len(r.prompt_token_ids)
-                    self._seen[1] += tl.prefill_end - tl.prefill_start
-        return list(pend.values())
+            if rid not in self._noted:
+                self._noted.add(rid)
+                self._note_ttft(r)
+            if r.instance == iid and r.stage == "decode" and rid in fresh:
+                prefilled.append(r)
+            else:
+                del pend[rid]
+                self._noted.discard(rid)
+        return waiting, prefilled
+
+    def _note_ttft(self, r: ClusterRequest) -> None:
+        tl = r.timeline
+        if tl.token_times and tl.arrival is not None:
+            self._window_ttfts.append(tl.token_times[0] - tl.arrival)
+            if tl.prefill_start is not None and tl.prefill_end is not None:
+                self._seen[0] += len(r.prompt_token_ids)
+                self._seen[1] += tl.prefill_end - tl.prefill_start
 
     def _saved_tpots(self, view: InstanceView, now: float) -> list[float]:
+        """Saved TPOT of the instance's decodes (those past their first decode step)."""
         rep = view.report
         if rep is None:
             return []
-        return [n * self.slo_tpot - (now - first) for _, first, n in rep.progress]
+        return [n * self.slo_tpot - (now - first) for _, first, n in rep.progress if n > 1]
 
     def check(self, view: InstanceView, request: ClusterRequest, now: float) -> bool:
         """Algorithm 2: may ``request`` go to ``view``'s instance now?"""
-        pend = self._pending(view.instance_id)
+        waiting, prefilled = self._pending(view)
+        pend = waiting + prefilled
         saved = self._saved_tpots(view, now)
         bs = view.block_size
         need = -(-request.num_tokens // bs)
         free = (view.stats.num_free_blocks if view.stats is not None else view.num_kv_blocks)
-        free -= sum(-(-r.num_tokens // bs) for r in pend) + len(saved)
+        free -= sum(-(-r.num_tokens // bs) for r in waiting) + len(saved) + len(prefilled)
         if not pend and not saved:  # idle: nothing to protect, waiting cannot help
             return need <= free
         lens = [r.num_tokens for r in pend] + [request.num_tokens]
@@ -228,7 +250,8 @@ class MacroRolling(Router):
 
     def _scale(self, now: float) -> None:
         for iid in list(self.pending):
-            self._pending(iid)
+            if iid in self.views:
+                self._pending(self.views[iid])
         ttfts, held = self._window_ttfts, self._held_in_window
         self._window_ttfts, self._held_in_window = [], False
         mean_ttft = sum(ttfts) / len(ttfts) if ttfts else 0.0

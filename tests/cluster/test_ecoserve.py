@@ -157,6 +157,19 @@ def test_kv_constraint_counts_pending_prompts_and_one_block_per_decode():
     assert not r.check(v, creq("new", 25), now=0.0)  # 7 blocks
 
 
+def test_prompts_prefilled_in_this_phase_count_until_they_decode():
+    r = router()
+    r.pending["i0"] = {"p": creq("p", 50), "q": creq("q", 40, stage="decode", first=0.5)}
+    # q has its first token but has not decoded (one token in the report): 0.5 + 0.4 + 0.1
+    v = view(progress=[("q", 0.5, 1), ("d", 0.0, 100)])
+    assert r.check(v, creq("new", 10), now=1.0)
+    assert not r.check(v, creq("new", 11), now=1.0)
+    # once q decoded (two tokens) it leaves the phase and joins the decodes
+    v = view(progress=[("q", 0.5, 2), ("d", 0.0, 100)])
+    assert r.check(v, creq("new", 50), now=1.0)  # 0.5 + 0.5 = 1.0
+    assert "q" not in r.pending["i0"]
+
+
 def test_an_idle_instance_takes_a_prompt_over_the_ttft_slo():
     r = router()
     assert r.check(view(), creq("long", 200), now=0.0)  # 2 s alone: waiting cannot help
@@ -182,8 +195,8 @@ def test_rolling_activation_order_and_held_requests():
     assert [q.request_id for q in c.queued] == ["r6"] and c.requests["r6"].stage == "queued"
     # r7 arrives behind the held r6
     assert c.on_arrival("r7", [1] * 40, P, now=0.1) == []
-    # i0 returns r0's first token at 1.0: i2 (last) is full, i0 has TTFT room (0.4 + 0.4 s)
-    # but r0's saved TPOT is 1 · 0.1 − 0 = 0.1 s < 0.8 s: still held
+    # i0 returns r0's first token at 1.0: i2 (last) is full; on i0, r0 has not decoded yet, so
+    # its prompt still counts in the phase: 0.4 (r0) + 0.4 (r1) + 0.4 (new) > 1 s: still held
     rep = StepReport("i0", "temporal", 0.5, elapsed=0.5,
                      deltas=[TokenDelta("r0", [5], "", [1.0])], progress=[("r0", 1.0, 1)])
     acts, _ = c.on_report(rep)
