@@ -148,7 +148,7 @@ def part_goodput(args: argparse.Namespace) -> list[dict]:
     cases = [(tb, mk, wl, st, args.num_requests, args.min_duration, args.definition)
              for tb in args.testbeds.split(",") for mk in args.models.split(",")
              for wl in args.workloads.split(",")
-             for st in ("nodg-pf", "nodg-chunked", "fudg", "padg")]
+             for st in args.strategies.split(",")]
     with ProcessPoolExecutor(args.jobs) as ex:
         rows = list(ex.map(goodput_case, cases))
     name = "goodput.json" if args.tag == "" else f"goodput-{args.tag}.json"
@@ -290,6 +290,7 @@ def main() -> int:
     p.add_argument("--testbeds", default="l20,a100")
     p.add_argument("--models", default="30b,70b")
     p.add_argument("--workloads", default="alpaca,chatbot,summarization")
+    p.add_argument("--strategies", default="nodg-pf,nodg-chunked,fudg,padg")
     p.add_argument("--num-requests", type=int, default=300, help="per goodput probe")
     p.add_argument("--min-duration", type=float, default=0.0,
                    help="at least this many seconds of arrivals per probe (more requests at "
