@@ -172,14 +172,16 @@ def goodput_table(rows: list[dict]) -> str:
     for k in keys:
         by = {r["strategy"]: r for r in rows if (r["testbed"], r["model"], r["workload"]) == k}
         g = {s: by[s]["per_gpu_goodput_rps"] for s in by}
-        other = max(g.get(s, 0.0) for s in ("nodg-pf", "nodg-chunked", "fudg"))
-        gain = f"{100 * (g['padg'] / other - 1):+.0f} %" if other > 0 else "n/a"
-        fr = by["fudg"]["ratio"]
-        wait = by["padg"]["switch_wait_s"]
+        cell = {s: f"{g[s]:.3f}" if s in g else "–" for s in ("nodg-pf", "nodg-chunked", "padg")}
+        other = max([g[s] for s in ("nodg-pf", "nodg-chunked", "fudg") if s in g] or [0.0])
+        gain = (f"{100 * (g['padg'] / other - 1):+.0f} %" if other > 0 and "padg" in g
+                else "n/a")
+        fudg = (f"{g['fudg']:.3f} ({by['fudg']['ratio'][0]}:{by['fudg']['ratio'][1]})"
+                if "fudg" in g else "–")
+        wait = by["padg"]["switch_wait_s"] if "padg" in by else None
         wait_ms = f"{1000 * wait:.0f}" if wait is not None else "n/a"
-        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {g['nodg-pf']:.3f} | {g['nodg-chunked']:.3f} "
-                   f"| {g['fudg']:.3f} ({fr[0]}:{fr[1]}) | {g['padg']:.3f} | {gain} | "
-                   f"{wait_ms} |")
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {cell['nodg-pf']} | {cell['nodg-chunked']} "
+                   f"| {fudg} | {cell['padg']} | {gain} | {wait_ms} |")
     return "\n".join(out)
 
 
@@ -291,9 +293,22 @@ def plot_mitosis(out: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def merge(paths: list[str]) -> list[dict]:
+    """Rows of several goodput JSON files; a later file's row replaces an earlier one's."""
+    rows: dict[tuple, dict] = {}
+    for p in paths:
+        with open(p) as f:
+            for r in json.load(f):
+                rows[(r.get("definition", "standard"), r["testbed"], r["model"], r["workload"],
+                      r["strategy"])] = r
+    return list(rows.values())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("goodput", "mitosis", "all"), default="all")
+    p.add_argument("--part", choices=("goodput", "mitosis", "all", "table"), default="all")
+    p.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                   help="--part table: goodput JSON files to merge (later ones win)")
     p.add_argument("--testbeds", default="l20,a100")
     p.add_argument("--models", default="30b,70b")
     p.add_argument("--workloads", default="alpaca,chatbot,summarization")
@@ -315,6 +330,13 @@ def main() -> int:
         rows = part_goodput(args)
         print(goodput_table(rows))
         plot_goodput(rows, os.path.join(args.out, "goodput.png"))
+    if args.part == "table":
+        rows = merge(args.merge)
+        for d in sorted({r.get("definition", "standard") for r in rows}):
+            sel = [r for r in rows if r.get("definition", "standard") == d]
+            print(f"\n{d} definition\n")
+            print(goodput_table(sel))
+            plot_goodput(sel, os.path.join(args.out, f"goodput-{d}.png"))
     if args.part in ("mitosis", "all"):
         part_mitosis(args)
     return 0
