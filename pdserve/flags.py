@@ -182,10 +182,11 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                         "engine, roles, routers, links; `pdserve plan` writes one)")
     d.add_argument("--model", metavar="NAME|DIR", help=model_help)
     d.add_argument("--strategy", choices=STRATEGIES,
-                   help="colocated (vLLM-style) or disaggregated (DistServe) "
+                   help="colocated (vLLM-style), disaggregated (DistServe) or partial "
+                        "(EcoServe: temporal instances in macro instances) "
                         "(default: colocated)")
     d.add_argument("--num-instances", type=positive_int,
-                   help="colocated instances (default: 1)")
+                   help="colocated or temporal instances (default: 1)")
     d.add_argument("--num-prefill", type=positive_int,
                    help="prefill instances when disaggregated (default: 1)")
     d.add_argument("--num-decode", type=positive_int,
@@ -230,6 +231,19 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
     t.add_argument("--flip", metavar="POLICY",
                    help="instance flip (TetriInfer section 3.5): none, idle[:SECONDS] or "
                         "load[:SHARE[:SECONDS]] (default: none)")
+    hints = typing.get_type_hints(ClusterConfig)
+    for f in fields(ClusterConfig):  # EcoServe's settings, from the fields' help
+        if f.name in _ECO_FIELDS:
+            kind, _ = _flag_type(hints[f.name])
+            help_ = f.metadata["help"]
+            if "default:" not in help_:
+                help_ += f" (default: {f.default})"
+            flag = "--" + f.name.replace("_", "-")
+            if kind is bool:
+                d.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_)
+            else:
+                d.add_argument(flag, dest=f.name, type=kind, default=None, help=help_)
     if live:
         d.add_argument("--backend", choices=BACKENDS,
                        help=f"instances as Ray actors or threads in this process "
@@ -242,7 +256,10 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                      else ("role", "prefill_token_target", "device", "seed"))
 
 
-_CLUSTER_FLAGS = ("model", "strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
+_ECO_FIELDS = ("slo_ttft", "slo_tpot", "macro_instance_size", "mitosis", "mitosis_lower",
+               "mitosis_upper", "mitosis_initial", "mitosis_interval")
+_CLUSTER_FLAGS = _ECO_FIELDS + (
+                  "model", "strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
                   "prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "prefill_token_target",
                   "prefill_router", "decode_router", "kv_link", "inter_node_link",
                   "gpus_per_node", "backend", "ray_address", "max_waiting_requests",

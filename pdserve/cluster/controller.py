@@ -11,10 +11,15 @@ prompt and the first token, then holds the KV → decode router picks a decode i
 accepts the request and, once it has room, reports a pull → the driver moves the KV → on import
 the prefill copy is released. Failures recompute a request on a live instance of the right role
 from its prompt plus the tokens generated so far.
+
+Partial disaggregation (EcoServe): temporal instances are entry instances that keep their
+requests to the end; their router (``macro_rolling``) may hold a request that no instance can
+take within the SLOs — it waits here, in arrival order, and is routed again after each report.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +73,7 @@ class ClusterRequest:
     params: SamplingParams
     timeline: Timeline
     output_token_ids: list[int] = field(default_factory=list)
-    stage: str = "new"  # prefill | transfer | decode | done
+    stage: str = "new"  # queued | prefill | transfer | decode | done
     instance: str | None = None  # the instance whose tokens we accept now
     prefill_instance: str | None = None
     decode_instance: str | None = None
@@ -102,8 +107,11 @@ class Controller:
             self.entry_role = "colocated"
         elif roles == {"prefill", "decode"}:
             self.entry_role = "prefill"
+        elif roles == {"temporal"}:
+            self.entry_role = "temporal"
         else:
-            raise ValueError(f"instances must be all colocated or prefill + decode, got {roles}")
+            raise ValueError(f"instances must be all colocated or prefill + decode (or all "
+                             f"temporal), got {roles}")
         self.instances = {i.instance_id: i for i in instances}
         # a name, or a router built by the caller (e.g. Preble's with a latency model)
         self.prefill_router = (make_router(prefill_router) if isinstance(prefill_router, str)
@@ -117,6 +125,7 @@ class Controller:
         self.requests: dict[str, ClusterRequest] = {}
         # every request ever seen, finished ones included (the simulator reports from it)
         self.history: dict[str, ClusterRequest] | None = {} if keep_history else None
+        self.queued: deque[ClusterRequest] = deque()  # held by the router, arrival order
 
     # ------------------------------------------------------------------ helpers
     def _router_of(self, instance_id: str) -> Router:
@@ -183,7 +192,25 @@ class Controller:
             self.history[request_id] = req
         if self.predictor is not None and self.entry_role == "prefill":
             req.predicted = self.predictor.predict(req.prompt_token_ids, params.max_tokens)
+        if self.queued:  # behind the requests the router holds
+            req.stage = "queued"
+            self.queued.append(req)
+            return self._route_queued(now)
         return self._dispatch(req, now)
+
+    def _route_queued(self, now: float) -> list[Action]:
+        """Route held requests in arrival order until the router holds one again."""
+        acts: list[Action] = []
+        while self.queued:
+            req = self.queued[0]
+            if req.stage != "queued" or req.request_id not in self.requests:
+                self.queued.popleft()  # aborted or failed meanwhile
+                continue
+            acts += self._dispatch(req, now)
+            if req.stage == "queued":
+                break
+            self.queued.popleft()
+        return acts
 
     def _dispatch(self, req: ClusterRequest, now: float,
                   avoid: str | None = None) -> list[Action]:
@@ -192,7 +219,13 @@ class Controller:
         if not cands:
             return self._fail(req, f"no live {self.entry_role} instance left")
         cands = [i for i in cands if i.instance_id != avoid] or cands
+        self.prefill_router.on_time(now)
         inst = self.prefill_router.select(req, cands)
+        if inst is None:  # no instance can take it now (EcoServe Alg. 2): wait
+            if req.stage != "queued":
+                req.stage = "queued"
+                self.queued.append(req)
+            return []
         req.stage, req.instance, req.prefill_instance = "prefill", inst.instance_id, None
         if self.entry_role == "prefill":
             req.prefill_instance = inst.instance_id
@@ -221,6 +254,8 @@ class Controller:
             self.flips.observe(rep)
             if rep.role != self.instances[iid].role:  # a SetRole took effect: flip complete
                 self.flips.flipped(self.instances[iid], rep.role, rep.now)
+        if rep.role == "temporal":
+            self.instances[iid].report = rep
         if rep.kv_events and self.instances[iid].alive:  # for a router's prefix index
             self._router_of(iid).on_kv_events(iid, rep.kv_events)
         for rid in rep.imported:
@@ -239,6 +274,8 @@ class Controller:
             acts += self.on_pull(iid, rid, first_block, end)
         if self.flips is not None:
             acts += self.flips.tick(self, end)
+        if self.queued:
+            acts += self._route_queued(end)
         return acts, accepted
 
     def on_report_delta(self, instance_id: str, d: TokenDelta, now: float) -> list[Action]:

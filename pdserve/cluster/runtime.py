@@ -80,8 +80,9 @@ class ClusterRuntime:
             for c in clients
         }
         self.controller = Controller([i.view for i in self.instances.values()],
-                                     *(routers or make_routers(config.prefill_router,
-                                                               config.decode_router)),
+                                     *(routers or make_routers(
+                                         config.prefill_router, config.decode_router,
+                                         **config.router_options())),
                                      **controller_extras(config,
                                                          model_config.max_position_embeddings))
         self.core = DriverCore(self.controller, self.instances)
@@ -160,7 +161,8 @@ class ClusterRuntime:
 
     def num_waiting(self) -> int:
         """Accepted requests whose first token has not been produced yet."""
-        return sum(1 for r in self.controller.requests.values() if r.stage == "prefill")
+        return sum(1 for r in self.controller.requests.values()
+                   if r.stage in ("queued", "prefill"))
 
     def instance_status(self) -> list[InstanceStatus]:
         return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive, i.view.stats)
@@ -304,7 +306,8 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = load_tokenizer(config.model)
     specs = config.instance_specs(model_config.max_position_embeddings)
-    routers = make_routers(config.prefill_router, config.decode_router)
+    routers = make_routers(config.prefill_router, config.decode_router,
+                           **config.router_options())
     events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
     clients: list[InstanceClient]
     if config.backend == "ray":

@@ -122,6 +122,11 @@ class StepReport:
     kv_events: list[KVEvent] = field(default_factory=list)
     has_work: bool = False
     has_unfinished: bool = False
+    # temporal role (EcoServe §4.2.1): the phase of the last batch, when it began, and every
+    # decoding request's (id, first token time, tokens generated) for the macro router
+    phase: str = ""
+    phase_switch_time: float = 0.0
+    progress: list[tuple[str, float, int]] = field(default_factory=list)
 
 
 class InstanceWorker:
@@ -168,6 +173,11 @@ class InstanceWorker:
             rep.kv_events = eng.scheduler.pool.take_events()
         rep.has_work = eng.has_work()
         rep.has_unfinished = eng.has_unfinished()
+        if self.role == "temporal":
+            s = eng.scheduler
+            rep.phase, rep.phase_switch_time = s.phase, s.phase_switch_time
+            rep.progress = [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids))
+                            for r in s.running if r.output_token_ids]
         return rep
 
     def _apply(self, cmd: Command, now: float, rep: StepReport) -> None:

@@ -15,7 +15,11 @@ Roles (DESIGN.md "Engine step"): a ``prefill`` instance holds each request after
 (its blocks stay allocated until a decode instance pulls them, DistServe §4.3) and batches whole
 prompts up to the token target ``L_m`` (a longer prompt runs alone); a ``decode`` instance reserves
 blocks for a request's prompt KV (matching its own prefix cache first), lets the driver pull the
-missing blocks, then continues it like any running request.
+missing blocks, then continues it like any running request. A ``temporal`` instance (EcoServe
+§4.2.1, temporal disaggregation) runs prefill-first without chunking — a prefill-only phase
+while prompts wait (its router hands it new prompts only when the decodes can afford the
+pause), a decode-only phase otherwise, never a mixed batch — and records its phase and the time
+of the last switch (``phase``, ``phase_switch_time``) for its macro instance's router.
 
 TetriInfer (§3.3.3): with ``prefill_chunk_size`` a prefill instance slices and merges the
 (policy-ordered) prompts into prefill-only chunks of exactly ``ChunkSize`` tokens, in order; the
@@ -60,6 +64,8 @@ class Scheduler:
         self.pulling: dict[str, Request] = {}  # decode role: blocks reserved, transfer in flight
         self.step_id = 0
         self.num_preemptions = 0
+        self.phase = "idle"  # prefill | decode: what the last batch did (EcoServe §4.2.1)
+        self.phase_switch_time = 0.0
 
     def _configure(self, config: SchedulerConfig) -> None:
         """Role-dependent settings (also applied by :meth:`reconfigure` on an instance flip)."""
@@ -119,10 +125,18 @@ class Scheduler:
                 self._schedule_waiting(batch, budget, now, limit)
         else:
             self._schedule_waiting(batch, self.budget, now, limit)
+            phase = "prefill"
             if batch.empty:
                 self._schedule_running(batch, self.budget)
+                phase = "decode"
+            if phase != self.phase and not batch.empty:
+                self.phase, self.phase_switch_time = phase, now
         if self.chunk_size is not None and not batch.empty:  # pad the last chunk (§3.3.3)
             batch.num_pad_tokens = self.chunk_size - batch.num_batched_tokens
+        for s in batch.seqs:  # the first decode step: the end of the phase-switch wait
+            req = s.request
+            if req.output_token_ids and req.timeline.decode_start is None:
+                req.timeline.decode_start = now
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
