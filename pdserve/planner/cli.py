@@ -145,8 +145,7 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Any:
     def link(v: Any) -> Any:
         if v is None or isinstance(v, Link):
             return v
-        spec = get_link(v)
-        return Link(spec.bandwidth_gbs, spec.latency_s)
+        return get_link(v)  # a catalogue link is a Link
 
     kw = dict(model=name, profile=args.profile, hardware=args.hardware, workload=args.workload,
               num_requests=args.num_requests, seed=args.seed, slo=slo, target=args.attainment,

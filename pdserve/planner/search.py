@@ -130,8 +130,7 @@ class Problem:
 
         inter = self.inter_node_link
         if inter is None:
-            spec = get_link("ib-hdr" if self.affinity == "high" else "eth-25g")
-            inter = Link(spec.bandwidth_gbs, spec.latency_s)
+            inter = get_link("ib-hdr" if self.affinity == "high" else "eth-25g")
         return self.intra_node_link, inter
 
 
