@@ -21,6 +21,7 @@ _SUBCOMMAND_MODULES = (
     "pdserve.sim.calibrate",
     "pdserve.bench.cli",
     "pdserve.demo",
+    "pdserve.planner.cli",
 )
 
 

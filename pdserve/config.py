@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-Role = Literal["colocated", "prefill", "decode"]
-ROLES: tuple[str, ...] = ("colocated", "prefill", "decode")
+Role = Literal["colocated", "prefill", "decode", "temporal"]
+ROLES: tuple[str, ...] = ("colocated", "prefill", "decode", "temporal")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -305,8 +305,10 @@ class SchedulerConfig:
 
     ``role``: ``colocated`` runs both phases; ``prefill`` stops each request after its first token
     and holds its KV for a decode instance to pull; ``decode`` admits only requests whose KV was
-    imported. ``prefill_token_target`` is DistServe's L_m (section 4.3): a prefill instance batches
-    whole prompts up to this many tokens, a longer prompt runs alone. ``None`` = the token budget.
+    imported; ``temporal`` (EcoServe §4.2.1) runs both phases but never in one batch: a
+    prefill-only phase whenever prompts wait, decode-only otherwise (no chunked prefill).
+    ``prefill_token_target`` is DistServe's L_m (section 4.3): a prefill instance batches whole
+    prompts up to this many tokens, a longer prompt runs alone. ``None`` = the token budget.
     ``max_num_batched_tokens=None`` = :func:`default_token_budget`.
     """
 
@@ -323,7 +325,18 @@ class SchedulerConfig:
     prefill_token_target: int | None = _help(
         "DistServe's L_m: a prefill instance batches whole prompts up to this many tokens "
         "(default: the token budget)", default=None)
-    policy: str = _help("local waiting-queue policy", default="fcfs")
+    policy: str = _help("local waiting-queue policy: fcfs, preble, or TetriInfer's prefill "
+                        "orders sjf / ljf by prompt length (section 3.3.1)", default="fcfs")
+    prefill_sched_batch: int = _help(
+        "TetriInfer's PrefillSchedBatch: sjf/ljf sort the waiting requests in consecutive "
+        "groups of this many, groups in arrival order, so that nothing starves", default=16)
+    prefill_chunk_size: int | None = _help(
+        "TetriInfer's ChunkSize (section 3.3.3): a prefill instance runs prefill-only steps of "
+        "exactly this many tokens, slicing and merging prompts and padding the last chunk "
+        "(`pdserve profile` reports the saturation point; default: off)", default=None)
+    admission: str = _help(
+        "decode admission (TetriInfer section 3.4): greedy, reserve-static or reserve-dynamic",
+        default="greedy")
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
@@ -333,6 +346,20 @@ class SchedulerConfig:
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _require(self.prefill_token_target is None or self.prefill_token_target >= 1,
                  f"prefill_token_target must be >= 1, got {self.prefill_token_target}")
+        _require(self.prefill_sched_batch >= 1,
+                 f"prefill_sched_batch must be >= 1, got {self.prefill_sched_batch}")
+        _require(self.prefill_chunk_size is None or self.prefill_chunk_size >= 1,
+                 f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        from pdserve.engine.admission import ADMISSIONS
+        from pdserve.engine.policies import POLICIES
+
+        _require(self.policy in POLICIES,
+                 f"unknown scheduling policy {self.policy!r}; available: {sorted(POLICIES)}")
+        _require(self.admission in ADMISSIONS,
+                 f"unknown admission policy {self.admission!r}; available: {sorted(ADMISSIONS)}")
+        _require(not (self.role == "temporal" and self.enable_chunked_prefill),
+                 "a temporal instance runs prefill-only and decode-only phases (EcoServe "
+                 "§4.2.1): enable_chunked_prefill must be false")
         if not self.enable_chunked_prefill and self.role != "prefill":
             _require(self.token_budget >= self.max_model_len,
                      "without chunked prefill max_num_batched_tokens "
@@ -369,6 +396,7 @@ class EngineConfig:
         "device", "dtype", "seed", "block_size", "num_kv_blocks", "enable_prefix_caching",
         "gpu_memory_utilization", "cpu_kv_gib", "max_num_batched_tokens", "max_num_seqs",
         "max_model_len", "enable_chunked_prefill", "role", "prefill_token_target", "policy",
+        "prefill_sched_batch", "prefill_chunk_size", "admission",
     )
 
     @classmethod
@@ -465,7 +493,9 @@ def kv_cache_blocks(model: ModelConfig, engine: EngineConfig, *,
 
 
 # ------------------------------------------------------------------------ the deployment spec
-STRATEGIES: tuple[str, ...] = ("colocated", "disaggregated")
+STRATEGIES: tuple[str, ...] = ("colocated", "disaggregated", "partial")
+_STRATEGY_ROLES = {"colocated": ["colocated"], "disaggregated": ["prefill", "decode"],
+                   "partial": ["temporal"]}
 BACKENDS: tuple[str, ...] = ("inproc", "ray")
 
 
@@ -545,8 +575,10 @@ class InstanceSpec:
         return self.tp * self.pp
 
 
-# A prefill instance batches whole prompts (DistServe §4.3): it never chunks.
-_ROLE_DEFAULTS: dict[str, dict[str, Any]] = {"prefill": {"enable_chunked_prefill": False}}
+# A prefill instance batches whole prompts (DistServe §4.3): it never chunks; a temporal
+# instance never mixes phases (EcoServe §4.2.1), so it does not chunk either.
+_ROLE_DEFAULTS: dict[str, dict[str, Any]] = {"prefill": {"enable_chunked_prefill": False},
+                                             "temporal": {"enable_chunked_prefill": False}}
 
 
 @dataclass(frozen=True)
@@ -560,6 +592,11 @@ class ClusterConfig:
     intra-node link), ``inter_node_link`` instances on different nodes; instances fill nodes of
     ``gpus_per_node`` GPUs in order (``None``: one node). ``max_waiting_requests`` bounds
     requests accepted but not yet started. Build it with :meth:`from_dict` (files, flags).
+
+    Partial disaggregation (EcoServe, strategy ``partial``): ``temporal`` instances grouped in
+    macro instances of ``macro_instance_size``, routed by ``macro_rolling`` against
+    ``slo_ttft``/``slo_tpot``; ``mitosis`` scales macro instances between ``mitosis_lower`` (N_l)
+    and ``mitosis_upper`` (N_u) instances each (§4.2.4).
     """
 
     model: str = ""
@@ -573,6 +610,25 @@ class ClusterConfig:
     backend: str = "ray"
     ray_address: str | None = None
     max_waiting_requests: int = 1024
+    # TetriInfer (§3.3.2 length predictor, §3.5 instance flip; pdserve/predict, cluster/flip.py)
+    length_predictor: str = "none"
+    predictor_granularity: int = 200
+    predictor_accuracy: float = 1.0
+    predictor_data: str | None = None
+    flip: str = "none"
+    slo_ttft: float = _help("TTFT objective the macro_rolling router admits against, s "
+                            "(EcoServe Alg. 2)", default=5.0)
+    slo_tpot: float = _help("TPOT objective the macro_rolling router admits against, s "
+                            "(EcoServe Alg. 2)", default=0.1)
+    macro_instance_size: int = _help(
+        "temporal instances per macro instance (EcoServe §4.2.1)", default=4)
+    mitosis: bool = _help("scale macro instances with mitosis (EcoServe §4.2.4): start with "
+                          "mitosis_initial instances, park the rest", default=False)
+    mitosis_lower: int = _help("N_l: fewest instances of a macro instance", default=2)
+    mitosis_upper: int = _help("N_u: most instances of a macro instance", default=4)
+    mitosis_initial: int | None = _help(
+        "instances serving at the start with mitosis (default: mitosis_lower)", default=None)
+    mitosis_interval: float = _help("seconds between mitosis scaling decisions", default=10.0)
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got "
@@ -584,10 +640,35 @@ class ClusterConfig:
         object.__setattr__(self, "roles", tuple(self.roles))
         names = [r.role for r in self.roles]
         _require(len(set(names)) == len(names), f"each role may appear once, got {names}")
-        _require(sorted(names) in (["colocated"], ["decode", "prefill"]),
-                 f"roles must be [colocated] or [prefill, decode], got {names}")
+        _require(sorted(names) in (["colocated"], ["decode", "prefill"], ["temporal"]),
+                 f"roles must be [colocated], [prefill, decode] or [temporal], got {names}")
+        for name in ("slo_ttft", "slo_tpot", "mitosis_interval"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and v > 0, f"{name} must be > 0, got {v!r}")
+        for name in ("macro_instance_size", "mitosis_lower", "mitosis_upper"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 1, f"{name} must be an integer >= 1, got {v!r}")
+        _require(self.mitosis_lower <= self.mitosis_upper,
+                 f"mitosis_lower (N_l={self.mitosis_lower}) must be <= mitosis_upper "
+                 f"(N_u={self.mitosis_upper})")
+        _require(self.mitosis_upper >= 2 * self.mitosis_lower - 1,
+                 f"mitosis_upper (N_u={self.mitosis_upper}) must be >= 2*N_l - 1 = "
+                 f"{2 * self.mitosis_lower - 1}: a split past N_u leaves two macro instances "
+                 f"of at least N_l")
+        _require(self.mitosis_initial is None or self.mitosis_initial >= 1,
+                 f"mitosis_initial must be >= 1, got {self.mitosis_initial}")
         object.__setattr__(self, "engine", dict(self.engine))
         self.engine_config()  # validates the shared engine settings now
+        from pdserve.cluster.flip import parse_flip
+        from pdserve.predict import PREDICTOR_NAMES, check_granularity
+
+        _require(self.length_predictor in PREDICTOR_NAMES,
+                 f"unknown length predictor {self.length_predictor!r}; available: "
+                 f"{list(PREDICTOR_NAMES)}")
+        check_granularity(self.predictor_granularity)
+        _require(0.0 <= self.predictor_accuracy <= 1.0,
+                 f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
+        parse_flip(self.flip)
         if self.gpus_per_node is not None:
             for r in self.roles:
                 _require(r.tp * r.pp <= self.gpus_per_node,
@@ -596,7 +677,16 @@ class ClusterConfig:
 
     @property
     def strategy(self) -> str:
-        return "colocated" if self.roles[0].role == "colocated" else "disaggregated"
+        return _strategy_of(self.roles)
+
+    def router_options(self) -> dict[str, Any]:
+        """Settings a router may take as constructor keywords (``make_routers`` passes each to
+        the routers whose constructor names it): EcoServe's SLOs, macro size and mitosis."""
+        return {"slo_ttft": self.slo_ttft, "slo_tpot": self.slo_tpot,
+                "macro_instance_size": self.macro_instance_size,
+                "mitosis": self.mitosis, "mitosis_lower": self.mitosis_lower,
+                "mitosis_upper": self.mitosis_upper, "mitosis_initial": self.mitosis_initial,
+                "mitosis_interval": self.mitosis_interval}
 
     def role(self, name: str) -> RoleSpec | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -637,8 +727,8 @@ class ClusterConfig:
         """From a deployment file's mapping or the flags' values (``None`` = not given).
 
         Besides the fields, the shorthand of the command line is accepted: ``strategy``,
-        ``num_instances`` (colocated), ``num_prefill``/``num_decode``, ``tp``/``pp`` (every
-        role), ``prefill_tp``/``prefill_pp``/``decode_tp``/``decode_pp``,
+        ``num_instances`` (colocated or temporal), ``num_prefill``/``num_decode``, ``tp``/``pp``
+        (every role), ``prefill_tp``/``prefill_pp``/``decode_tp``/``decode_pp``,
         ``prefill_token_target`` (L_m of prefill instances), engine settings at the top level,
         and links as ``{bandwidth_gb_per_s, latency_s}`` mappings. Shorthand overrides ``roles``.
         """
@@ -656,6 +746,8 @@ class ClusterConfig:
         roles = [r if isinstance(r, RoleSpec) else _role_from_dict(r)
                  for r in d.pop("roles", None) or []]
         roles = _apply_shorthand(roles, short)
+        if roles and _strategy_of(roles) == "partial":
+            d.setdefault("prefill_router", "macro_rolling")  # EcoServe's router by default
         unknown = set(d) - known
         _require(not unknown, f"unknown deployment setting(s) {sorted(unknown)}; known: "
                               f"{', '.join(sorted(known | set(_SHORTHAND)))}")
@@ -688,6 +780,10 @@ _SHORTHAND = ("strategy", "num_instances", "num_prefill", "num_decode", "tp", "p
               "prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "prefill_token_target")
 
 
+def _strategy_of(roles: Any) -> str:
+    return {"colocated": "colocated", "temporal": "partial"}.get(roles[0].role, "disaggregated")
+
+
 def _role_from_dict(d: Any) -> RoleSpec:
     _require(isinstance(d, Mapping) and "role" in d,
              f"each entry of roles must be a mapping with a 'role', got {d!r}")
@@ -700,16 +796,15 @@ def _apply_shorthand(roles: list[RoleSpec], short: dict[str, Any]) -> list[RoleS
     strategy = short.get("strategy")
     _require(strategy is None or strategy in STRATEGIES,
              f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    current = "colocated" if not roles or roles[0].role == "colocated" else "disaggregated"
+    current = _strategy_of(roles) if roles else "colocated"
     if strategy is not None and strategy != current or not roles:
         strategy = strategy or "colocated"
-        names = ["colocated"] if strategy == "colocated" else ["prefill", "decode"]
-        roles = [RoleSpec(n) for n in names]
+        roles = [RoleSpec(n) for n in _STRATEGY_ROLES[strategy]]
     out = []
     for r in roles:
         kw: dict[str, Any] = {}
         count = short.get({"colocated": "num_instances", "prefill": "num_prefill",
-                           "decode": "num_decode"}[r.role])
+                           "decode": "num_decode", "temporal": "num_instances"}[r.role])
         if count is not None:
             kw["count"] = count
         for dim in ("tp", "pp"):

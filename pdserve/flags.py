@@ -37,11 +37,13 @@ from pdserve.config import (
     SchedulerConfig,
     load_data_file,
 )
+from pdserve.engine.admission import ADMISSIONS
 from pdserve.engine.policies import POLICIES
 
 _FIELDS = {f.name: (cls, f) for cls in (EngineConfig, CacheConfig, SchedulerConfig)
            for f in fields(cls)}
-_CHOICES: dict[str, Iterable[str]] = {"dtype": DTYPES, "policy": sorted(POLICIES)}
+_CHOICES: dict[str, Iterable[str]] = {"dtype": DTYPES, "admission": sorted(ADMISSIONS),
+                                      "policy": sorted(POLICIES)}
 
 
 def say(msg: str) -> None:
@@ -78,6 +80,13 @@ def nonnegative(text: str) -> float:
     v = _number(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return v
+
+
+def share_or_zero(text: str) -> float:
+    v = _number(text)
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
     return v
 
 
@@ -165,6 +174,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
     ``live=False`` (the simulator) leaves out the backend and Ray flags and the engine's
     ``--device`` and ``--seed`` (a simulated step samples nothing)."""
     from pdserve.cluster.routing import ROUTERS
+    from pdserve.predict import PREDICTOR_NAMES
 
     d = parser.add_argument_group("deployment (flags override --config)")
     d.add_argument("--config", metavar="FILE",
@@ -172,10 +182,11 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                         "engine, roles, routers, links; `pdserve plan` writes one)")
     d.add_argument("--model", metavar="NAME|DIR", help=model_help)
     d.add_argument("--strategy", choices=STRATEGIES,
-                   help="colocated (vLLM-style) or disaggregated (DistServe) "
+                   help="colocated (vLLM-style), disaggregated (DistServe) or partial "
+                        "(EcoServe: temporal instances in macro instances) "
                         "(default: colocated)")
     d.add_argument("--num-instances", type=positive_int,
-                   help="colocated instances (default: 1)")
+                   help="colocated or temporal instances (default: 1)")
     d.add_argument("--num-prefill", type=positive_int,
                    help="prefill instances when disaggregated (default: 1)")
     d.add_argument("--num-decode", type=positive_int,
@@ -204,6 +215,35 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                    help="KV link between nodes (default: as --kv-link)")
     d.add_argument("--gpus-per-node", type=positive_int,
                    help="instances fill nodes of this many GPUs in order (default: one node)")
+    t = parser.add_argument_group("TetriInfer (length prediction, instance flip)")
+    t.add_argument("--length-predictor", choices=PREDICTOR_NAMES,
+                   help="predicts each request's output length bucket beside the prefill "
+                        "(TetriInfer section 3.3.2): oracle (simulations), prompt-length, "
+                        "majority, classifier (default: none)")
+    t.add_argument("--predictor-granularity", type=positive_int, metavar="TOKENS",
+                   help=f"bucket width of the predicted length "
+                        f"(default: {_DEFAULT.predictor_granularity})")
+    t.add_argument("--predictor-accuracy", type=share_or_zero, metavar="SHARE",
+                   help="the oracle's accuracy (default: 1.0; the paper's classifier: 0.749)")
+    t.add_argument("--predictor-data", metavar="FILE|TRACE",
+                   help="a trained classifier (.npz), or logged (prompt, length) pairs (JSONL) "
+                        "or a trace name to fit the predictor on at start")
+    t.add_argument("--flip", metavar="POLICY",
+                   help="instance flip (TetriInfer section 3.5): none, idle[:SECONDS] or "
+                        "load[:SHARE[:SECONDS]] (default: none)")
+    hints = typing.get_type_hints(ClusterConfig)
+    for f in fields(ClusterConfig):  # EcoServe's settings, from the fields' help
+        if f.name in _ECO_FIELDS:
+            kind, _ = _flag_type(hints[f.name])
+            help_ = f.metadata["help"]
+            if "default:" not in help_:
+                help_ += f" (default: {f.default})"
+            flag = "--" + f.name.replace("_", "-")
+            if kind is bool:
+                d.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_)
+            else:
+                d.add_argument(flag, dest=f.name, type=kind, default=None, help=help_)
     if live:
         d.add_argument("--backend", choices=BACKENDS,
                        help=f"instances as Ray actors or threads in this process "
@@ -216,10 +256,15 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                      else ("role", "prefill_token_target", "device", "seed"))
 
 
-_CLUSTER_FLAGS = ("model", "strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
+_ECO_FIELDS = ("slo_ttft", "slo_tpot", "macro_instance_size", "mitosis", "mitosis_lower",
+               "mitosis_upper", "mitosis_initial", "mitosis_interval")
+_CLUSTER_FLAGS = _ECO_FIELDS + (
+                  "model", "strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
                   "prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "prefill_token_target",
                   "prefill_router", "decode_router", "kv_link", "inter_node_link",
-                  "gpus_per_node", "backend", "ray_address", "max_waiting_requests")
+                  "gpus_per_node", "backend", "ray_address", "max_waiting_requests",
+                  "length_predictor", "predictor_granularity", "predictor_accuracy",
+                  "predictor_data", "flip")
 
 
 def deployment_dict(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:

@@ -200,6 +200,7 @@ class Timeline:
     transfer_end: float | None = None
     decode_queued: float | None = None
     decode_admitted: float | None = None
+    decode_start: float | None = None  # the first step that decodes it (after its first token)
     token_times: list[float] = field(default_factory=list)
     finish: float | None = None
 
@@ -226,9 +227,19 @@ class Timeline:
         merged: the controller records them as tokens arrive)."""
         for name in ("arrival", "routed", "prefill_queued", "prefill_start", "prefill_end",
                      "transfer_start", "transfer_end", "decode_queued", "decode_admitted",
-                     "finish"):
+                     "decode_start", "finish"):
             if getattr(self, name) is None and getattr(other, name) is not None:
                 setattr(self, name, getattr(other, name))
+
+    @property
+    def switch_wait(self) -> float | None:
+        """EcoServe's phase-switching wait (§4.2.2): from the first token until the request's
+        decoding starts — other requests' prefills (colocated, temporal) or the KV transfer and
+        the decode queue (disaggregated). ``None`` before it decodes."""
+        st = self.stages()
+        if st is None or self.decode_start is None and self.transfer_end is None:
+            return None
+        return st["transfer"] + st["decode_queue"]
 
     def stages(self) -> dict[str, float] | None:
         """The request's five latency stages (DistServe §6.3), or ``None`` without prefill
@@ -236,10 +247,12 @@ class Timeline:
         this one definition.
 
         ``arrival → prefill_start`` prefill queue; ``prefill_start → prefill_end`` prefill;
-        ``transfer_end − transfer_start`` transfer; decode starts at the later of ``transfer_end``
-        and ``decode_admitted`` (``prefill_end`` when colocated) and the time from ``prefill_end``
-        to it, less the transfer, is decode queue; decode runs until ``finish`` (else last token).
-        The five add up to ``end − arrival``.
+        ``transfer_end − transfer_start`` transfer; decode starts at the latest of
+        ``transfer_end``, ``decode_admitted`` and ``decode_start`` (the first step that decodes
+        the request; ``prefill_end`` without any) and the time from ``prefill_end`` to it, less
+        the transfer, is decode queue — on a colocated or temporal instance the prefills of
+        others that run first, EcoServe's phase-switching wait (§4.2.2); decode runs until
+        ``finish`` (else last token). The five add up to ``end − arrival``.
         """
         first = self.first_token
         p_end = self.prefill_end if self.prefill_end is not None else first
@@ -249,8 +262,8 @@ class Timeline:
         transfer = 0.0
         if self.transfer_start is not None and self.transfer_end is not None:
             transfer = max(self.transfer_end - self.transfer_start, 0.0)
-        d_start = max([t for t in (self.transfer_end, self.decode_admitted) if t is not None],
-                      default=p_end)
+        d_start = max([t for t in (self.transfer_end, self.decode_admitted, self.decode_start)
+                       if t is not None], default=p_end)
         d_start = min(max(d_start, p_end), max(end, p_end))
         return {
             "prefill_queue": max(self.prefill_start - self.arrival, 0.0),
@@ -266,7 +279,8 @@ class Timeline:
             "prefill_queued": self.prefill_queued, "prefill_start": self.prefill_start,
             "prefill_end": self.prefill_end, "transfer_start": self.transfer_start,
             "transfer_end": self.transfer_end, "decode_queued": self.decode_queued,
-            "decode_admitted": self.decode_admitted, "token_times": list(self.token_times),
+            "decode_admitted": self.decode_admitted, "decode_start": self.decode_start,
+            "token_times": list(self.token_times),
             "finish": self.finish,
         }
 
@@ -287,6 +301,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes",
         "timeline", "logprobs", "num_preemptions", "stop_reason", "detok", "grammar",
+        "predicted",
     )
 
     def __init__(
@@ -312,6 +327,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.detok: Any = None  # incremental detokenizer state (engine-owned)
         self.grammar: Any = None  # structured-output matcher state (executor-owned)
+        self.predicted: Any = None  # predicted output length range (pdserve.predict), if any
 
     @property
     def num_prompt_tokens(self) -> int:

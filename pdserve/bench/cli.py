@@ -122,10 +122,13 @@ def add_workload_args(p: argparse.ArgumentParser, max_model_len: bool = True) ->
 def add_slo_args(p: argparse.ArgumentParser) -> None:
     """The SLO flags (shared with ``pdserve simulate``)."""
     s = p.add_argument_group("SLO")
-    s.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
-                   help="TTFT objective (default: the workload's, e.g. DistServe Table 1)")
-    s.add_argument("--slo-tpot", type=positive, metavar="SECONDS",
-                   help="TPOT objective (default: the workload's)")
+    # `pdserve simulate` already has them from the deployment flags (EcoServe's router admits
+    # against the same objectives): one flag sets both
+    if "--slo-ttft" not in p._option_string_actions:
+        s.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
+                       help="TTFT objective (default: the workload's, e.g. DistServe Table 1)")
+        s.add_argument("--slo-tpot", type=positive, metavar="SECONDS",
+                       help="TPOT objective (default: the workload's)")
     s.add_argument("--attainment", type=fraction, default=0.9,
                    help="target share of requests meeting both SLOs (default 0.9)")
     s.add_argument("--criterion", choices=CRITERIA, default="both",

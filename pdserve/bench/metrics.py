@@ -193,19 +193,25 @@ def stage_durations(tl: Timeline) -> dict[str, float] | None:
 def latency_breakdown(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
     """Mean seconds per stage and each stage's share of the total, over successful requests
     with a server (or simulator) timeline; ``None`` when no request has one."""
-    rows = []
+    rows, waits = [], []
     for r in records:
         if not r.ok:
             continue
-        d = stage_durations(r.server_timeline or r.timeline)
+        tl = r.server_timeline or r.timeline
+        d = stage_durations(tl)
         if d is not None:
             rows.append(d)
+            w = tl.switch_wait
+            if w is not None:
+                waits.append(w)
     if not rows:
         return None
     mean = {s: float(np.mean([d[s] for d in rows])) for s in STAGES}
     total = sum(sum(d.values()) for d in rows)
     share = {s: (sum(d[s] for d in rows) / total if total > 0 else 0.0) for s in STAGES}
-    return {"count": len(rows), "mean_s": mean, "share": share}
+    # EcoServe §4.2.2: first token → decoding starts (transfer + decode queue), every strategy
+    switch = float(np.mean(waits)) if waits else None
+    return {"count": len(rows), "mean_s": mean, "share": share, "switch_wait_mean_s": switch}
 
 
 @dataclass

@@ -72,6 +72,9 @@ def summary_markdown(s: Summary, title: str = "") -> str:
         b = s.breakdown
         facts.append(("latency breakdown (mean ms)", ", ".join(
             f"{k} {_ms(b['mean_s'][k])}" for k in STAGES)))
+        if b.get("switch_wait_mean_s") is not None:
+            facts.append(("phase-switch wait (first token → decoding; mean ms)",
+                          _ms(b["switch_wait_mean_s"])))
     out.append(_table(["", "value"], [[k, v] for k, v in facts]))
     if s.errors:
         out += ["", _table(["error", "count"], [[k.replace("|", "/"), str(v)]

@@ -11,11 +11,17 @@ prompt and the first token, then holds the KV → decode router picks a decode i
 accepts the request and, once it has room, reports a pull → the driver moves the KV → on import
 the prefill copy is released. Failures recompute a request on a live instance of the right role
 from its prompt plus the tokens generated so far.
+
+Partial disaggregation (EcoServe): temporal instances are entry instances that keep their
+requests to the end; their router (``macro_rolling``) may hold a request that no instance can
+take within the SLOs — it waits here, in arrival order, and is routed again after each report.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.cluster.routing import InstanceView, Router, make_router
 from pdserve.cluster.worker import (
@@ -67,7 +73,7 @@ class ClusterRequest:
     params: SamplingParams
     timeline: Timeline
     output_token_ids: list[int] = field(default_factory=list)
-    stage: str = "new"  # prefill | transfer | decode | done
+    stage: str = "new"  # queued | prefill | transfer | decode | done
     instance: str | None = None  # the instance whose tokens we accept now
     prefill_instance: str | None = None
     decode_instance: str | None = None
@@ -76,6 +82,8 @@ class ClusterRequest:
     num_dispatches: int = 0
     # instances the request lives on -> KV tokens promised there and not yet reserved
     placed: dict[str, int] = field(default_factory=dict)
+    predicted: Any = None  # LengthPrediction of the output (TetriInfer §3.3.2)
+    counted_on: str | None = None  # the decode instance whose heavy/light counts include it
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +98,8 @@ class ClusterRequest:
 class Controller:
     def __init__(self, instances: list[InstanceView],
                  prefill_router: str | Router = "shortest_queue",
-                 decode_router: str | Router = "least_load", keep_history: bool = False) -> None:
+                 decode_router: str | Router = "least_load", keep_history: bool = False,
+                 predictor: Any = None, flips: Any = None) -> None:
         if not instances:
             raise ValueError("a cluster needs at least one instance")
         roles = {i.role for i in instances}
@@ -98,17 +107,25 @@ class Controller:
             self.entry_role = "colocated"
         elif roles == {"prefill", "decode"}:
             self.entry_role = "prefill"
+        elif roles == {"temporal"}:
+            self.entry_role = "temporal"
         else:
-            raise ValueError(f"instances must be all colocated or prefill + decode, got {roles}")
+            raise ValueError(f"instances must be all colocated or prefill + decode (or all "
+                             f"temporal), got {roles}")
         self.instances = {i.instance_id: i for i in instances}
         # a name, or a router built by the caller (e.g. Preble's with a latency model)
         self.prefill_router = (make_router(prefill_router) if isinstance(prefill_router, str)
                                else prefill_router)
         self.decode_router = (make_router(decode_router) if isinstance(decode_router, str)
                               else decode_router)
+        # TetriInfer: output-length predictor (pdserve.predict), run beside the prefill, and
+        # the transition watcher that flips instances (cluster/flip.py)
+        self.predictor = predictor
+        self.flips = flips
         self.requests: dict[str, ClusterRequest] = {}
         # every request ever seen, finished ones included (the simulator reports from it)
         self.history: dict[str, ClusterRequest] | None = {} if keep_history else None
+        self.queued: deque[ClusterRequest] = deque()  # held by the router, arrival order
 
     # ------------------------------------------------------------------ helpers
     def _router_of(self, instance_id: str) -> Router:
@@ -116,7 +133,8 @@ class Controller:
         return self.decode_router if role == "decode" else self.prefill_router
 
     def _live(self, role: str) -> list[InstanceView]:
-        return [i for i in self.instances.values() if i.alive and i.role == role]
+        return [i for i in self.instances.values()
+                if i.alive and i.role == role and not i.draining]
 
     def _place(self, req: ClusterRequest, inst: InstanceView, pending_tokens: int = 0) -> None:
         inst.active += 1
@@ -137,12 +155,27 @@ class Controller:
         inst = self.instances[instance_id]
         inst.pending_tokens -= req.placed.pop(instance_id)
         inst.active -= 1
+        if req.counted_on == instance_id:
+            self._count_decode(req, inst, -1)
         if req.stage == "prefill" and req.instance == instance_id:
             inst.queued -= 1
 
     def _detach_all(self, req: ClusterRequest) -> None:
         for iid in list(req.placed):
             self._detach(req, iid)
+
+    def _count_decode(self, req: ClusterRequest, inst: InstanceView, sign: int) -> None:
+        """Heavy/light decode counts and predicted KV tokens per decode instance (TetriInfer
+        §3.3.4's load information, cluster/tetri.py)."""
+        from pdserve.cluster.tetri import decode_demand
+
+        heavy, tokens = decode_demand(req)
+        if heavy:
+            inst.num_heavy += sign
+        else:
+            inst.num_light += sign
+        inst.predicted_tokens += sign * tokens
+        req.counted_on = inst.instance_id if sign > 0 else None
 
     def _aborts(self, req: ClusterRequest, skip: str | None = None) -> list[Action]:
         return [Send(iid, Abort(req.request_id)) for iid in list(req.placed)
@@ -157,7 +190,27 @@ class Controller:
         self.requests[request_id] = req
         if self.history is not None:
             self.history[request_id] = req
+        if self.predictor is not None and self.entry_role == "prefill":
+            req.predicted = self.predictor.predict(req.prompt_token_ids, params.max_tokens)
+        if self.queued:  # behind the requests the router holds
+            req.stage = "queued"
+            self.queued.append(req)
+            return self._route_queued(now)
         return self._dispatch(req, now)
+
+    def _route_queued(self, now: float) -> list[Action]:
+        """Route held requests in arrival order until the router holds one again."""
+        acts: list[Action] = []
+        while self.queued:
+            req = self.queued[0]
+            if req.stage != "queued" or req.request_id not in self.requests:
+                self.queued.popleft()  # aborted or failed meanwhile
+                continue
+            acts += self._dispatch(req, now)
+            if req.stage == "queued":
+                break
+            self.queued.popleft()
+        return acts
 
     def _dispatch(self, req: ClusterRequest, now: float,
                   avoid: str | None = None) -> list[Action]:
@@ -166,7 +219,13 @@ class Controller:
         if not cands:
             return self._fail(req, f"no live {self.entry_role} instance left")
         cands = [i for i in cands if i.instance_id != avoid] or cands
+        self.prefill_router.on_time(now)
         inst = self.prefill_router.select(req, cands)
+        if inst is None:  # no instance can take it now (EcoServe Alg. 2): wait
+            if req.stage != "queued":
+                req.stage = "queued"
+                self.queued.append(req)
+            return []
         req.stage, req.instance, req.prefill_instance = "prefill", inst.instance_id, None
         if self.entry_role == "prefill":
             req.prefill_instance = inst.instance_id
@@ -191,6 +250,12 @@ class Controller:
         accepted: list[tuple[TokenDelta, ClusterRequest]] = []
         if rep.stats is not None:
             self.instances[iid].stats = rep.stats
+        if self.flips is not None:
+            self.flips.observe(rep)
+            if rep.role != self.instances[iid].role:  # a SetRole took effect: flip complete
+                self.flips.flipped(self.instances[iid], rep.role, rep.now)
+        if rep.role == "temporal":
+            self.instances[iid].report = rep
         if rep.kv_events and self.instances[iid].alive:  # for a router's prefix index
             self._router_of(iid).on_kv_events(iid, rep.kv_events)
         for rid in rep.imported:
@@ -207,6 +272,10 @@ class Controller:
             accepted.append((d, req))
         for rid, first_block in rep.pulls:
             acts += self.on_pull(iid, rid, first_block, end)
+        if self.flips is not None:
+            acts += self.flips.tick(self, end)
+        if self.queued:
+            acts += self._route_queued(end)
         return acts, accepted
 
     def on_report_delta(self, instance_id: str, d: TokenDelta, now: float) -> list[Action]:
@@ -238,9 +307,10 @@ class Controller:
         req.stage = "transfer"
         req.instance = req.decode_instance = inst.instance_id
         self._place(req, inst, req.num_tokens)
+        self._count_decode(req, inst, +1)
         return [Send(inst.instance_id, AddTransfer(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.params,
-            req.arrival))]
+            req.arrival, req.predicted))]
 
     def on_pull(self, instance_id: str, request_id: str, first_block: int,
                 now: float) -> list[Action]:

@@ -32,12 +32,19 @@ class InstanceView:
     queued: int = 0
     active: int = 0
     pending_tokens: int = 0
+    # TetriInfer (cluster/tetri.py): decodes routed here by predicted length, their predicted
+    # KV tokens; ``draining``: being emptied for a role flip (routers do not see it)
+    num_heavy: int = 0
+    num_light: int = 0
+    predicted_tokens: int = 0
+    draining: bool = False
+    report: Any = None  # a temporal instance's last StepReport (phase, progress: EcoServe)
 
     @property
     def queue_len(self) -> int:
         """DistServe's prefill "queue": requests not yet past prefill; on a colocated instance
         every unfinished request competes for the same steps, so all count."""
-        return self.active if self.role == "colocated" else self.queued
+        return self.active if self.role in ("colocated", "temporal") else self.queued
 
     @property
     def kv_load(self) -> float:
@@ -54,7 +61,9 @@ class Router:
     A router that sets ``wants_kv_events`` gets every instance's KV events (blocks stored /
     evicted, :mod:`pdserve.engine.kv_cache`) through :meth:`on_kv_events`; drivers must then
     build the workers with ``record_events=True``. Every router hears of a dead instance through
-    :meth:`on_instance_removed`."""
+    :meth:`on_instance_removed`. A router may return ``None`` from :meth:`select` to hold the
+    request: the controller keeps it queued (in arrival order) and asks again after the next
+    instance report; :meth:`on_time` tells a router the time before it is asked."""
 
     name = ""
     wants_kv_events = False
@@ -67,6 +76,9 @@ class Router:
 
     def on_instance_removed(self, instance_id: str) -> None:
         """``instance_id`` died: forget what it cached."""
+
+    def on_time(self, now: float) -> None:
+        """The controller's current time, before a routing decision or after a report."""
 
 
 ROUTERS: dict[str, type[Router]] = {}
@@ -84,18 +96,20 @@ def register(cls: type[Router]) -> type[Router]:
 
 
 def make_routers(prefill: str | Router, decode: str | Router,
-                 prefill_time: Any = None) -> tuple[Router, Router]:
+                 prefill_time: Any = None, **options: Any) -> tuple[Router, Router]:
     """A deployment's prefill (or colocated) and decode routers. A router that prices prefills
-    (Preble's E2) gets ``prefill_time`` (tokens → seconds: the deployment's latency model) when
-    one is given; a built router is used as it is."""
+    (Preble's E2, EcoServe's macro_rolling) gets ``prefill_time`` (tokens → seconds: the
+    deployment's latency model) when one is given, and each of ``options``
+    (:meth:`ClusterConfig.router_options`) its constructor names; a built router is used as
+    it is."""
+    given = {**options, **({"prefill_time": prefill_time} if prefill_time is not None else {})}
 
     def one(r: str | Router) -> Router:
         if not isinstance(r, str):
             return r
         cls = ROUTERS.get(r)
-        takes = cls is not None and "prefill_time" in inspect.signature(cls).parameters
-        return make_router(r, **({"prefill_time": prefill_time}
-                                 if takes and prefill_time is not None else {}))
+        takes = inspect.signature(cls).parameters if cls is not None else {}
+        return make_router(r, **{k: v for k, v in given.items() if k in takes})
 
     return one(prefill), one(decode)
 
@@ -157,4 +171,6 @@ class LeastLoad(Router):
 
 # the prefix-aware routers register themselves in ROUTERS (they import this module)
 import pdserve.cluster.cache_routing  # noqa: E402, F401
+import pdserve.cluster.macro  # noqa: E402, F401
 import pdserve.cluster.prefix_routing  # noqa: E402, F401
+import pdserve.cluster.tetri  # noqa: E402, F401

@@ -30,6 +30,7 @@ from pdserve.cluster.instances import (
 )
 from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
+from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
@@ -79,8 +80,11 @@ class ClusterRuntime:
             for c in clients
         }
         self.controller = Controller([i.view for i in self.instances.values()],
-                                     *(routers or make_routers(config.prefill_router,
-                                                               config.decode_router)))
+                                     *(routers or make_routers(
+                                         config.prefill_router, config.decode_router,
+                                         **config.router_options())),
+                                     **controller_extras(config,
+                                                         model_config.max_position_embeddings))
         self.core = DriverCore(self.controller, self.instances)
         self._streams: dict[str, _Stream] = {}
         self.batch_log: list[tuple[str, list[tuple[str, int, int]]]] | None = None  # tests
@@ -157,7 +161,8 @@ class ClusterRuntime:
 
     def num_waiting(self) -> int:
         """Accepted requests whose first token has not been produced yet."""
-        return sum(1 for r in self.controller.requests.values() if r.stage == "prefill")
+        return sum(1 for r in self.controller.requests.values()
+                   if r.stage in ("queued", "prefill"))
 
     def instance_status(self) -> list[InstanceStatus]:
         return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive, i.view.stats)
@@ -301,7 +306,8 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = load_tokenizer(config.model)
     specs = config.instance_specs(model_config.max_position_embeddings)
-    routers = make_routers(config.prefill_router, config.decode_router)
+    routers = make_routers(config.prefill_router, config.decode_router,
+                           **config.router_options())
     events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
     clients: list[InstanceClient]
     if config.backend == "ray":

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine, EngineStats, KVPayload, StepResult
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache import KVEvent
@@ -40,6 +40,7 @@ class AddTransfer:
     output_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    predicted: Any = None  # LengthPrediction of the output (TetriInfer §3.3.2), if any
 
 
 @dataclass(slots=True)
@@ -68,7 +69,17 @@ class Abort:
     request_id: str
 
 
-Command = AddRequest | AddTransfer | ImportKV | Release | Abort
+@dataclass(slots=True)
+class SetRole:
+    """TetriInfer §3.5 instance flip: take ``scheduler`` (another role's settings) without a
+    restart or reload. The controller sends it only once the instance is drained."""
+
+    role: str
+    scheduler: SchedulerConfig
+    request_id: str = ""  # (errors are reported per command's request id)
+
+
+Command = AddRequest | AddTransfer | ImportKV | Release | Abort | SetRole
 
 
 # ---------------------------------------------------------------------------------- report
@@ -111,6 +122,11 @@ class StepReport:
     kv_events: list[KVEvent] = field(default_factory=list)
     has_work: bool = False
     has_unfinished: bool = False
+    # temporal role (EcoServe §4.2.1): the phase of the last batch, when it began, and every
+    # decoding request's (id, first token time, tokens generated) for the macro router
+    phase: str = ""
+    phase_switch_time: float = 0.0
+    progress: list[tuple[str, float, int]] = field(default_factory=list)
 
 
 class InstanceWorker:
@@ -140,6 +156,7 @@ class InstanceWorker:
         rep = StepReport(self.instance_id, self.role, now)
         for cmd in commands:
             self._apply(cmd, now, rep)
+        rep.role = self.role  # a SetRole took effect
         if self.role == "decode":
             rep.pulls = eng.reserve_pulls(now)
         if step and eng.has_work():
@@ -156,6 +173,11 @@ class InstanceWorker:
             rep.kv_events = eng.scheduler.pool.take_events()
         rep.has_work = eng.has_work()
         rep.has_unfinished = eng.has_unfinished()
+        if self.role == "temporal":
+            s = eng.scheduler
+            rep.phase, rep.phase_switch_time = s.phase, s.phase_switch_time
+            rep.progress = [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids))
+                            for r in s.running if r.output_token_ids]
         return rep
 
     def _apply(self, cmd: Command, now: float, rep: StepReport) -> None:
@@ -167,7 +189,8 @@ class InstanceWorker:
                 self._reported[cmd.request_id] = len(cmd.output_token_ids)
             elif isinstance(cmd, AddTransfer):
                 eng.add_transfer_request(cmd.request_id, cmd.prompt_token_ids,
-                                         cmd.output_token_ids, cmd.params, now, cmd.arrival_time)
+                                         cmd.output_token_ids, cmd.params, now, cmd.arrival_time,
+                                         cmd.predicted)
                 self._reported[cmd.request_id] = len(cmd.output_token_ids)
             elif isinstance(cmd, ImportKV):
                 self._import(cmd, now, rep)
@@ -177,6 +200,9 @@ class InstanceWorker:
             elif isinstance(cmd, Abort):
                 eng.abort(cmd.request_id, now)
                 self._reported.pop(cmd.request_id, None)
+            elif isinstance(cmd, SetRole):
+                eng.scheduler.reconfigure(cmd.scheduler)
+                self.role = cmd.role
             else:
                 raise TypeError(f"unknown command {cmd!r}")
         except (ValueError, KeyError) as e:

@@ -49,12 +49,16 @@ class ScheduledBatch:
     """What one engine step computes; the executor's only input.
 
     ``seqs`` are in execution order. ``preempted`` lists requests evicted (KV freed, to be
-    recomputed) while building this batch; they are not in ``seqs``.
+    recomputed) while building this batch; they are not in ``seqs``. ``num_pad_tokens``: zero
+    tokens that pad a fixed-size prefill chunk (TetriInfer §3.3.3); a latency model prices them
+    as one more prefill entry, the torch executor skips them (a CPU gains nothing from fixed
+    shapes).
     """
 
     step_id: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    num_pad_tokens: int = 0
 
     @property
     def empty(self) -> bool:
@@ -100,6 +104,8 @@ class ScheduledBatch:
                 decodes.append(s.start + 1)
             else:
                 prefills.append((s.start, s.num_tokens))
+        if self.num_pad_tokens:
+            prefills.append((0, self.num_pad_tokens))
         return prefills, decodes, n
 
     @property

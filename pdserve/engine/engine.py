@@ -57,6 +57,7 @@ class EngineStats:
     prefix_hits: int
     num_preemptions: int
     num_steps: int
+    busy_time: float = 0.0  # seconds spent computing steps (TetriInfer's resource usage time)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Engine:
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = getattr(getattr(executor, "model_config", None), "vocab_size", None)
         self.num_steps = 0
+        self.busy_time = 0.0
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -105,14 +107,17 @@ class Engine:
 
     def add_transfer_request(self, request_id: str, prompt_token_ids: list[int],
                              output_token_ids: list[int], params: SamplingParams,
-                             now: float = 0.0, arrival_time: float | None = None) -> Request:
+                             now: float = 0.0, arrival_time: float | None = None,
+                             predicted: Any = None) -> Request:
         """Decode role: accept a request whose KV up to its last token was computed elsewhere
         (``output_token_ids`` holds at least the first token). The KV is pulled once
-        :meth:`reserve_pulls` finds room for it."""
+        :meth:`reserve_pulls` finds room for it. ``predicted``: its predicted output length
+        range (:class:`pdserve.predict.LengthPrediction`), for the admission policy."""
         if not output_token_ids:
             raise ValueError("a transferred request needs its first output token")
         req = self._new_request(request_id, prompt_token_ids, params, now, arrival_time,
                                 output_token_ids)
+        req.predicted = predicted
         self.scheduler.add_request(req, now)
         return req
 
@@ -155,6 +160,7 @@ class Engine:
             return StepResult(batch, 0.0)
         result = self.executor.execute(batch)
         self.num_steps += 1
+        self.busy_time += result.elapsed
         end = now + result.elapsed
         got, _ = sched.update(batch, result, end)
         out = StepResult(batch, result.elapsed, got)
@@ -221,7 +227,7 @@ class Engine:
             num_free_blocks=pool.num_free_blocks, num_used_blocks=pool.num_used_blocks,
             kv_usage=pool.usage, prefix_queries=s.kv.prefix_queries,
             prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
-            num_steps=self.num_steps,
+            num_steps=self.num_steps, busy_time=self.busy_time,
         )
 
     def check_integrity(self) -> None:

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.config import SchedulerConfig
 from pdserve.request import Request
 
 CachedTokens = Callable[[Request], int]
@@ -118,3 +119,16 @@ class PriorityGroups(WaitingPolicy):
         waiting.extend(chosen)
         waiting.extend(rest)
         return len(head) + min(len(chosen), (g + 1) * self.quota)  # only the chosen group
+
+
+def policy_for(config: SchedulerConfig) -> WaitingPolicy:
+    """The waiting policy ``config.policy`` names, with the settings it takes from the config
+    (TetriInfer's ``prefill_sched_batch`` for sjf/ljf)."""
+    cls = POLICIES.get(config.policy)
+    params = {"sched_batch": config.prefill_sched_batch} if cls is not None and hasattr(
+        cls, "sched_batch_policy") else {}
+    return make_policy(config.policy, **params)
+
+
+# TetriInfer's prefill orders register themselves here (they import this module)
+import pdserve.engine.prefill_order  # noqa: E402, F401

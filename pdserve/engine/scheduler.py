@@ -15,7 +15,16 @@ Roles (DESIGN.md "Engine step"): a ``prefill`` instance holds each request after
 (its blocks stay allocated until a decode instance pulls them, DistServe §4.3) and batches whole
 prompts up to the token target ``L_m`` (a longer prompt runs alone); a ``decode`` instance reserves
 blocks for a request's prompt KV (matching its own prefix cache first), lets the driver pull the
-missing blocks, then continues it like any running request.
+missing blocks, then continues it like any running request. A ``temporal`` instance (EcoServe
+§4.2.1, temporal disaggregation) runs prefill-first without chunking — a prefill-only phase
+while prompts wait (its router hands it new prompts only when the decodes can afford the
+pause), a decode-only phase otherwise, never a mixed batch — and records its phase and the time
+of the last switch (``phase``, ``phase_switch_time``) for its macro instance's router.
+
+TetriInfer (§3.3.3): with ``prefill_chunk_size`` a prefill instance slices and merges the
+(policy-ordered) prompts into prefill-only chunks of exactly ``ChunkSize`` tokens, in order; the
+last chunk is padded (``ScheduledBatch.num_pad_tokens``), so every step runs at the
+accelerator's saturation point. Decode admission is a policy (:mod:`pdserve.engine.admission`).
 
 Preemption is by recompute: the victim (the most recently admitted running request) frees its
 blocks and returns to the head of the waiting queue with ``num_computed_tokens = 0``.
@@ -27,10 +36,11 @@ from collections import deque
 from collections.abc import Iterable
 
 from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.engine.admission import make_admission
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch, ScheduledSeq
 from pdserve.engine.kv_cache import BlockPool
 from pdserve.engine.kv_manager import KVCacheManager
-from pdserve.engine.policies import make_policy
+from pdserve.engine.policies import policy_for
 from pdserve.request import Request, RequestStatus
 
 S = RequestStatus
@@ -39,9 +49,8 @@ S = RequestStatus
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: Iterable[int] = (), record_events: bool = False) -> None:
-        self.policy = make_policy(config.policy)  # orders the waiting queue (policies.py)
         self.config = config
-        self.role = config.role
+        self._configure(config)
         self.block_size = cache_config.block_size
         self.pool = BlockPool(num_blocks, cache_config.block_size,
                               cache_config.enable_prefix_caching, record_events)
@@ -55,12 +64,34 @@ class Scheduler:
         self.pulling: dict[str, Request] = {}  # decode role: blocks reserved, transfer in flight
         self.step_id = 0
         self.num_preemptions = 0
-        if self.role == "prefill":
+        self.phase = "idle"  # prefill | decode: what the last batch did (EcoServe §4.2.1)
+        self.phase_switch_time = 0.0
+
+    def _configure(self, config: SchedulerConfig) -> None:
+        """Role-dependent settings (also applied by :meth:`reconfigure` on an instance flip)."""
+        self.config = config
+        self.role = config.role
+        self.policy = policy_for(config)  # orders the waiting queue (policies.py)
+        self.admission = make_admission(config.admission)  # decode admission (admission.py)
+        # TetriInfer §3.3.3: a prefill instance computes fixed chunks of ChunkSize tokens
+        self.chunk_size = config.prefill_chunk_size if self.role == "prefill" else None
+        if self.chunk_size is not None:
+            self.budget = self.chunk_size
+        elif self.role == "prefill":
             self.budget = config.prefill_token_target or config.token_budget
         else:
             self.budget = config.token_budget
         # A decode instance always runs its admitted requests alongside the running ones.
-        self.chunked = config.enable_chunked_prefill or self.role == "decode"
+        self.chunked = (config.enable_chunked_prefill or self.role == "decode"
+                        or self.chunk_size is not None)
+
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Take another role's scheduler settings (TetriInfer §3.5 instance flip: "changing an
+        internal variable"). Only an empty (drained) scheduler may flip; the block pool stays."""
+        if self.requests:
+            raise ValueError(f"cannot change role with {len(self.requests)} requests on the "
+                             f"instance; drain it first")
+        self._configure(config)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, req: Request, now: float) -> None:
@@ -94,8 +125,18 @@ class Scheduler:
                 self._schedule_waiting(batch, budget, now, limit)
         else:
             self._schedule_waiting(batch, self.budget, now, limit)
+            phase = "prefill"
             if batch.empty:
                 self._schedule_running(batch, self.budget)
+                phase = "decode"
+            if phase != self.phase and not batch.empty:
+                self.phase, self.phase_switch_time = phase, now
+        if self.chunk_size is not None and not batch.empty:  # pad the last chunk (§3.3.3)
+            batch.num_pad_tokens = self.chunk_size - batch.num_batched_tokens
+        for s in batch.seqs:  # the first decode step: the end of the phase-switch wait
+            req = s.request
+            if req.output_token_ids and req.timeline.decode_start is None:
+                req.timeline.decode_start = now
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -279,11 +320,13 @@ class Scheduler:
         preempted request waits to be recomputed (new arrivals would take the blocks it needs),
         admitted requests stay under ``max_num_seqs``, and one free block per running request
         is kept back for its next tokens (vLLM's watermark, so that an admission does not
-        immediately preempt a running request)."""
+        immediately preempt a running request) — the ``greedy`` admission policy; the
+        ``reserve-*`` policies (TetriInfer §3.4, :mod:`pdserve.engine.admission`) replace that
+        test with the request's predicted usage."""
         out: list[tuple[Request, int]] = []
         if self.waiting:
             return out
-        kv, pool, max_seqs = self.kv, self.pool, self.config.max_num_seqs
+        kv, max_seqs = self.kv, self.config.max_num_seqs
         while self.pending_kv and (limit is None or len(out) < limit):
             if len(self.running) + len(self.pulling) >= max_seqs:
                 break
@@ -291,8 +334,7 @@ class Scheduler:
             hits = kv.match_prefix(req)
             need = (kv.blocks_for(req.num_tokens) - len(hits)
                     + sum(1 for b in hits if b.ref_cnt == 0))
-            reserve = len(self.running) + len(self.pulling)
-            if need + reserve > pool.num_free_blocks and (self.running or self.pulling):
+            if not self.admission.admit(self, req, need):
                 break
             n = req.num_tokens - 1 - len(hits) * self.block_size
             if not kv.allocate(req, n, hits):

@@ -21,6 +21,7 @@ import itertools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.config import cdiv
 from pdserve.sim.latency import FittedProfile, ProfileSample, fit_profile
@@ -193,3 +194,17 @@ def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = No
                        hardware=hw, tp=1, dtype=dtype or ("float32" if device == "cpu"
                                                           else "float16"),
                        source=f"pdserve profile {'--quick ' if quick else ''}{model_dir}")
+
+
+def saturation_chunk_size(latency: Any, max_tokens: int = 4096, share: float = 0.9,
+                          ) -> tuple[int, list[tuple[int, float]]]:
+    """TetriInfer's ChunkSize (§3.3.3): the fewest prefill tokens per step (powers of two from
+    16) at which step throughput reaches ``share`` of its peak — past it, more tokens per step
+    add latency, not throughput. Returns it and the ``(tokens, tokens/s)`` curve."""
+    curve = []
+    n = 16
+    while n <= max_tokens:
+        curve.append((n, n / latency.prefill_time([n])))
+        n *= 2
+    peak = max(t for _, t in curve)
+    return next(n for n, t in curve if t >= share * peak), curve

@@ -7,7 +7,18 @@ instance steps is decided by the driver core the live runtime uses too
 (:class:`~pdserve.cluster.driver.DriverCore`: an idle instance that receives a command steps at
 once; at a step's end an instance with more work starts its next step with the commands queued
 so far, and then the report takes effect — the pipelining of the live runtime).
-KV transfers take ``bytes / bandwidth + latency`` of the link between the two instances' nodes.
+KV transfers take ``bytes / bandwidth + latency`` of the link between the two instances' nodes;
+between two pipeline-parallel instances each inter-op stage sends its own layers' KV at once
+(DistServe §4.2's per-segment transfer), so the bytes split over ``min(pp_src, pp_dst)`` links.
+
+**Pipeline parallelism** (DistServe §3.1 Eq. 2, §3.2 Fig. 5): an instance with PP = k keeps up
+to k batches in flight. It runs as k *virtual engines* (vLLM v0's design for PP): k workers, each
+with its own scheduler and ``1/k`` of the instance's KV blocks, that share the k stages of one
+:class:`PipelineStages`. A batch occupies each stage for ``base / k`` (its share of the step) in
+turn, with an activation send between stages; a stage takes the next batch as soon as it is
+free. So with equal stages the pipeline completes a batch every ``base / k`` (k× the
+throughput) while each batch waits one full pass (``base + (k − 1)·send``), and unequal batches
+leave bubbles (§3.3).
 
 Heap key: ``(time, event priority, sequence)`` — priority before sequence, so that at equal
 times step ends (which free resources and emit tokens) precede transfers and arrivals.
@@ -18,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pdserve.cluster.controller import Controller, Fail, Transfer
@@ -28,7 +39,7 @@ from pdserve.cluster.worker import InstanceWorker
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.request import SamplingParams, Timeline
-from pdserve.sim.latency import LatencyModel
+from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
 STEP_END, TRANSFER_END, ARRIVAL = 0, 1, 2
 
@@ -46,6 +57,7 @@ class SimExecutor:
         self.latency = latency
         self.num_kv_blocks = num_kv_blocks
         self.token_id = token_id
+        self.now = 0.0  # set by the driver before each step (pipelined executors use it)
         self.eos_token_ids: tuple[int, ...] = ()
         # a LatencyModel prices the batch's shape, computed with the sample count in one pass
         self._step_time = latency.step_time if isinstance(latency, LatencyModel) else None
@@ -62,6 +74,64 @@ class SimExecutor:
 
     def import_kv(self, block_ids: list[int], payload: Any) -> None:
         return None
+
+
+class PipelineStages:
+    """The ``pp`` stages of one pipeline-parallel instance: when each is next free."""
+
+    def __init__(self, pp: int) -> None:
+        self.free = [0.0] * pp
+
+    def enter(self, now: float, stage_s: float, send_s: float) -> float:
+        """A batch enters stage 0 at ``now``; each stage computes it for ``stage_s`` once the
+        stage is free, then sends it on (``send_s``; the stage is free again while it sends).
+        Returns when the last stage is done: ``now + pp·stage_s + (pp − 1)·send_s`` on an
+        empty pipeline."""
+        ready = now
+        last = len(self.free) - 1
+        for s, free in enumerate(self.free):
+            ready = max(ready, free) + stage_s
+            self.free[s] = ready
+            if s < last:
+                ready += send_s
+        return ready
+
+
+class PipelinedExecutor(SimExecutor):
+    """One virtual engine of a PP instance: its batch's time is when it leaves the shared
+    :class:`PipelineStages` (module docstring); the driver sets :attr:`now` before each step.
+    A :class:`DriverOverhead` around the pipeline is the serving path's cost: it delays the
+    batch's report, not the stages."""
+
+    def __init__(self, latency: LatencyModel, num_kv_blocks: int, stages: PipelineStages
+                 ) -> None:
+        super().__init__(latency, num_kv_blocks)
+        pipe, over = pipeline_of(latency)
+        assert pipe is not None
+        self.pipe, self.over, self.stages = pipe, over, stages
+        self.now = 0.0
+
+    def execute(self, batch: ScheduledBatch) -> ExecuteResult:
+        prefills, decodes, n = batch.shape_and_samples()
+        t = self.pipe.base.step_time(prefills, decodes)
+        if t <= 0.0:
+            return ExecuteResult([self.token_id] * n, 0.0)
+        tokens = sum(k for _, k in prefills) + len(decodes)
+        done = self.stages.enter(self.now, t / self.pipe.pp, self.pipe.send_time(tokens))
+        extra = 0.0
+        if self.over is not None:
+            extra = self.over.overhead_s + self.over.per_seq_s * (len(prefills) + len(decodes))
+        return ExecuteResult([self.token_id] * n, done - self.now + extra)
+
+
+def pipeline_of(latency: Any) -> tuple[PipelineModel | None, DriverOverhead | None]:
+    """The :class:`PipelineModel` of a step-time model (inside a :class:`DriverOverhead`, whose
+    wrapper is returned too), or ``(None, None)``."""
+    over = latency if isinstance(latency, DriverOverhead) else None
+    inner = over.base if over is not None else latency
+    if isinstance(inner, PipelineModel):
+        return inner, over
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -115,6 +185,8 @@ class SimResult:
 class _Inst:
     spec: SimInstance
     worker: InstanceWorker
+    executor: SimExecutor
+    pp: int = 1
 
 
 class Simulator:
@@ -125,7 +197,8 @@ class Simulator:
                  prefill_router: str | Router = "shortest_queue",
                  decode_router: str | Router = "least_load",
                  intra_node_link: Link | None = None, inter_node_link: Link | None = None,
-                 kv_dtype: str = "float16", record_batches: bool = False) -> None:
+                 kv_dtype: str = "float16", record_batches: bool = False,
+                 controller_kw: dict[str, Any] | None = None) -> None:
         self.model = model
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
@@ -133,16 +206,26 @@ class Simulator:
         routers = make_routers(prefill_router, decode_router)
         self.insts: dict[str, _Inst] = {}
         for spec in instances:
-            ex = SimExecutor(spec.latency, spec.num_kv_blocks)
+            pipe, _ = pipeline_of(spec.latency)
+            pp = pipe.pp if pipe is not None else 1
+            lanes = [spec]
+            if pp > 1:  # k virtual engines over one pipeline (module docstring)
+                stages = PipelineStages(pp)
+                lanes = [replace(spec, instance_id=f"{spec.instance_id}.v{j}",
+                                 num_kv_blocks=max(1, spec.num_kv_blocks // pp))
+                         for j in range(pp)]
             router = role_router(spec.engine.scheduler.role, *routers)
-            worker = InstanceWorker(spec.instance_id, spec.engine, executor=ex,
-                                    stream_tokens=False, log_batches=record_batches,
-                                    record_events=router.wants_kv_events)
-            self.insts[spec.instance_id] = _Inst(spec, worker)
+            for lane in lanes:
+                ex = (PipelinedExecutor(lane.latency, lane.num_kv_blocks, stages) if pp > 1
+                      else SimExecutor(lane.latency, lane.num_kv_blocks))
+                worker = InstanceWorker(lane.instance_id, lane.engine, executor=ex,
+                                        stream_tokens=False, log_batches=record_batches,
+                                        record_events=router.wants_kv_events)
+                self.insts[lane.instance_id] = _Inst(lane, worker, ex, pp)
         self.controller = Controller(
             [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
                           i.spec.engine.cache.block_size) for i in self.insts.values()],
-            *routers, keep_history=True)
+            *routers, keep_history=True, **(controller_kw or {}))
         self.core = DriverCore(self.controller, self.insts)
         self.num_gpus = sum(s.num_gpus for s in instances)
         self.record_batches = record_batches
@@ -198,6 +281,7 @@ class Simulator:
         for e in effects:
             if isinstance(e, StartStep):
                 inst = self.insts[e.instance_id]
+                inst.executor.now = now
                 rep = inst.worker.handle(e.commands, now)
                 if rep.stepped:
                     if self.record_batches:
@@ -212,6 +296,7 @@ class Simulator:
                 nbytes = (payload.num_blocks * dst.spec.engine.cache.block_size
                           * self.model.kv_bytes_per_token(self.kv_dtype))
                 link = self.intra if src.spec.node == dst.spec.node else self.inter
+                nbytes /= min(src.pp, dst.pp)  # one segment per inter-op stage, at once
                 self._push(now + link.min_time(nbytes), TRANSFER_END,
                            (e.request_id, e.dst, payload))
             elif isinstance(e, Fail):

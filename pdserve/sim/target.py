@@ -13,9 +13,9 @@ breakdown works as it does for a live server.
 Simulation defaults that differ from a live CPU run: weights and KV in float16 (the engine's
 ``dtype`` unless given), and the model ``opt-13b`` unless given.
 
-Pipeline parallelism uses :class:`~pdserve.sim.latency.PipelineModel`: a step takes the
-pipeline's latency (``base + (pp − 1)·send``); the engine runs one batch at a time, so the
-extra throughput of micro-batches in flight on different stages is not modelled.
+Pipeline parallelism uses :class:`~pdserve.sim.latency.PipelineModel`; the simulator runs a
+PP = k instance as k virtual engines sharing k stages, so up to k batches are in flight (each
+waits one pass, ``base + (k − 1)·send``; the pipeline completes one every ``base / k``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.routing import make_routers
+from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
@@ -208,10 +209,12 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
         if dep.inter_node_link is not None else intra
     entry = instances[0].latency  # the colocated or prefill instances' step-time model
     routers = make_routers(dep.prefill_router, dep.decode_router,
-                           prefill_time=lambda n: entry.prefill_time([n]))
+                           prefill_time=lambda n: entry.prefill_time([n]),
+                           prefill_batch_time=entry.prefill_time, **dep.router_options())
     simulator = Simulator(instances, model, *routers,
                           intra_node_link=intra, inter_node_link=inter,
-                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches)
+                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches,
+                          controller_kw=controller_extras(dep, model.max_position_embeddings))
     max_len = specs[0].engine.scheduler.max_model_len
     describe = {"model": model.name, "strategy": dep.strategy, "roles": info,
                 "num_gpus": simulator.num_gpus, "max_model_len": max_len,

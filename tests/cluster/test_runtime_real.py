@@ -72,11 +72,12 @@ async def complete_all(url: str, max_tokens: int) -> list[str]:
 
 
 INPROC = [("colocated", 1, 1, 1), ("colocated", 2, 1, 1), ("disaggregated", 1, 1, 1),
-          ("disaggregated", 1, 2, 1)]
+          ("disaggregated", 1, 2, 1), ("partial", 2, 1, 1)]
 
 
 @pytest.mark.parametrize("strategy,n,p,d", INPROC,
-                         ids=["colocated-1", "colocated-2", "disagg-1P1D", "disagg-2P1D"])
+                         ids=["colocated-1", "colocated-2", "disagg-1P1D", "disagg-2P1D",
+                              "partial-2"])
 async def test_inproc_outputs_match_offline(model_dir: str, reference: dict[int, list[str]],
                                             strategy: str, n: int, p: int, d: int) -> None:
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "strategy": strategy,

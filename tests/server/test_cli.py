@@ -140,7 +140,7 @@ def test_bad_values_exit_2(model_dir: str, capsys: pytest.CaptureFixture[str],
 @pytest.mark.parametrize(("argv", "message"), [
     (("--num-instances", "0"), "'0'"),
     (("--block-size", "0"), "'0'"),
-    (("--strategy", "partial"), "'partial'"),
+    (("--strategy", "hybrid"), "'hybrid'"),
 ])
 def test_bad_flag_values_are_refused_by_the_parser(argv: tuple[str, ...], message: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,7 +186,7 @@ async def test_serve_and_shutdown(model_dir: str, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(("text", "message"), [
     ("engine: {block_size: x}", "block_size must be an integer, got 'x'"),
     ("engine: {enable_prefix_caching: maybe}", "enable_prefix_caching must be true or false"),
-    ("roles: [{role: decode}]", "roles must be [colocated] or [prefill, decode]"),
+    ("roles: [{role: decode}]", "roles must be [colocated], [prefill, decode] or [temporal]"),
     ("roles: [{role: colocated, count: two}]", "count must be an integer >= 1, got 'two'"),
     ("colour: blue", "unknown deployment setting(s) ['colour']"),
     ("kv_link: {bandwidth_gb_per_s: -3}", "bandwidth_gb_per_s must be > 0"),

@@ -1,0 +1,208 @@
+"""Placement planner benchmarks (DistServe §4, §6.5, Appendix B Table 3).
+
+    python benchmarks/planner.py timing    [--output-json out/plan_timing.json]
+    python benchmarks/planner.py scaling   [--plot out/plan_scaling.png]   # §6.5 Fig. 12
+    python benchmarks/planner.py replan    [--plot out/replan.png]         # §4.3 replanning
+
+``timing`` plans OPT-13B on 1 node x 4 A100 and OPT-66B on 4 nodes x 8 A100 (high and low node
+affinity) with DistServe's A100 profiles and Table 1 chatbot SLOs, and reports each plan's wall
+and CPU time (this process and its workers) and the chosen TP/PP per phase (Table 3).
+``scaling`` plans OPT-13B on growing clusters and plots planning time against GPUs.
+``replan`` runs a trace whose pattern changes mid-run (Azure code, then Azure conversation) on
+the plan for the first pattern, with and without replanning when the monitor detects the shift,
+and plots attainment over time. Every plan is pdserve's own (``pdserve.planner.search.plan``),
+the same code ``pdserve plan`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.metrics import SLO
+from pdserve.planner.search import Plan, Problem, plan
+
+PROFILE = "distserve_profiler-a100-80g.distserve"
+SLO_13B = SLO(0.25, 0.1)  # DistServe Table 1, chatbot OPT-13B
+SLO_66B = SLO(2.5, 0.15)  # chatbot OPT-66B
+
+
+def _cpu() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed_plan(p: Problem, workers: int = 2, strategies: tuple[str, ...] = (
+        "colocated", "disaggregated")) -> tuple[Plan, float, float]:
+    from pdserve.planner import search
+
+    search.unit_model.cache_clear()
+    search.base_workload.cache_clear()
+    c0, t0 = _cpu(), time.perf_counter()
+    res = plan(p, workers, strategies=strategies)
+    return res, time.perf_counter() - t0, _cpu() - c0
+
+
+def _phase(res: Plan, kind: str) -> dict[str, Any] | None:
+    units = [u for u in res.units if u.unit.kind == kind and u.goodput_rps > 0]
+    if not units:
+        return None
+    b = max(units, key=lambda u: u.per_gpu_rps)
+    return {"tp": b.unit.tp, "pp": b.unit.pp, "per_gpu_rps": b.per_gpu_rps}
+
+
+def summary(name: str, res: Plan, wall: float, cpu: float) -> dict[str, Any]:
+    d = {"case": name, "wall_s": wall, "cpu_s": cpu, "best": res.best.name,
+         "best_per_gpu": res.best.per_gpu_rps,
+         "best_colocated": res.best_colocated.name if res.best_colocated else None,
+         "best_colocated_per_gpu": res.best_colocated.per_gpu_rps if res.best_colocated else None,
+         "best_disaggregated": res.best_disaggregated.name if res.best_disaggregated else None,
+         "best_disaggregated_per_gpu": (res.best_disaggregated.per_gpu_rps
+                                        if res.best_disaggregated else None),
+         "best_prefill_unit": _phase(res, "prefill"), "best_decode_unit": _phase(res, "decode"),
+         "units_simulated": sum(1 for u in res.units if u.probes),
+         "units_pruned": sum(1 for u in res.units if u.pruned)}
+    print(f"{name}: {wall:.1f} s wall, {cpu:.1f} s CPU; best {d['best']} "
+          f"({d['best_per_gpu']:.3f}/GPU); prefill {d['best_prefill_unit']}, decode "
+          f"{d['best_decode_unit']}", flush=True)
+    return d
+
+
+def cmd_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cases = [
+        ("opt-13b 1x4 high", Problem(model="opt-13b", profile=PROFILE, slo=SLO_13B, rate=4.0,
+                                     nodes=1, gpus_per_node=4, num_requests=args.num_requests)),
+        ("opt-66b 4x8 high", Problem(model="opt-66b", profile=PROFILE, slo=SLO_66B, rate=4.0,
+                                     nodes=4, gpus_per_node=8, num_requests=args.num_requests)),
+        ("opt-66b 4x8 low", Problem(model="opt-66b", profile=PROFILE, slo=SLO_66B, rate=4.0,
+                                    nodes=4, gpus_per_node=8, affinity="low",
+                                    num_requests=args.num_requests)),
+    ]
+    return [summary(n, *timed_plan(p, args.workers)) for n, p in cases
+            if not args.only or args.only in n]
+
+
+def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    for nodes, m in ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8)):
+        p = Problem(model="opt-13b", profile=PROFILE, slo=SLO_13B, rate=4.0, nodes=nodes,
+                    gpus_per_node=m, num_requests=args.num_requests)
+        d = summary(f"opt-13b {nodes}x{m}", *timed_plan(p, args.workers))
+        out.append({**d, "gpus": nodes * m})
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([d["gpus"] for d in out], [d["wall_s"] for d in out], "o-", label="wall")
+        ax.plot([d["gpus"] for d in out], [d["cpu_s"] for d in out], "s--", label="CPU")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs in the cluster")
+        ax.set_ylabel("planning time (s)")
+        ax.set_title("pdserve plan, OPT-13B chatbot (2 workers)")
+        ax.legend()
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return out
+
+
+def cmd_replan(args: argparse.Namespace) -> dict[str, Any]:
+    """Azure code then Azure conversation on OPT-13B (1 node x 8, TP and PP up to 2): the plan
+    for code serves the whole trace, or the monitor detects the shift and the plan for the
+    recent window takes over ``--reload-s`` later (the old deployment drains what it
+    accepted)."""
+    from pdserve.bench.workloads import make_workload
+    from pdserve.planner.replan import (
+        ShiftDetector,
+        attainment_over_time,
+        detect,
+        simulate_replanning,
+    )
+    from pdserve.planner.search import deployment_file
+    from pdserve.sim.target import SimulationConfig
+
+    rate, n = args.rate, args.num_requests
+    base = Problem(model="opt-13b", profile=PROFILE, slo=SLO(1.0, 0.1), rate=rate, nodes=1,
+                   gpus_per_node=8, num_requests=args.plan_requests, max_tp=2, max_pp=2)
+    code = make_workload("azure-code", n, seed=0, rate=rate, arrival="poisson",
+                         max_model_len=2048, prompt_mode="ids", vocab_size=50272)
+    conv = make_workload("azure-conv", n, seed=0, rate=rate, arrival="poisson",
+                         max_model_len=2048, prompt_mode="ids", vocab_size=50272)
+    shift_t = code.requests[-1].arrival_time
+    reqs = list(code.requests) + [replace(r, request_id=f"conv-{r.request_id}",
+                                          arrival_time=shift_t + r.arrival_time)
+                                  for r in conv.requests]
+    shifts = detect(reqs, ShiftDetector(args.window_s))
+    plan_a = plan(replace(base, workload="azure-code"), args.workers)
+    # re-run on the recent window: its pattern (conversation) at its observed rate (§4.3)
+    seen = shifts[0].after.rate if shifts else rate
+    plan_b = plan(replace(base, workload="azure-conv", rate=seen), args.workers)
+    sim_a = SimulationConfig.from_dict(deployment_file(plan_a))
+    sim_b = SimulationConfig.from_dict(deployment_file(plan_b))
+    switch = shifts[0].time + args.reload_s if shifts else None
+    without = simulate_replanning(reqs, sim_a, None, None, 50272)
+    with_ = simulate_replanning(reqs, sim_a, sim_b, switch, 50272)
+    bins = {k: attainment_over_time(reqs, r, base.slo, args.bin_s)
+            for k, r in (("without replanning", without), ("with replanning", with_))}
+    out = {"pattern_change_s": shift_t, "detected_s": shifts[0].time if shifts else None,
+           "reasons": shifts[0].reasons if shifts else None, "switch_s": switch,
+           "plan_code": plan_a.best.name, "plan_conv": plan_b.best.name,
+           "gpus_code": plan_a.best.num_gpus, "gpus_conv": plan_b.best.num_gpus,
+           "bins": bins}
+    print(json.dumps({k: v for k, v in out.items() if k != "bins"}, indent=1, default=str))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for k, b in bins.items():
+            ax.plot([x[0] for x in b], [x[1] for x in b], "o-", label=k)
+        ax.axvline(shift_t, color="gray", ls=":", label="code -> conversation")
+        if switch is not None:
+            ax.axvline(switch, color="tab:green", ls="--", label="new placement")
+        ax.set_xlabel("arrival time (s)")
+        ax.set_ylabel("SLO attainment")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("timing", "scaling", "replan"))
+    ap.add_argument("--num-requests", type=int, default=300)
+    ap.add_argument("--plan-requests", type=int, default=200, help="replan: per probe")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--only", help="timing: run the cases whose name contains this")
+    ap.add_argument("--rate", type=float, default=2.0, help="replan: req/s")
+    ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--reload-s", type=float, default=30.0)
+    ap.add_argument("--bin-s", type=float, default=30.0)
+    ap.add_argument("--output-json")
+    ap.add_argument("--plot")
+    args = ap.parse_args(argv)
+    out = {"timing": cmd_timing, "scaling": cmd_scaling, "replan": cmd_replan}[args.what](args)
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""``pdserve plan`` (placement search, DistServe §4.1/§4.2) and ``pdserve advise`` (which
+strategy wins where: best colocated vs best disaggregated per-GPU goodput over SLO scale and the
+workload's output/input length ratio).
+
+Bad values (an unknown model, profile or workload, a cluster too small for the model or the
+rate, an SLO nothing can meet) print one line naming the value and exit with code 2
+(:func:`pdserve.flags.guarded`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdserve.flags import (
+    add_engine_flags,
+    engine_kwargs_from_args,
+    guarded,
+    link_value,
+    one_line_errors,
+    positive,
+    positive_int,
+    say,
+)
+
+_EXCLUDE = ("role", "prefill_token_target", "device", "seed")
+
+
+def register(subparsers: Any) -> None:
+    p = one_line_errors(subparsers.add_parser(
+        "plan", help="search the placement that serves the most requests per GPU",
+        description="DistServe's placement search (§4): for a model, a latency source, a "
+                    "workload, SLOs, a traffic rate and a cluster, simulate every parallelism "
+                    "(TP, PP) of each phase and of colocated instances, replicate to the rate "
+                    "(Alg. 1, high node affinity) or pack prefill and decode segments of one "
+                    "stage per node (Alg. 2, low affinity), and write the best deployment."))
+    add_problem_flags(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="FILE.yaml",
+                   help="write the chosen deployment here (ClusterConfig + simulation section; "
+                        "runs with `pdserve serve|simulate --config`)")
+    o.add_argument("--output-json", metavar="PATH", help="the whole plan as JSON")
+    o.add_argument("--plot", metavar="DIR", help="write per-GPU goodput plots into this folder")
+    o.add_argument("--top", type=positive_int, default=8, help="alternatives shown (default 8)")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=guarded("plan", cmd_plan))
+
+    a = one_line_errors(subparsers.add_parser(
+        "advise", help="where does disaggregation pay? (SLO scale x output/input ratio)",
+        description="Plan colocated and disaggregated placements over a grid of SLO scales and "
+                    "output-length scales and report (and plot) the best per-GPU goodput of "
+                    "each strategy at every point."))
+    add_problem_flags(a)
+    a.add_argument("--slo-scales", default="0.5,1,2", metavar="S1,S2,...",
+                   help="multiply both SLOs by each (default 0.5,1,2)")
+    a.add_argument("--output-scales", default="0.5,1,2", metavar="F1,F2,...",
+                   help="multiply every output length by each (the output/input ratio; "
+                        "default 0.5,1,2)")
+    a.add_argument("--output-json", metavar="PATH")
+    a.add_argument("--plot", metavar="DIR")
+    a.add_argument("--no-progress", action="store_true")
+    a.set_defaults(func=guarded("advise", cmd_advise))
+
+
+def add_problem_flags(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model and latency source")
+    m.add_argument("--model", default="opt-13b", metavar="NAME|DIR",
+                   help="catalogue model or a directory with config.json (default opt-13b)")
+    src = m.add_mutually_exclusive_group()
+    src.add_argument("--profile", metavar="FILE|NAME",
+                     help="fitted profile (ours or DistServe's JSON), e.g. "
+                          "distserve_profiler-a100-80g.distserve")
+    src.add_argument("--hardware", metavar="NAME",
+                     help="analytic roofline on this device (default A100-80GB without "
+                          "--profile)")
+    w = p.add_argument_group("workload and SLO")
+    w.add_argument("--workload", default="distserve-chatbot", metavar="NAME[:k=v]|FILE.jsonl",
+                   help="any bench workload or trace file (default distserve-chatbot)")
+    w.add_argument("--num-requests", type=positive_int, default=300,
+                   help="requests per simulated probe (default 300)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--traces-dir")
+    w.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
+                   help="TTFT objective (default: the workload's)")
+    w.add_argument("--slo-tpot", type=positive, metavar="SECONDS", help="TPOT objective")
+    w.add_argument("--attainment", type=positive, default=0.9,
+                   help="target share of requests meeting both SLOs (default 0.9)")
+    w.add_argument("--rate", type=positive, default=1.0,
+                   help="traffic to serve, req/s (default 1)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=positive_int, default=1)
+    c.add_argument("--gpus-per-node", type=positive_int, default=8)
+    c.add_argument("--gpu-memory-gib", type=positive,
+                   help="memory of one GPU (default: the latency source's device)")
+    c.add_argument("--intra-node-link", type=link_value, metavar="GBps[:ms]|NAME",
+                   help="KV link inside a node (default: the device's, e.g. NVLink)")
+    c.add_argument("--inter-node-link", type=link_value, metavar="GBps[:ms]|NAME",
+                   help="KV link between nodes (default: ib-hdr with high affinity, eth-25g "
+                        "with low)")
+    c.add_argument("--affinity", choices=("high", "low"), default="high",
+                   help="node affinity: high = fast cross-node network (Alg. 1), low = KV must "
+                        "stay on the intra-node link (Alg. 2) (default high)")
+    s = p.add_argument_group("search")
+    s.add_argument("--strategies", default="colocated,disaggregated",
+                   help="which strategies to search (default both)")
+    s.add_argument("--joint", action="store_true",
+                   help="also simulate the best Alg. 1 pairs whole at their replica counts")
+    s.add_argument("--top-k", type=positive_int, default=2,
+                   help="whole-deployment simulations per algorithm (default 2)")
+    s.add_argument("--lm", type=positive_int, default=512,
+                   help="DistServe's L_m for prefill instances (default 512)")
+    s.add_argument("--precision", type=positive, default=0.05,
+                   help="relative width of each goodput bracket (default 0.05)")
+    s.add_argument("--max-probes", type=positive_int, default=8)
+    s.add_argument("--max-tp", type=positive_int)
+    s.add_argument("--max-pp", type=positive_int)
+    s.add_argument("--workers", type=positive_int, help="processes (default: up to 2 cores)")
+    add_engine_flags(p, _EXCLUDE)
+
+
+def problem_from_args(args: argparse.Namespace, **over: Any) -> Any:
+    from pdserve.bench.metrics import SLO
+    from pdserve.bench.workloads import make_workload
+    from pdserve.config import Link
+    from pdserve.planner.search import Problem
+    from pdserve.sim.hardware import get_link
+    from pdserve.sim.models import get_model_config
+
+    model = get_model_config(args.model)  # unknown model: one clear error now
+    name = args.model if not Path(args.model).is_dir() else args.model
+    if args.attainment > 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {args.attainment:g}")
+    w = make_workload(args.workload, 1, seed=args.seed, rate=1.0, vocab_size=model.vocab_size,
+                      traces_dir=args.traces_dir, prompt_mode="ids")
+    d = w.default_slo
+    if (args.slo_ttft is None or args.slo_tpot is None) and d is None:
+        raise ValueError(f"workload {args.workload!r} has no default SLO: give --slo-ttft and "
+                         "--slo-tpot")
+    slo = SLO(args.slo_ttft if args.slo_ttft is not None else d.ttft,  # type: ignore[union-attr]
+              args.slo_tpot if args.slo_tpot is not None else d.tpot)  # type: ignore[union-attr]
+
+    def link(v: Any) -> Any:
+        if v is None or isinstance(v, Link):
+            return v
+        return get_link(v)  # a catalogue link is a Link
+
+    kw = dict(model=name, profile=args.profile, hardware=args.hardware, workload=args.workload,
+              num_requests=args.num_requests, seed=args.seed, slo=slo, target=args.attainment,
+              rate=args.rate, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+              gpu_memory_gib=args.gpu_memory_gib, intra_node_link=link(args.intra_node_link),
+              inter_node_link=link(args.inter_node_link), affinity=args.affinity,
+              engine=tuple(engine_kwargs_from_args(args).items()), lm=args.lm,
+              precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
+              max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
+              traces_dir=args.traces_dir)
+    kw.update(over)
+    return Problem(**kw)
+
+
+def _strategies(text: str) -> list[str]:
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    bad = set(out) - {"colocated", "disaggregated"}
+    if bad or not out:
+        raise ValueError(f"--strategies: expected colocated and/or disaggregated, got {text!r}")
+    return out
+
+
+class _Bar:
+    """A rich progress bar over phase units on stderr."""
+
+    def __init__(self, enabled: bool, what: str) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            console=Console(stderr=True), disable=not enabled, transient=True)
+        self.what = what
+        self.task: Any = None
+
+    def __enter__(self) -> _Bar:
+        self.bar.__enter__()
+        self.task = self.bar.add_task(self.what, total=None)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, r: Any) -> None:
+        self.bar.update(self.task, advance=1, description=f"{self.what}: {r.unit.label}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.planner.search import deployment_file, plan
+
+    p = problem_from_args(args)
+    with _Bar(not args.no_progress and sys.stderr.isatty(), "simulating units") as bar:
+        result = plan(p, args.workers, bar, _strategies(args.strategies))
+    print(plan_markdown(result, args.top))
+    spec = deployment_file(result)
+    if args.out:
+        write_yaml(args.out, spec, result)
+        say(f"wrote {args.out}")
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps({**result.to_dict(), "deployment": spec},
+                                                     indent=2, default=str) + "\n")
+        say(f"wrote {args.output_json}")
+    if args.plot:
+        for path in plot_plan(result, Path(args.plot), args.top):
+            say(f"wrote {path}")
+    return 0
+
+
+def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:
+    import yaml
+
+    best = result.best
+    how = "simulated whole" if best.simulated else "from phase units"
+    head = [f"# pdserve plan: {best.name}",
+            f"# predicted goodput {best.goodput_rps:.3f} req/s on {best.num_gpus} GPUs = "
+            f"{best.per_gpu_rps:.3f} req/s per GPU ({how})",
+            "# node layout:"] + [f"#   {line}" for line in best.layout]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(head) + "\n" + yaml.safe_dump(spec, sort_keys=False))
+
+
+def plan_markdown(result: Any, top: int = 8) -> str:
+    p = result.problem
+    lines = [f"## pdserve plan: {p.model} · {p.workload} · {p.rate:g} req/s · "
+             f"{p.nodes}x{p.gpus_per_node} GPUs · {p.affinity} node affinity",
+             "",
+             f"SLO TTFT {p.slo.ttft:g} s, TPOT {p.slo.tpot:g} s, target {p.target:.0%}; "
+             f"{p.num_requests} requests per probe; latency source "
+             f"{p.profile or p.hardware or 'A100-80GB (analytic)'}; planned in "
+             f"{result.wall_s:.1f} s",
+             "",
+             "| rank | placement | algorithm | GPUs | goodput (req/s) | per GPU | how |",
+             "|---|---|---|---|---|---|---|"]
+    for i, pl in enumerate([result.best, *result.alternatives][:top]):
+        how = "simulated whole" if pl.simulated else "phase units"
+        lines.append(f"| {i + 1} | {pl.name} | {pl.algorithm} | {pl.num_gpus} | "
+                     f"{pl.goodput_rps:.3f} | {pl.per_gpu_rps:.3f} | {how} |")
+    lines += ["", f"**Chosen:** {result.best.name} — {result.best.per_gpu_rps:.3f} req/s per GPU."]
+    if result.advantage is not None:
+        lines.append(f"Best disaggregated / best colocated per-GPU goodput: "
+                     f"{result.best_disaggregated.per_gpu_rps:.3f} / "
+                     f"{result.best_colocated.per_gpu_rps:.3f} = {result.advantage:.2f}x "
+                     f"({'disaggregation pays' if result.advantage > 1 else 'colocation wins'}).")
+    lines += ["", "Node layout:", *[f"- {x}" for x in result.best.layout], "",
+              "| phase unit | goodput (req/s) | per GPU | probes | note |", "|---|---|---|---|---|"]
+    for u in result.units:
+        lines.append(f"| {u.unit.label} | {u.goodput_rps:.3f} | {u.per_gpu_rps:.3f} | "
+                     f"{len(u.probes)} | {u.pruned or ''} |")
+    lines += [f"- {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def plot_plan(result: Any, folder: Path, top: int) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pls = [result.best, *result.alternatives][:top]
+    for extra in (result.best_colocated, result.best_disaggregated):  # both strategies shown
+        if extra is not None and extra not in pls:
+            pls.append(extra)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(pls) + 1.5))
+    colors = ["tab:blue" if x.strategy == "colocated" else "tab:orange" for x in pls]
+    ax.barh([x.name for x in pls][::-1], [x.per_gpu_rps for x in pls][::-1], color=colors[::-1])
+    ax.set_xlabel("per-GPU goodput (req/s)")
+    ax.set_title(f"{result.problem.model} · {result.problem.workload} · "
+                 f"{result.problem.rate:g} req/s (blue colocated, orange disaggregated)")
+    fig.tight_layout()
+    path = folder / "placements.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected numbers separated by commas, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise ValueError(f"{name}: expected positive numbers, got {text!r}")
+    return vals
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from pdserve.planner.advise import advise, advise_markdown, plot_advice
+
+    base = problem_from_args(args)
+    scales = _floats(args.slo_scales, "--slo-scales")
+    outs = _floats(args.output_scales, "--output-scales")
+    with _Bar(not args.no_progress and sys.stderr.isatty(), "advising") as bar:
+        grid = advise(base, scales, outs, args.workers, bar)
+    print(advise_markdown(base, grid))
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps([g.to_dict() for g in grid], indent=2,
+                                                     default=str) + "\n")
+        say(f"wrote {args.output_json}")
+    if args.plot:
+        say(f"wrote {plot_advice(base, grid, Path(args.plot))}")
+    return 0

@@ -1,0 +1,157 @@
+"""Replanning (DistServe §4.3 "Replanning"): a workload monitor over a sliding window of
+arrivals and lengths detects a pattern shift, the placement is searched again for the recent
+window, and the new placement takes over.
+
+:class:`ShiftDetector` is sans-IO: feed it each arrival (time, prompt length, output length);
+it compares the window's arrival rate and mean prompt / output lengths against the reference
+the current plan was made for and reports a :class:`Shift` when any moves by more than its
+threshold (relative), after which the window becomes the new reference.
+
+:func:`simulate_replanning` applies a new placement in the simulator: requests that arrive
+before the switch run to completion on the old deployment (it drains; nothing is dropped),
+later ones on the new one — a blue-green switch, each deployment simulated through
+:func:`pdserve.sim.target.simulate`. The switch happens ``reload_s`` after the detection
+(DistServe: re-running the search takes seconds, reloading weights minutes).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.bench.metrics import SLO, RequestRecord, attains
+from pdserve.bench.workloads import WorkloadRequest
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    rate: float
+    mean_prompt: float
+    mean_output: float
+    num_requests: int
+
+    @classmethod
+    def of(cls, times: Sequence[float], prompts: Sequence[int], outputs: Sequence[int],
+           window_s: float) -> WindowStats:
+        n = len(times)
+        if n == 0:
+            return cls(0.0, 0.0, 0.0, 0)
+        return cls(n / window_s, sum(prompts) / n, sum(outputs) / n, n)
+
+
+@dataclass(frozen=True)
+class Shift:
+    time: float
+    reasons: tuple[str, ...]
+    before: WindowStats
+    after: WindowStats
+
+
+class ShiftDetector:
+    """Sliding window of the last ``window_s`` seconds of arrivals (module docstring).
+
+    ``reference``: the stats the current plan assumed (``None``: the first full window).
+    A shift needs at least ``min_requests`` in the window; the rate and each mean length are
+    compared as ``|window / reference − 1| > threshold``. A window that deviates starts a fresh
+    window, and the shift is reported when that one — the new pattern alone — still deviates
+    (at most two windows after the change); it becomes the reference.
+    """
+
+    def __init__(self, window_s: float, reference: WindowStats | None = None,
+                 rate_threshold: float = 0.3, length_threshold: float = 0.3,
+                 min_requests: int = 20) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window must be > 0 s, got {window_s}")
+        self.window_s = window_s
+        self.reference = reference
+        self.rate_threshold, self.length_threshold = rate_threshold, length_threshold
+        self.min_requests = min_requests
+        self._win: deque[tuple[float, int, int]] = deque()
+        self._start: float | None = None
+        self._pending = False
+        self.shifts: list[Shift] = []
+
+    def window(self) -> WindowStats:
+        ts = [t for t, _, _ in self._win]
+        return WindowStats.of(ts, [p for _, p, _ in self._win], [o for _, _, o in self._win],
+                              self.window_s)
+
+    def observe(self, t: float, prompt_len: int, output_len: int) -> Shift | None:
+        """One arrival at ``t`` (non-decreasing). Returns the shift it reveals, if any."""
+        if self._start is None:
+            self._start = t
+        self._win.append((t, prompt_len, output_len))
+        while self._win and self._win[0][0] <= t - self.window_s:
+            self._win.popleft()
+        if t - self._start < self.window_s or len(self._win) < self.min_requests:
+            return None  # the window is not full yet
+        cur = self.window()
+        if self.reference is None:
+            self.reference = cur
+            return None
+        reasons = self._deviations(cur, self.reference)
+        if not reasons:
+            self._pending = False  # a blip: the pattern came back
+            return None
+        if not self._pending:
+            # the window straddles the change: confirm on a window of the new pattern alone,
+            # which is also what the search should be re-run on
+            self._pending = True
+            self._restart(t)
+            return None
+        shift = Shift(t, tuple(reasons), self.reference, cur)
+        self.shifts.append(shift)
+        self.reference = cur
+        self._pending = False
+        self._restart(t)
+        return shift
+
+    def _restart(self, t: float) -> None:
+        self._start = t
+        self._win.clear()
+
+    def _deviations(self, cur: WindowStats, ref: WindowStats) -> list[str]:
+        out = []
+        for name, a, b, th in (("rate", cur.rate, ref.rate, self.rate_threshold),
+                               ("prompt length", cur.mean_prompt, ref.mean_prompt,
+                                self.length_threshold),
+                               ("output length", cur.mean_output, ref.mean_output,
+                                self.length_threshold)):
+            if b > 0 and abs(a / b - 1) > th:
+                out.append(f"{name} {b:.1f} -> {a:.1f}")
+        return out
+
+
+def detect(requests: Sequence[WorkloadRequest], detector: ShiftDetector) -> list[Shift]:
+    """Run ``detector`` over a workload's arrivals."""
+    for r in sorted(requests, key=lambda r: r.arrival_time):
+        detector.observe(r.arrival_time, r.prompt_len, r.output_len)
+    return detector.shifts
+
+
+def simulate_replanning(requests: Sequence[WorkloadRequest], old: Any, new: Any | None,
+                        switch_at: float | None, vocab_size: int,
+                        simulate: Callable[..., Any] | None = None) -> list[RequestRecord]:
+    """Records of ``requests`` when ``old`` (a ``SimulationConfig``) serves until
+    ``switch_at`` and ``new`` afterwards (``new=None`` or ``switch_at=None``: ``old`` alone)."""
+    if simulate is None:
+        from pdserve.sim.target import simulate
+    if new is None or switch_at is None:
+        return simulate(old, list(requests), None, vocab_size)[0]
+    first = [r for r in requests if r.arrival_time < switch_at]
+    rest = [r for r in requests if r.arrival_time >= switch_at]
+    recs = simulate(old, first, None, vocab_size)[0] if first else []
+    recs += simulate(new, rest, None, vocab_size)[0] if rest else []
+    by_id = {r.request_id: r for r in recs}
+    return [by_id[r.request_id] for r in requests]
+
+
+def attainment_over_time(requests: Sequence[WorkloadRequest], records: Sequence[RequestRecord],
+                         slo: SLO, bin_s: float) -> list[tuple[float, float, int]]:
+    """``(bin start, attainment, requests)`` per ``bin_s`` of arrival time."""
+    bins: dict[int, list[bool]] = {}
+    for w, r in zip(requests, records):
+        bins.setdefault(int(w.arrival_time // bin_s), []).append(attains(r, slo))
+    return [(k * bin_s, sum(v) / len(v), len(v)) for k, v in sorted(bins.items())]

@@ -1,0 +1,25 @@
+"""A synthetic latency source: DistServe's profile format with constant step times, so that a
+prefill instance is an exact M/D/1 server (DistServe §3.1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def write_profile(path: Path, prefill_ms: dict[int, float], decode_ms: float = 5.0) -> str:
+    """``prefill_ms[tp]``: every prefill batch takes this long; every decode step ``decode_ms``."""
+    entry = lambda ms: {"prefill": [ms, 0.0, 0.0], "decoding_smallbs": [decode_ms, 0.0, 0.0],  # noqa: E731
+                        "decoding_largebs": [decode_ms, 0.0, 0.0]}
+    data = {"facebook/opt-13b": {str(tp): entry(ms) for tp, ms in prefill_ms.items()}}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.fixture
+def const_profile(tmp_path: Path):
+    def make(prefill_ms: dict[int, float], decode_ms: float = 5.0) -> str:
+        return write_profile(tmp_path / "const.json", prefill_ms, decode_ms)
+    return make

@@ -1,0 +1,87 @@
+"""Memory pruning, determinism, and one clear message for bad input (exit code 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.metrics import SLO
+from pdserve.cli import main
+from pdserve.config import ClusterConfig, kv_cache_blocks
+from pdserve.planner.search import Problem, Unit, UnitCache, evaluate_unit, plan
+from pdserve.sim.hardware import get_device
+from pdserve.sim.models import get_model_config
+
+PROFILE = "distserve_profiler-a100-80g.distserve"
+
+
+def test_units_that_cannot_hold_the_weights_are_pruned_unsimulated():
+    # OPT-66B: ~132 GB of fp16 weights; TP2 on 80 GB GPUs leaves ~12 GB of KV, TP1 none at all
+    model = get_model_config("opt-66b")
+    engine = ClusterConfig.from_dict({"model": "opt-66b", "engine": {"dtype": "float16"}}
+                                     ).engine_config(model_max_len=2048)
+    with pytest.raises(ValueError):
+        kv_cache_blocks(model, engine, device_memory_bytes=get_device("A100-80GB").memory_bytes,
+                        num_devices=1)
+    p = Problem(model="opt-66b", hardware="A100-80GB", rate=1.0, gpus_per_node=8,
+                slo=SLO(2.5, 0.15))
+    r = evaluate_unit(p, Unit("colocated", 1))
+    assert r.pruned is not None and r.pruned.startswith("does not fit")
+    assert r.probes == [] and r.goodput_rps == 0
+
+
+def test_a_kv_cache_smaller_than_the_longest_request_is_pruned():
+    # 3 GiB GPUs: 90 % of it minus OPT-1.3B's 2.63 GB of fp16 weights leaves KV for
+    # (3 x 0.9 x 2^30 - 2,631,593,984) / 196,608 = 1,367 tokens, under one 1,500 + 500-token
+    # request at TP1 (TP2 holds 2 x 3 x 0.9 GiB - weights: 16,127 tokens, enough). The memory
+    # override goes through the one KV formula.
+    p = Problem(model="opt-1.3b", hardware="A100-80GB", gpu_memory_gib=3.0, rate=1.0,
+                gpus_per_node=2, slo=SLO(1.0, 0.1), workload="fixed:input=1500,output=500")
+    r = evaluate_unit(p, Unit("colocated", 1))
+    assert r.pruned == ("does not fit: colocated TP1 PP1 prefill-first: KV cache holds 1360 "
+                        "tokens, fewer than the longest request (2000)")
+    from pdserve.planner.search import unit_model
+
+    assert unit_model(p, Unit("colocated", 2)).kv_tokens == 16112  # 1,007 blocks of 16
+
+
+def test_an_slo_missed_at_zero_load_is_pruned_unsimulated(const_profile):
+    prof = const_profile({1: 300.0})  # every prefill takes 0.3 s
+    p = Problem(model="opt-13b", profile=prof, slo=SLO(0.25, 0.1), rate=1.0, gpus_per_node=1,
+                workload="fixed:input=128,output=8")
+    r = evaluate_unit(p, Unit("prefill", 1))
+    assert r.pruned is not None and "zero load" in r.pruned and r.probes == []
+
+
+def test_same_seed_same_plan(const_profile):
+    prof = const_profile({1: 60.0, 2: 40.0}, decode_ms=20.0)
+    p = Problem(model="opt-13b", profile=prof, slo=SLO(0.5, 0.1), rate=3.0, gpus_per_node=1,
+                workload="fixed:input=256,output=4", num_requests=40, max_probes=3,
+                horizon=0.1)
+    a, b = (plan(p, workers=1, strategies=("colocated",)).to_dict() for _ in range(2))
+    for d in (a, b):
+        d.pop("wall_s")
+        for u in d["units"]:
+            u.pop("wall_s")
+    assert a == b and a["units"][0]["probes"]
+    units = [Unit("colocated", 1), Unit("colocated", 1, chunked=True)]
+    with UnitCache(p, workers=2) as cache:  # a process pool gives the same numbers
+        pooled = cache.get(units)
+    assert [r.goodput_rps for r in pooled] == [u["goodput_rps"] for u in a["units"]]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--model", "opt-13b", "--profile", "no-such-profile"], "'no-such-profile'"),
+    (["plan", "--model", "gpt-nonexistent", "--profile", PROFILE], "'gpt-nonexistent'"),
+    (["plan", "--model", "opt-66b", "--profile", PROFILE, "--gpus-per-node", "1"],
+     "fits 1 GPUs per node"),
+    (["plan", "--model", "opt-13b", "--hardware", "A100-80GB", "--slo-ttft", "0.0001",
+      "--slo-tpot", "0.0001", "--gpus-per-node", "1", "--num-requests", "20"],
+     "no placement of opt-13b meets TTFT 0.0001 s"),
+    (["plan", "--model", "opt-66b", "--hardware", "A100-80GB", "--gpus-per-node", "1",
+      "--num-requests", "20"], "does not fit"),
+    (["plan", "--model", "opt-13b", "--workload", "nope", "--profile", PROFILE], "'nope'"),
+])
+def test_bad_input_one_line_and_exit_2(capsys, argv, needle):
+    assert main(argv + ["--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pdserve plan: error:") and needle in err[0]
