@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.engine import EngineStats
 from pdserve.engine.kv_cache import KVEvent
+from pdserve.registry import Registry
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
@@ -81,18 +82,15 @@ class Router:
         """The controller's current time, before a routing decision or after a report."""
 
 
-ROUTERS: dict[str, type[Router]] = {}
+ROUTERS: Registry[Router] = Registry("router")
+register = ROUTERS.register
+make_router = ROUTERS.make  # the router registered as ``name``, built with its keywords
 
 
 def require(cond: bool, msg: str) -> None:
     """A router parameter check: ``ValueError(msg)`` unless ``cond``."""
     if not cond:
         raise ValueError(msg)
-
-
-def register(cls: type[Router]) -> type[Router]:
-    ROUTERS[cls.name] = cls
-    return cls
 
 
 def make_routers(prefill: str | Router, decode: str | Router,
@@ -117,18 +115,6 @@ def make_routers(prefill: str | Router, decode: str | Router,
 def role_router(role: str, prefill: Router, decode: Router) -> Router:
     """The router whose decisions depend on instances of ``role`` (and so their KV events)."""
     return decode if role == "decode" else prefill
-
-
-def make_router(name: str, **params: Any) -> Router:
-    """The router registered as ``name``, built with ``params`` (its constructor's keywords)."""
-    try:
-        cls = ROUTERS[name]
-    except KeyError:
-        raise ValueError(f"unknown router {name!r}; available: {sorted(ROUTERS)}") from None
-    try:
-        return cls(**params)
-    except TypeError as e:
-        raise ValueError(f"bad parameters for router {name!r}: {e}") from None
 
 
 @register

@@ -15,8 +15,9 @@ prediction can never stall an instance.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pdserve.registry import Registry
 from pdserve.request import Request
 
 if TYPE_CHECKING:
@@ -38,21 +39,9 @@ class AdmissionPolicy:
         raise NotImplementedError
 
 
-ADMISSIONS: dict[str, type[AdmissionPolicy]] = {}
-
-
-def register(cls: type[AdmissionPolicy]) -> type[AdmissionPolicy]:
-    ADMISSIONS[cls.name] = cls
-    return cls
-
-
-def make_admission(name: str, **params: Any) -> AdmissionPolicy:
-    try:
-        cls = ADMISSIONS[name]
-    except KeyError:
-        raise ValueError(f"unknown admission policy {name!r}; available: {sorted(ADMISSIONS)}"
-                         ) from None
-    return cls(**params)
+ADMISSIONS: Registry[AdmissionPolicy] = Registry("admission policy")
+register = ADMISSIONS.register
+make_admission = ADMISSIONS.make
 
 
 def _busy(sched: Scheduler) -> bool:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from pdserve.config import SchedulerConfig
+from pdserve.registry import Registry
 from pdserve.request import Request
 
 CachedTokens = Callable[[Request], int]
@@ -28,24 +28,9 @@ class WaitingPolicy:
         raise NotImplementedError
 
 
-POLICIES: dict[str, type[WaitingPolicy]] = {}
-
-
-def register(cls: type[WaitingPolicy]) -> type[WaitingPolicy]:
-    POLICIES[cls.name] = cls
-    return cls
-
-
-def make_policy(name: str, **params: Any) -> WaitingPolicy:
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; available: {sorted(POLICIES)}"
-                         ) from None
-    try:
-        return cls(**params)
-    except TypeError as e:
-        raise ValueError(f"bad parameters for scheduling policy {name!r}: {e}") from None
+POLICIES: Registry[WaitingPolicy] = Registry("scheduling policy")
+register = POLICIES.register
+make_policy = POLICIES.make
 
 
 @register
