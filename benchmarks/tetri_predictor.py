@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
                     pred.save(args.save_classifier)
             results.append(evaluate(Oracle(g, 0.749, args.seed), test))
             print(f"{trace} g={g} done", file=sys.stderr)
-        tokens = "prompt bytes as tokens" if pairs.prompts[0] is not None else "lengths only"
+        tokens = ("lengths only" if pairs.prompts[0] is None else "prompt token ids"
+                  if os.path.isfile(trace) else "prompt bytes as tokens")
         print(f"\n**{trace}** ({len(train)} train / {len(test)} eval pairs, {tokens}; main "
               f"model's prefill of the median prompt ({med} tokens), OPT-13B A100: "
               f"{prefill * 1e3:.1f} ms)\n")
