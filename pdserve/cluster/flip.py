@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from pdserve.cluster.routing import InstanceView
 from pdserve.cluster.worker import SetRole, StepReport
 from pdserve.config import SchedulerConfig
+from pdserve.registry import Registry
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import Action, Controller
@@ -64,12 +65,8 @@ class FlipPolicy:
         raise NotImplementedError
 
 
-FLIP_POLICIES: dict[str, type[FlipPolicy]] = {}
-
-
-def register(cls: type[FlipPolicy]) -> type[FlipPolicy]:
-    FLIP_POLICIES[cls.name] = cls
-    return cls
+FLIP_POLICIES: Registry[FlipPolicy] = Registry("flip policy")
+register = FLIP_POLICIES.register
 
 
 @register

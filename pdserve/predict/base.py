@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.registry import Registry
+
 
 @dataclass(frozen=True, slots=True)
 class LengthPrediction:
@@ -61,9 +63,5 @@ class LengthPredictor:
         raise NotImplementedError
 
 
-PREDICTORS: dict[str, type[LengthPredictor]] = {}
-
-
-def register(cls: type[LengthPredictor]) -> type[LengthPredictor]:
-    PREDICTORS[cls.name] = cls
-    return cls
+PREDICTORS: Registry[LengthPredictor] = Registry("length predictor")
+register = PREDICTORS.register
