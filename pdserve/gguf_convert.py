@@ -26,11 +26,12 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sys
 from typing import Any
 
 import numpy as np
+
+from pdserve.cache import build_once, cache_root
 
 # Bump when the converted layout changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
@@ -61,11 +62,6 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 regex (SmolLM's
 # and StarCoder's vocabularies); transformers' conversion keeps the plain GPT-2 split for them.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
-
-
-def cache_root() -> str:
-    return os.environ.get("PDSERVE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pdserve")
 
 
 def _reader(path: str) -> Any:
@@ -282,18 +278,5 @@ def gguf_model_dir(gguf_path: str, name: str | None = None) -> str:
     path = os.path.join(cache_root(), "gguf", key, name)
     if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         return path
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"pdserve: converting {gguf_path} into {path} (once)", file=sys.stderr, flush=True)
-    try:
-        convert_gguf(gguf_path, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(path):  # left half-written by an interrupted run
-        shutil.rmtree(path, ignore_errors=True)
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return build_once(path, lambda tmp: convert_gguf(gguf_path, tmp))

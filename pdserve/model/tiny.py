@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from pdserve.cache import build_once, cache_root
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0, 1, 2, 3
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
@@ -297,16 +298,5 @@ def make_tiny_model(
 def default_model_dir() -> str:
     """Directory of the default tiny llama, created on first use under ``$PDSERVE_CACHE`` (or
     ``~/.cache/pdserve``) as ``tiny-llama``."""
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pdserve")
-    path = os.path.join(root, "tiny-llama")
-    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        tmp = f"{path}.tmp{os.getpid()}"
-        make_tiny_model(tmp, "llama")
-        if os.path.isdir(path):  # left half-written by an interrupted run
-            shutil.rmtree(path, ignore_errors=True)
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return build_once(os.path.join(cache_root(), "tiny-llama"),
+                      lambda tmp: make_tiny_model(tmp, "llama"))
