@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import socket
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import uvicorn
 
 from pdserve.bench.report import plot_grouped_bars
 from pdserve.bench.targets import HttpTarget
 from pdserve.bench.workloads import make_workload
 from pdserve.cluster.runtime import build_runtime
 from pdserve.config import ClusterConfig
-from pdserve.server.app import build_app
+from pdserve.server.app import serve_locally
 
 MAX_LEN = 1024
 METRICS = (("lat_mean", "mean latency (s)"), ("ttft_mean", "mean TTFT (s)"),
@@ -46,14 +43,7 @@ async def one_run(model: str, n: int, router: str, num_requests: int, rate: floa
         "model": model, "num_instances": n, "prefill_router": router, "backend": "inproc",
         "engine": {"max_model_len": MAX_LEN, "num_kv_blocks": 256, "max_num_seqs": 32}})
     rt = await build_runtime(spec)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(rt), log_level="warning", lifespan="off"))
-    serve = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with serve_locally(rt) as url:
         target = HttpTarget(url, timeout=120.0, name=router, progress=False)
         await target.prepare()
         w = make_workload(WORKLOAD, num_requests, seed=seed, rate=rate, vocab_size=rt.vocab_size,
@@ -61,11 +51,6 @@ async def one_run(model: str, n: int, router: str, num_requests: int, rate: floa
         records = await target.run(w.requests)
         await rt.drain(timeout=60)
         stats = {s.instance_id: s.stats for s in rt.instance_status()}
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(serve, 10)
-        await rt.shutdown()
     ok = [r for r in records if r.ok]
     lat = np.array([r.e2e for r in ok])
     ttft = np.array([r.ttft for r in ok])

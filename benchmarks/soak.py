@@ -33,7 +33,6 @@ import contextlib
 import json
 import logging
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -41,11 +40,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-import uvicorn
 
 from pdserve.cluster.runtime import ClusterRuntime, build_runtime
 from pdserve.config import ClusterConfig, EngineConfig
-from pdserve.server.app import build_app
+from pdserve.server.app import serve_locally
 
 MAX_LEN = 256
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -151,80 +149,70 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
     proc = psutil.Process()
     rss: list[float] = []
     rng = random.Random(seed)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(runtime), log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=2))
-    serve = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    outcomes: collections.Counter[str] = collections.Counter()
-    broken: list[str] = []
-    sem = asyncio.Semaphore(concurrency)
-    t0 = time.monotonic()
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with serve_locally(runtime, shutdown_runtime=False) as url:
+        outcomes: collections.Counter[str] = collections.Counter()
+        broken: list[str] = []
+        sem = asyncio.Semaphore(concurrency)
+        t0 = time.monotonic()
+        limits = httpx.Limits(max_connections=concurrency + 4)
 
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60,
-                                 limits=limits) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=60,
+                                     limits=limits) as c:
 
-        async def run(i: int) -> None:
-            path, body, bad = make_body(rng)
-            cancel_after = rng.uniform(0.0, 0.4) if rng.random() < cancel else None
-            async with sem:
-                if time.monotonic() - t0 > time_limit:
-                    outcomes["not sent (time limit)"] += 1
-                    return
-                task = asyncio.create_task(one_request(c, path, body, bad,
-                                                       allow_5xx=bool(kill_at)))
-                try:
-                    if cancel_after is None:
-                        outcome = await task
-                    else:
-                        await asyncio.wait({task}, timeout=cancel_after)
-                        if task.done():
-                            outcome = task.result()
+            async def run(i: int) -> None:
+                path, body, bad = make_body(rng)
+                cancel_after = rng.uniform(0.0, 0.4) if rng.random() < cancel else None
+                async with sem:
+                    if time.monotonic() - t0 > time_limit:
+                        outcomes["not sent (time limit)"] += 1
+                        return
+                    task = asyncio.create_task(one_request(c, path, body, bad,
+                                                           allow_5xx=bool(kill_at)))
+                    try:
+                        if cancel_after is None:
+                            outcome = await task
                         else:
-                            task.cancel()
-                            with contextlib.suppress(asyncio.CancelledError):
-                                await task
-                            outcome = "cancelled by client"
-                except Exception as e:  # a transport error is a failure of the server
-                    outcome = f"broken: {type(e).__name__}: {e}"
-            if outcome.startswith("broken"):
-                broken.append(f"{path} {json.dumps(body)[:200]} -> {outcome}")
-                outcome = "broken"
-            outcomes[outcome] += 1
-            if sum(outcomes.values()) in (max(requests // 10, 1), requests):
-                rss.append(proc.memory_info().rss / 2**20)
+                            await asyncio.wait({task}, timeout=cancel_after)
+                            if task.done():
+                                outcome = task.result()
+                            else:
+                                task.cancel()
+                                with contextlib.suppress(asyncio.CancelledError):
+                                    await task
+                                outcome = "cancelled by client"
+                    except Exception as e:  # a transport error is a failure of the server
+                        outcome = f"broken: {type(e).__name__}: {e}"
+                if outcome.startswith("broken"):
+                    broken.append(f"{path} {json.dumps(body)[:200]} -> {outcome}")
+                    outcome = "broken"
+                outcomes[outcome] += 1
+                if sum(outcomes.values()) in (max(requests // 10, 1), requests):
+                    rss.append(proc.memory_info().rss / 2**20)
 
-        async def kill() -> list[str]:
-            killed: list[str] = []
-            for t in kill_at:
-                await asyncio.sleep(max(t - (time.monotonic() - t0), 0.0))
-                victim = [iid for iid, i in runtime.instances.items() if i.view.alive][-1]
-                runtime.instances[victim].client.kill()
-                killed.append(victim)
-            return killed
+            async def kill() -> list[str]:
+                killed: list[str] = []
+                for t in kill_at:
+                    await asyncio.sleep(max(t - (time.monotonic() - t0), 0.0))
+                    victim = [iid for iid, i in runtime.instances.items() if i.view.alive][-1]
+                    runtime.instances[victim].client.kill()
+                    killed.append(victim)
+                return killed
 
-        killer = asyncio.create_task(kill())
-        await asyncio.gather(*(run(i) for i in range(requests)))
-        killed = await killer
-        elapsed = time.monotonic() - t0
-        health = (await c.get("/health")).status_code
+            killer = asyncio.create_task(kill())
+            await asyncio.gather(*(run(i) for i in range(requests)))
+            killed = await killer
+            elapsed = time.monotonic() - t0
+            health = (await c.get("/health")).status_code
 
-    await runtime.drain(timeout=30)
-    pools: dict[str, Any] = {}
-    for _ in range(200):  # the last release/abort commands reach instances on their next call
-        pools = await runtime.check_integrity()
-        if all(s["used_blocks"] == 0 and s["num_requests"] == 0 for s in pools.values()):
-            break
-        await asyncio.sleep(0.02)
-    leaked = {iid: s for iid, s in pools.items()
-              if s["used_blocks"] != 0 or s["num_requests"] != 0}
-    server.should_exit = True
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(serve, 10)
+        await runtime.drain(timeout=30)
+        pools: dict[str, Any] = {}
+        for _ in range(200):  # the last release/abort commands reach instances on their next call
+            pools = await runtime.check_integrity()
+            if all(s["used_blocks"] == 0 and s["num_requests"] == 0 for s in pools.values()):
+                break
+            await asyncio.sleep(0.02)
+        leaked = {iid: s for iid, s in pools.items()
+                  if s["used_blocks"] != 0 or s["num_requests"] != 0}
     return {"requests": requests, "elapsed_s": round(elapsed, 2), "outcomes": dict(outcomes),
             "broken": broken, "health_after": health, "leaked_blocks": leaked,
             "killed": killed,

@@ -505,3 +505,33 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+@contextlib.asynccontextmanager
+async def serve_locally(runtime: ServingRuntime, shutdown_runtime: bool = True,
+                        **app_kwargs: Any) -> AsyncIterator[str]:
+    """Serve ``runtime`` with uvicorn on a free port of 127.0.0.1 in this event loop (tests,
+    benchmarks); yields the base URL. On exit the server stops and, with ``shutdown_runtime``,
+    the runtime is shut down too."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(runtime, **app_kwargs),
+                                           log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=2))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                raise RuntimeError("uvicorn did not start")
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        if shutdown_runtime:
+            await runtime.shutdown()

@@ -4,17 +4,12 @@ uvicorn server in the test's own event loop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-from collections.abc import AsyncIterator
 from typing import Any
-
-import uvicorn
 
 from pdserve.cluster.instances import InstanceClient
 from pdserve.cluster.runtime import ClusterRuntime
 from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
-from pdserve.server.app import build_app
+from pdserve.server.app import serve_locally
 from pdserve.tokenizer import load_tokenizer
 
 MAX_LEN = 256
@@ -76,26 +71,10 @@ async def runtime_over(model_dir: str, clients: list[InstanceClient],
     return rt
 
 
-@contextlib.asynccontextmanager
-async def serving(runtime: Any) -> AsyncIterator[str]:
-    """Serve ``runtime`` with uvicorn on a free port in this event loop; yields the base URL.
-    On exit the server stops and the runtime is shut down."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(runtime), log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await runtime.shutdown()
+def serving(runtime: Any) -> Any:
+    """Serve ``runtime`` on a free local port in this event loop; yields the base URL. On exit
+    the server stops and the runtime is shut down."""
+    return serve_locally(runtime)
 
 
 async def wait_until(cond: Any, timeout: float = 20.0, what: str = "condition") -> None:
