@@ -25,6 +25,7 @@ from pdserve.flags import (
     positive_int,
     say,
 )
+from pdserve.sim.cli import add_latency_source_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
 
@@ -69,13 +70,7 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and latency source")
     m.add_argument("--model", default="opt-13b", metavar="NAME|DIR",
                    help="catalogue model or a directory with config.json (default opt-13b)")
-    src = m.add_mutually_exclusive_group()
-    src.add_argument("--profile", metavar="FILE|NAME",
-                     help="fitted profile (ours or DistServe's JSON), e.g. "
-                          "distserve_profiler-a100-80g.distserve")
-    src.add_argument("--hardware", metavar="NAME",
-                     help="analytic roofline on this device (default A100-80GB without "
-                          "--profile)")
+    add_latency_source_flags(m)
     w = p.add_argument_group("workload and SLO")
     w.add_argument("--workload", default="distserve-chatbot", metavar="NAME[:k=v]|FILE.jsonl",
                    help="any bench workload or trace file (default distserve-chatbot)")

@@ -75,6 +75,16 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
                          model_help="catalogue model (opt-13b, llama-2-7b, ...) or a model "
                                     "directory (default: opt-13b)")
     g = p.add_argument_group("simulation (a --config file's `simulation:` section)")
+    add_latency_source_flags(g)
+    g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
+                   help="serving-path cost added to every step (see benchmarks/fidelity.py) "
+                        "(default: 0)")
+    g.add_argument("--seq-overhead-ms", type=nonnegative, metavar="MS",
+                   help="serving-path cost per sequence in a step (default: 0)")
+
+
+def add_latency_source_flags(g: Any) -> None:
+    """``--profile FILE|NAME`` or ``--hardware NAME|FILE`` (one of them): what prices a step."""
     src = g.add_mutually_exclusive_group()
     src.add_argument("--profile", metavar="FILE|NAME",
                      help="fitted profile: ours (pdserve profile) or DistServe's JSON; a path or "
@@ -84,11 +94,6 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
                      help="analytic roofline on this device: a catalogue name (A100-80GB, H100, "
                           "L40S, ...) or a hardware spec file (pdserve calibrate writes one) "
                           "(default: A100-80GB when no --profile)")
-    g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
-                   help="serving-path cost added to every step (see benchmarks/fidelity.py) "
-                        "(default: 0)")
-    g.add_argument("--seq-overhead-ms", type=nonnegative, metavar="MS",
-                   help="serving-path cost per sequence in a step (default: 0)")
 
 
 def simulation_from_args(args: argparse.Namespace) -> Any:
