@@ -382,6 +382,9 @@ class EngineConfig:
     device: str = _help("'cpu' or 'cuda[:N]'", default="cpu")
     dtype: str = _help("weight and KV dtype", default="float32")
     seed: int = _help("random seed of the model's sampler", default=0)
+    step_log: str | None = _help(
+        "append one JSON line per engine step (instance, elapsed seconds, batch shape) to this "
+        "file; `pdserve calibrate --step-log FILE` fits a latency model to it", default=None)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -396,7 +399,7 @@ class EngineConfig:
         "device", "dtype", "seed", "block_size", "num_kv_blocks", "enable_prefix_caching",
         "gpu_memory_utilization", "cpu_kv_gib", "max_num_batched_tokens", "max_num_seqs",
         "max_model_len", "enable_chunked_prefill", "role", "prefill_token_target", "policy",
-        "prefill_sched_batch", "prefill_chunk_size", "admission",
+        "prefill_sched_batch", "prefill_chunk_size", "admission", "step_log",
     )
 
     @classmethod
@@ -427,7 +430,9 @@ class EngineConfig:
             )
         sk["max_model_len"] = max_len
         sched = SchedulerConfig(**sk)
-        top = {k: v for k, v in kw.items() if k in ("device", "dtype", "seed")}
+        top = {k: v for k, v in kw.items() if k in ("device", "dtype", "seed", "step_log")}
+        if "step_log" in top:  # Ray actors may run elsewhere in the file system: pin it
+            top["step_log"] = os.path.abspath(top["step_log"])
         return cls(model=model, cache=cache, scheduler=sched, **top)
 
     def with_role(self, role: Role) -> EngineConfig:

@@ -145,7 +145,7 @@ class InstanceWorker:
         self._reported: dict[str, int] = {}
         self.record_events = record_events  # forward the block pool's KV events in reports
         self.engine = Engine(config, executor=executor, tokenizer=tokenizer,
-                             record_events=record_events)
+                             record_events=record_events, name=instance_id)
 
     @property
     def num_kv_blocks(self) -> int:

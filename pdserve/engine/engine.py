@@ -8,6 +8,7 @@ duration (measured by a real executor, modelled by the simulator's).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +77,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig, executor: Executor,
                  tokenizer: Any = None, eos_token_ids: tuple[int, ...] | None = None,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, name: str = "engine") -> None:
         self.config = config
+        self.name = name  # the step log's instance_id
         self.executor = executor
         if eos_token_ids is None:
             eos_token_ids = tuple(getattr(executor, "eos_token_ids", ()))
@@ -88,6 +90,7 @@ class Engine:
         self.vocab_size = getattr(getattr(executor, "model_config", None), "vocab_size", None)
         self.num_steps = 0
         self.busy_time = 0.0
+        self._step_log: Any = None  # the open ``config.step_log`` file
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -161,6 +164,8 @@ class Engine:
         result = self.executor.execute(batch)
         self.num_steps += 1
         self.busy_time += result.elapsed
+        if self.config.step_log is not None:
+            self._log_step(batch, now, result.elapsed)
         end = now + result.elapsed
         got, _ = sched.update(batch, result, end)
         out = StepResult(batch, result.elapsed, got)
@@ -181,6 +186,17 @@ class Engine:
         return out
 
 
+
+    def _log_step(self, batch: ScheduledBatch, now: float, elapsed: float) -> None:
+        """One JSON line per step: what :func:`pdserve.sim.measurements.from_step_log` reads.
+        Line-buffered and opened for appending, so the instances of a deployment (threads or Ray
+        actors on one machine) can share one file."""
+        if self._step_log is None:
+            self._step_log = open(self.config.step_log, "a", buffering=1, encoding="utf-8")
+        prefills, decodes = batch.shape()
+        self._step_log.write(json.dumps(
+            {"instance_id": self.name, "now": round(now, 6), "elapsed": elapsed,
+             "prefill_chunks": prefills, "decode_context_lens": decodes}) + "\n")
 
     # ------------------------------------------------------------------ KV hand-off
     def export_kv(self, request_id: str, first_block: int = 0) -> KVPayload:
