@@ -32,6 +32,7 @@ from pdserve.sim.measurements import (
     Measurement,
     from_distserve_json,
     from_profile,
+    from_request_timelines,
     from_splitwise,
     from_step_log,
     from_vidur_allreduce,
@@ -287,6 +288,10 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
         if not args.model:
             raise ValueError(f"--step-log {p}: pass --model (catalogue name or directory)")
         ms += from_step_log(p, args.model, args.tp, args.dtype)
+    for p in args.timelines or []:
+        if not args.model:
+            raise ValueError(f"--timelines {p}: pass --model (catalogue name or directory)")
+        ms += from_request_timelines(p, args.model, args.tp, args.dtype)
     if args.splitwise:
         ms += drop_unphysical(device, from_splitwise(args.splitwise, args.splitwise_hardware))
     if args.vidur:
@@ -296,8 +301,8 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
     if args.measure:
         ms += _measure(args)
     if not ms:
-        raise ValueError("no measurements: give --samples, --profile, --step-log, --splitwise, "
-                         "--vidur or --measure")
+        raise ValueError("no measurements: give --samples, --profile, --step-log, --timelines, "
+                         "--splitwise, --vidur or --measure")
     return ms
 
 
@@ -349,8 +354,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--step-log", action="append",
                    help="serving log: JSON lines of per-step elapsed + batch shape (needs "
                         "--model; repeatable)")
-    p.add_argument("--tp", type=int, default=1, help="with --step-log: the instance's TP")
-    p.add_argument("--dtype", default="float16", help="with --step-log: the model's dtype")
+    p.add_argument("--timelines", action="append",
+                   help="per-request timelines a client saw of a one-instance server (`pdserve "
+                        "bench --save-records` JSON, any OpenAI server; needs --model; "
+                        "repeatable): steps reconstructed from arrivals and token times")
+    p.add_argument("--tp", type=int, default=1,
+                   help="with --step-log/--timelines: the instance's TP")
+    p.add_argument("--dtype", default="float16",
+                   help="with --step-log/--timelines: the model's dtype")
     p.add_argument("--splitwise", help="SplitwiseSim perf_model.csv")
     p.add_argument("--splitwise-hardware", default="a100-80gb",
                    help="its hardware column (a100-80gb, h100-80gb, h100-80gb-pcap)")

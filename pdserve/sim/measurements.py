@@ -10,11 +10,15 @@ A :class:`Measurement` is one measured time and what produced it. Loaders:
   the shapes they were fitted over (:func:`from_profile`, :func:`from_distserve_json`);
 * SplitwiseSim's measured ``perf_model.csv`` (:func:`from_splitwise`);
 * Vidur's per-operator H100 profiles (:func:`from_vidur_mlp`, :func:`from_vidur_allreduce`);
-* a serving log of per-step times and batch shapes (:func:`from_step_log`).
+* a serving log of per-step times and batch shapes (:func:`from_step_log`);
+* per-request timelines seen by a client of any OpenAI-compatible server with one instance
+  (``pdserve bench --save-records`` JSON): steps reconstructed from arrivals and token times
+  (:func:`from_request_timelines`).
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import gzip
 import json
@@ -267,4 +271,98 @@ def from_step_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: in
                                    group=str(r.get("instance_id", "log"))))
     if not out:
         raise ValueError(f"{p!r} has no non-empty steps")
+    return out
+
+
+def _records_lists(data: Any) -> list[list[dict[str, Any]]]:
+    """Every ``records`` list in a bench JSON (one run's, or a search's runs), each its own clock."""
+    found: list[list[dict[str, Any]]] = []
+    if isinstance(data, dict):
+        recs = data.get("records")
+        if isinstance(recs, list):
+            found.append(recs)
+        for k, v in data.items():
+            if k != "records":
+                found += _records_lists(v)
+    elif isinstance(data, list):
+        for v in data:
+            found += _records_lists(v)
+    return found
+
+
+def from_request_timelines(path: str | os.PathLike[str], model: str | ModelConfig, tp: int = 1,
+                           dtype: str = "float16") -> list[Measurement]:
+    """Engine steps reconstructed from what a client saw of a server with **one** instance
+    (``pdserve bench --save-records`` JSON against pdserve, vLLM or any OpenAI server): each
+    request's arrival, prompt length and the time of each streamed token.
+
+    * **Prefill**: a request that arrived while no other request was in flight and got its first
+      token before the next one arrived — its TTFT is the prefill of its whole prompt (plus the
+      serving path's fixed cost, which the fit's per-step overhead takes up).
+    * **Decode**: a gap between two consecutive tokens of a request while no request was waiting
+      for its first token (so no prefill shared that step) is one decode step of every request
+      streaming across the gap, each at context prompt + tokens received so far. One sample per
+      step: the gap is counted once, by the earliest-arrived request of the batch.
+
+    Approximate by construction: client-side times include the HTTP path, a server that sends
+    several tokens in one event merges steps (zero gaps are skipped), and with several
+    instances behind one endpoint the batches cannot be told apart (use ``--step-log`` there).
+    """
+    cfg = model_config(model)
+    p = os.fspath(path)
+    try:
+        data = json.loads(read_text(p, "request timelines"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p!r} is not JSON ({e})") from None
+    runs = _records_lists(data)
+    if not runs:
+        raise ValueError(f"{p!r} has no per-request records (run `pdserve bench` with "
+                         "--save-records)")
+    out: list[Measurement] = []
+    for k, recs in enumerate(runs):
+        reqs = []
+        for r in recs:
+            tl = r.get("timeline") or {}
+            times, arrival = tl.get("token_times") or [], tl.get("arrival")
+            if r.get("ok", True) and times and arrival is not None:
+                reqs.append((float(arrival), [float(t) for t in times], int(r["prompt_len"])))
+        reqs.sort(key=lambda q: q[0])
+        group = f"timelines run {k}" if len(runs) > 1 else "timelines"
+        out += _steps_from_timelines(reqs, cfg, tp, dtype, group)
+    if not out:
+        raise ValueError(f"{p!r}: no request ran alone and no decode gap was free of prefills; "
+                         "record a run at a lower rate")
+    return out
+
+
+def _steps_from_timelines(reqs: list[tuple[float, list[float], int]], cfg: ModelConfig, tp: int,
+                          dtype: str, group: str) -> list[Measurement]:
+    """:func:`from_request_timelines` for one run: ``(arrival, token times, prompt length)``
+    sorted by arrival."""
+    out: list[Measurement] = []
+    arrivals = [a for a, _, _ in reqs]
+    firsts = [ts[0] for _, ts, _ in reqs]
+    for i, (a, ts, plen) in enumerate(reqs):
+        # prefill alone: nothing else in flight over [a, first token]
+        if all(j == i or ts2[-1] <= a or a2 >= ts[0]
+               for j, (a2, ts2, _) in enumerate(reqs)):
+            out.append(Measurement(ProfileSample(((0, plen),), (), ts[0] - a), cfg, tp, 1,
+                                   dtype, group=group))
+        for n in range(1, len(ts)):
+            t0, t1 = ts[n - 1], ts[n]
+            if t1 <= t0:
+                continue  # tokens delivered together: the steps cannot be told apart
+            # anyone waiting for a first token during the gap had a prefill in some step of it
+            hi = bisect.bisect_left(arrivals, t1)
+            if any(firsts[j] > t0 and j != i for j in range(hi)):
+                continue
+            batch, leader = [], None
+            for j in range(hi):
+                _, ts2, p2 = reqs[j]
+                if ts2[0] <= t0 and ts2[-1] >= t1:  # streaming across the whole gap
+                    leader = j if leader is None else leader
+                    batch.append(p2 + bisect.bisect_right(ts2, t0))
+            if leader == i and batch:
+                out.append(Measurement(ProfileSample((), tuple(batch), t1 - t0), cfg, tp, 1,
+                                       dtype, group=group))
     return out

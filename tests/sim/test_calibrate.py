@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.sim.calibrate import calibrate, drop_unphysical, identifiable, predict, register
@@ -197,3 +198,73 @@ def test_cli_from_a_serving_step_log(tmp_path, capsys):
     args = _parse(["--hardware", "A100", "--step-log", str(bad), "--model", "llama-3-8b"])
     with pytest.raises(ValueError, match="line 1: not a step record"):
         args.func(args)
+
+
+def _record(arrival, times, prompt, ok=True):
+    return {"request_id": f"r{arrival}", "prompt_len": prompt, "output_len": len(times), "ok": ok,
+            "timeline": {"arrival": arrival, "token_times": times}}
+
+
+def test_steps_reconstructed_from_client_timelines(tmp_path):
+    """Hand-worked: a request alone gives a prefill and a decode step; a gap overlapping
+    another request's prefill is skipped; two requests streaming together are one batch of two,
+    counted once; runs of a search are separate clocks; failed requests are ignored."""
+    from pdserve.sim.measurements import from_request_timelines
+
+    run = [
+        _record(0.0, [0.5, 0.6, 0.7, 0.8], 100),    # alone, then r0.65's prefill overlaps
+        _record(0.65, [0.75, 0.85, 0.95, 1.05], 50),
+        _record(2.0, [2.2], 30),                    # alone: prefill only
+        _record(3.0, [3.3, 3.4, 3.5], 10),          # two together
+        _record(3.0, [3.3, 3.4, 3.5, 3.6], 20),
+        _record(2.5, [9.0, 9.1], 7, ok=False),
+    ]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rate": 1.0, "records": run,
+                                "search": [{"records": [_record(0.0, [0.3], 40)]}]}))
+    ms = from_request_timelines(path, "llama-3-8b")
+    got = sorted((m.group, m.sample.prefill_chunks, m.sample.decode_context_lens,
+                  round(m.seconds, 6)) for m in ms)
+    assert got == sorted([
+        ("timelines run 0", ((0, 100),), (), 0.5),
+        ("timelines run 0", (), (101,), 0.1),       # r0: (0.5, 0.6), before r0.65 arrived
+        ("timelines run 0", (), (51,), 0.1),        # r0.65: its three gaps, alone
+        ("timelines run 0", (), (52,), 0.1),
+        ("timelines run 0", (), (53,), 0.1),
+        ("timelines run 0", ((0, 30),), (), 0.2),
+        ("timelines run 0", (), (11, 21), 0.1),     # together, once
+        ("timelines run 0", (), (12, 22), 0.1),
+        ("timelines run 0", (), (23,), 0.1),        # r3.0 (20 tokens) alone at the end
+        ("timelines run 1", ((0, 40),), (), 0.3),
+    ])
+    (tmp_path / "none.json").write_text(json.dumps({"summary": {}}))
+    with pytest.raises(ValueError, match="no per-request records"):
+        from_request_timelines(tmp_path / "none.json", "llama-3-8b")
+
+
+def test_cli_from_client_timelines(tmp_path):
+    """Timelines a client would see of a server whose steps follow known factors (one request
+    at a time): ``pdserve calibrate --timelines`` recovers them."""
+    dev = get_device("a100")
+    model = get_model_config("llama-3-8b")
+    truth = replace(dev, efficiency=TRUE)
+    recs, t = [], 0.0
+    for k, (plen, n) in enumerate([(p, o) for p in (64, 256, 1024, 2048) for o in (4, 8)]):
+        steps = [Measurement(ProfileSample(((0, plen),), (), 0.0), model)]
+        steps += [Measurement(ProfileSample((), (plen + i,), 0.0), model) for i in range(1, n)]
+        times = list(t + np.cumsum(predict(truth, steps)))
+        recs.append(_record(t, [float(x) for x in times], plen))
+        t = times[-1] + 1.0
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"records": recs}))
+    out = tmp_path / "cal.yaml"
+    args = _parse(["--hardware", "A100", "--timelines", str(path), "--model", "llama-3-8b",
+                   "-o", str(out),
+                   "--report-json", str(tmp_path / "r.json")])
+    args.func(args)
+    assert json.loads((tmp_path / "r.json").read_text())["fit"]["mean"] < 0.02
+    assert load_hardware(str(out)).device.efficiency.mfu_gemm == pytest.approx(
+        TRUE.mfu_gemm, rel=0.05)
+    missing = _parse(["--hardware", "A100", "--timelines", str(path)])
+    with pytest.raises(ValueError, match="pass --model"):
+        missing.func(missing)
