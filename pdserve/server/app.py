@@ -307,7 +307,9 @@ class OpenAIServer:
     async def _generate(self, raw: Request, body: CompletionRequest | ChatCompletionRequest,
                         ids_list: list[list[int]], params: list[SamplingParams],
                         fmt: ResponseFormat) -> Response:
-        vocab = _tokenizer_vocab_size(self.tokenizer)
+        # the model's vocabulary (what /v1/models reports and the engine checks; a model's may be
+        # larger than its tokenizer's), else the tokenizer's
+        vocab = getattr(self.runtime, "vocab_size", None) or _tokenizer_vocab_size(self.tokenizer)
         for ids in ids_list:  # all prompts, before any is submitted
             try:
                 validate_prompt(ids, self.runtime.max_model_len, vocab)

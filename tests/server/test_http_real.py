@@ -98,3 +98,22 @@ async def test_bad_input_gets_4xx(served: tuple[str, object], body: dict, status
         assert r.status_code == status
         r = await c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_prompt_ids_are_checked_against_the_models_vocabulary(tmp_path) -> None:
+    """A model whose vocabulary is larger than its tokenizer's (common: padded embeddings)
+    takes every id below the model's vocab_size, which /v1/models reports and benchmark clients
+    draw from; ids at or past it are a 400."""
+    from pdserve.model.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "wide", vocab_size=1024, num_layers=1)
+    assert len(load_tokenizer(model)) < 1000
+    rt = await build_runtime(ClusterConfig.from_dict({
+        "engine": engine_config(model, num_kv_blocks=16), "backend": "inproc"}))
+    async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        assert (await c.get("/v1/models")).json()["data"][0]["vocab_size"] == 1024
+        r = await c.post("/v1/completions", json={"prompt": [5, 1000, 1023], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        r = await c.post("/v1/completions", json={"prompt": [5, 1024], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        await assert_pools_clean(rt)
