@@ -115,7 +115,7 @@ def compare(live: Any, sim: Any) -> dict[str, Any]:
         "attainment_diff_points": 100 * ((ss.attainment or 0) - (ls.attainment or 0)),
         "failed_live": ls.num_failed, "failed_sim": ss.num_failed,
     }
-    for metric in ("ttft", "tpot"):
+    for metric in ("ttft", "tpot", "e2e"):
         for stat in ("mean", "p90"):
             a, b = getattr(getattr(ls, metric), stat), getattr(getattr(ss, metric), stat)
             row[f"{metric}_{stat}_live"] = a
@@ -143,17 +143,14 @@ def _itls(target: HttpTarget, s: Settings, n: int, seed: int) -> list[float]:
     return gaps
 
 
-def calibrate_overhead(target: HttpTarget, s: Settings, profile: str, model: str,
+def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
                        batch: int = 8) -> dict[str, float]:
-    """The serving path's cost that an executor-only profile does not see
+    """The serving path's cost that an executor-only latency model (``prof``: the fitted
+    profile or the calibrated roofline) does not see
     (:class:`~pdserve.sim.latency.DriverOverhead`): ``a`` per step + ``b`` per sequence.
     Lone requests decode in steps of one sequence, ``batch`` requests sent together in steps of
-    ``batch``; the median token gap of each minus the profile's predicted decode step gives
+    ``batch``; the median token gap of each minus the model's predicted decode step gives
     ``a + b`` and ``a + batch·b``. Measured on requests outside the fidelity workload."""
-    from pdserve.config import ModelConfig
-    from pdserve.sim.latency import FittedProfile
-
-    prof = FittedProfile.load(profile, ModelConfig.from_dir(model))
     lone: list[float] = []
     for i in range(4):
         lone += _itls(target, s, 1, 1000 + i)
@@ -170,6 +167,43 @@ def calibrate_overhead(target: HttpTarget, s: Settings, profile: str, model: str
             f"profile_decode_{batch}_s": predb, "step_s": per_step, "seq_s": per_seq}
 
 
+def latency_of(setup: SimulationConfig, model: str) -> Any:
+    """The simulator's executor-only step-time model of a TP-1 instance of ``setup``."""
+    from pdserve.config import ModelConfig
+    from pdserve.sim.target import step_model
+
+    return step_model(replace(setup, step_overhead_ms=0.0, seq_overhead_ms=0.0),
+                      ModelConfig.from_dir(model), 1, 1, "float32")
+
+
+def calibrate_from_run(target: HttpTarget, s: Settings, rate: float, model: str,
+                       step_log: Path, out: Path) -> tuple[str, dict[str, Any]]:
+    """Serve a calibration run (the workload with another seed, so none of the measured
+    requests) at ``rate``, then fit the ``cpu`` device's efficiency factors to the steps the
+    live instances logged so far (warm-up included); writes ``out`` and returns its path and
+    the fit's summary."""
+    from pdserve.sim.calibrate import calibrate
+    from pdserve.sim.hardware import get_device, save_hardware
+    from pdserve.sim.measurements import from_step_log
+
+    w = build_workload(target, replace(s, seed=s.seed + 1000), rate)
+    con.print(f"  calibration run: {len(w.requests)} other requests at {rate:g} req/s")
+    recs = asyncio.run(target.run(list(w.requests)))
+    failed = [r.error for r in recs if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(recs)} calibration requests failed: "
+                           f"{failed[0]}")
+    snapshot = step_log.with_suffix(".calibration.jsonl")
+    snapshot.write_text(step_log.read_text())
+    ms = from_step_log(snapshot, model, 1, "float32")
+    cal = calibrate(get_device("cpu"), ms)
+    save_hardware(out, cal.device, header=f"calibrated by benchmarks/fidelity.py on {snapshot}")
+    fit = {**cal.summary(), "steps": len(ms), "file": str(out)}
+    con.print(f"  calibrated the cpu device on {len(ms)} logged steps: fit mean "
+              f"{fit['fit']['mean']:.1%}, P90 {fit['fit']['p90']:.1%}")
+    return str(out), fit
+
+
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
@@ -179,7 +213,8 @@ def ms(x: float | None) -> str:
 
 
 COLUMNS = ("rate (req/s)", "attainment live / sim", "diff (points)", "mean TTFT live / sim (ms)",
-           "err", "P90 TTFT err", "mean TPOT live / sim (ms)", "err", "P90 TPOT err")
+           "err", "P90 TTFT err", "mean TPOT live / sim (ms)", "err", "P90 TPOT err",
+           "mean E2E live / sim (s)", "err")
 
 
 def cells(r: dict[str, Any]) -> list[str]:
@@ -190,7 +225,10 @@ def cells(r: dict[str, Any]) -> list[str]:
             f"{ms(r['ttft_mean_live'])} / {ms(r['ttft_mean_sim'])}",
             pct(r["ttft_mean_rel_err"]), pct(r["ttft_p90_rel_err"]),
             f"{ms(r['tpot_mean_live'])} / {ms(r['tpot_mean_sim'])}",
-            pct(r["tpot_mean_rel_err"]), pct(r["tpot_p90_rel_err"])]
+            pct(r["tpot_mean_rel_err"]), pct(r["tpot_p90_rel_err"]),
+            f"{r['e2e_mean_live']:.2f} / {r['e2e_mean_sim']:.2f}" if r.get("e2e_mean_sim")
+            is not None and r.get("e2e_mean_live") is not None else "-",
+            pct(r.get("e2e_mean_rel_err"))]
 
 
 def print_table(strategy: str, rows: list[dict[str, Any]]) -> None:
@@ -232,7 +270,7 @@ def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("pdserve simulator fidelity: live runtime vs simulator (profile fitted here)")
+    fig.suptitle("pdserve simulator fidelity: live runtime vs simulator")
     fig.tight_layout()
     fig.savefig(out / "fidelity.png", dpi=120)
     plt.close(fig)
@@ -242,6 +280,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", default="out/fidelity", help="model, profile and logs")
     ap.add_argument("--model", help="model directory (default: a tiny llama made in work-dir)")
+    ap.add_argument("--latency", default="profile", choices=("profile", "calibrated"),
+                    help="the simulator's step-time model: profile (pdserve profile's fit of "
+                         "the executor, measured before serving) or calibrated (the analytic "
+                         "roofline of the `cpu` device, calibrated on the live server's own "
+                         "--step-log from a calibration run of other requests, DESIGN.md "
+                         "'Latency models')")
+    ap.add_argument("--calibration-rate", type=float, default=None,
+                    help="with --latency calibrated: rate of the calibration run (default: "
+                         "the middle of --rates)")
     ap.add_argument("--profile", help="fitted profile (default: profile the model now)")
     ap.add_argument("--quick-profile", action="store_true")
     ap.add_argument("--strategies", default="colocated,disaggregated")
@@ -277,7 +324,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     model = args.model or make_model(work / "model", args.seed)
-    profile = args.profile or make_profile(model, work / "profile.json", args.quick_profile)
+    calibrated = args.latency == "calibrated"
+    profile = None if calibrated else (
+        args.profile or make_profile(model, work / "profile.json", args.quick_profile))
     rates = [float(x) for x in args.rates.split(",")]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     engine = {"dtype": "float32", "block_size": args.block_size,
@@ -296,21 +345,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     records: dict[str, dict[float, dict[str, list[RequestRecord]]]] = {}
     t0 = time.perf_counter()
     overheads: dict[str, dict[str, float]] = {}
+    fits: dict[str, dict[str, Any]] = {}
     for strategy in strategies:
         # one deployment spec, served live and simulated
         spec = ClusterConfig.from_dict({"model": model, "engine": engine, "strategy": strategy,
                                         "backend": args.backend})
+        step_log = work / f"steps-{strategy}.jsonl"
+        live_spec = spec
+        if calibrated:  # the live instances log their steps; the simulated ones do not
+            step_log.unlink(missing_ok=True)
+            live_spec = replace(spec, engine={**spec.engine, "step_log": str(step_log)})
         spec_file = work / f"deployment-{strategy}.json"
-        spec_file.write_text(json.dumps(spec.to_dict(), indent=1))
-        setup = SimulationConfig(spec, profile=profile)
+        spec_file.write_text(json.dumps(live_spec.to_dict(), indent=1))
+        setup = SimulationConfig(spec, profile=profile, hardware="cpu" if calibrated else None)
         con.print(f"[bold]{strategy}[/]: starting pdserve serve --config {spec_file}")
         server = Server(spec_file, work / f"serve-{strategy}.log")
         try:
             live = HttpTarget(server.url, name=f"live {strategy}", num_gpus=1, progress=False)
             asyncio.run(live.prepare())
             warm_up(live, s)
+            if calibrated:
+                rate = args.calibration_rate or rates[len(rates) // 2]
+                hw, fit = calibrate_from_run(live, s, rate, model, step_log,
+                                             work / f"cpu-calibrated-{strategy}.yaml")
+                fits[strategy] = fit
+                setup = replace(setup, hardware=hw)
             if args.step_overhead_ms is None:
-                cal = calibrate_overhead(live, s, profile, model)
+                cal = calibrate_overhead(live, s, latency_of(setup, model))
                 overheads[strategy] = cal
                 con.print(f"  serving overhead: {1000 * cal['step_s']:.2f} ms per step + "
                           f"{1000 * cal['seq_s']:.2f} ms per sequence ({cal})")
@@ -346,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "workload": {"name": args.workload, "num_requests": args.num_requests,
                         "length_scale": args.length_scale, "seed": args.seed},
            "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, "rates": rates,
-           "step_overhead": overheads,
+           "latency": args.latency, "calibration": fits, "step_overhead": overheads,
            "results": results, "wall_s": time.perf_counter() - t0}
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
