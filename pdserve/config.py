@@ -543,21 +543,28 @@ class Link:
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """The instances of one role: how many, their parallelism (TP × PP GPUs each) and the engine
-    settings they change from the deployment's (``engine``: :attr:`EngineConfig.KWARGS` names)."""
+    """The instances of one role: how many, their parallelism (TP × PP GPUs each; ``ep``: the
+    expert-parallel degree of a mixture-of-experts model, dividing ``tp`` — experts sit whole on
+    ``ep`` of the TP GPUs instead of being sharded, simulated by the analytic model) and the
+    engine settings they change from the deployment's (``engine``: :attr:`EngineConfig.KWARGS`
+    names)."""
 
     role: Role
     count: int = 1
     tp: int = 1
     pp: int = 1
     engine: Mapping[str, Any] = field(default_factory=dict)
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
-        for name in ("count", "tp", "pp"):
+        for name in ("count", "tp", "pp", "ep"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, f"{self.role} {name} must be an integer "
                                                     f">= 1, got {v!r}")
+        _require(self.tp % self.ep == 0,
+                 f"{self.role} ep={self.ep} must divide tp={self.tp} (experts are spread over "
+                 f"ep of the instance's TP GPUs)")
         bad = set(self.engine) - set(EngineConfig.KWARGS) | ({"role"} & set(self.engine))
         _require(not bad, f"{self.role} engine: unknown setting(s) {sorted(bad)}; known: "
                           f"{', '.join(k for k in EngineConfig.KWARGS if k != 'role')}")
@@ -574,6 +581,7 @@ class InstanceSpec:
     tp: int = 1
     pp: int = 1
     node: int = 0
+    ep: int = 1
 
     @property
     def num_gpus(self) -> int:
@@ -718,7 +726,7 @@ class ClusterConfig:
                         self.gpus_per_node:
                     gpus += self.gpus_per_node - gpus % self.gpus_per_node  # next node
                 node = gpus // self.gpus_per_node if self.gpus_per_node else 0
-                out.append(InstanceSpec(f"{r.role}-{i}", r.role, engine, r.tp, r.pp, node))
+                out.append(InstanceSpec(f"{r.role}-{i}", r.role, engine, r.tp, r.pp, node, r.ep))
                 gpus += need
         return out
 
@@ -732,8 +740,9 @@ class ClusterConfig:
         """From a deployment file's mapping or the flags' values (``None`` = not given).
 
         Besides the fields, the shorthand of the command line is accepted: ``strategy``,
-        ``num_instances`` (colocated or temporal), ``num_prefill``/``num_decode``, ``tp``/``pp``
-        (every role), ``prefill_tp``/``prefill_pp``/``decode_tp``/``decode_pp``,
+        ``num_instances`` (colocated or temporal), ``num_prefill``/``num_decode``,
+        ``tp``/``pp``/``ep`` (every role), ``prefill_tp``/``prefill_pp``/``prefill_ep`` and the
+        same for ``decode``,
         ``prefill_token_target`` (L_m of prefill instances), engine settings at the top level,
         and links as ``{bandwidth_gb_per_s, latency_s}`` mappings. Shorthand overrides ``roles``.
         """
@@ -772,6 +781,7 @@ class ClusterConfig:
             v = getattr(self, f.name)
             if f.name == "roles":
                 v = [{"role": r.role, "count": r.count, "tp": r.tp, "pp": r.pp,
+                      **({"ep": r.ep} if r.ep != 1 else {}),
                       **({"engine": dict(r.engine)} if r.engine else {})} for r in v]
             elif isinstance(v, Link):
                 v = {"bandwidth_gb_per_s": v.bandwidth_gb_per_s, "latency_s": v.latency_s}
@@ -781,8 +791,9 @@ class ClusterConfig:
         return out
 
 
-_SHORTHAND = ("strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
-              "prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "prefill_token_target")
+_SHORTHAND = ("strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp", "ep",
+              "prefill_tp", "prefill_pp", "prefill_ep", "decode_tp", "decode_pp", "decode_ep",
+              "prefill_token_target")
 
 
 def _strategy_of(roles: Any) -> str:
@@ -812,7 +823,7 @@ def _apply_shorthand(roles: list[RoleSpec], short: dict[str, Any]) -> list[RoleS
                            "decode": "num_decode", "temporal": "num_instances"}[r.role])
         if count is not None:
             kw["count"] = count
-        for dim in ("tp", "pp"):
+        for dim in ("tp", "pp", "ep"):
             v = short.get(f"{r.role}_{dim}", short.get(dim))
             if v is not None:
                 kw[dim] = v

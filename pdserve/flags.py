@@ -195,8 +195,11 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                    help="tensor-parallel degree of every instance (default: 1)")
     d.add_argument("-pp", "--pp", "--pipeline-parallel-size", dest="pp", type=positive_int,
                    help="pipeline-parallel degree of every instance (default: 1)")
+    d.add_argument("-ep", "--ep", "--expert-parallel-size", dest="ep", type=positive_int,
+                   help="expert-parallel degree of every instance of a mixture-of-experts "
+                        "model; divides -tp (simulated by the analytic model; default: 1)")
     for role in ("prefill", "decode"):
-        for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
+        for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert")):
             d.add_argument(f"--{role}-{dim}", type=positive_int,
                            help=f"{what}-parallel degree of {role} instances (default: -{dim})")
     d.add_argument("--prefill-token-target", type=positive_int, metavar="L_M",
@@ -260,7 +263,8 @@ _ECO_FIELDS = ("slo_ttft", "slo_tpot", "macro_instance_size", "mitosis", "mitosi
                "mitosis_upper", "mitosis_initial", "mitosis_interval")
 _CLUSTER_FLAGS = _ECO_FIELDS + (
                   "model", "strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
-                  "prefill_tp", "prefill_pp", "decode_tp", "decode_pp", "prefill_token_target",
+                  "ep", "prefill_tp", "prefill_pp", "prefill_ep", "decode_tp", "decode_pp",
+                  "decode_ep", "prefill_token_target",
                   "prefill_router", "decode_router", "kv_link", "inter_node_link",
                   "gpus_per_node", "backend", "ray_address", "max_waiting_requests",
                   "length_predictor", "predictor_granularity", "predictor_accuracy",

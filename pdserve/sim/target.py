@@ -108,20 +108,24 @@ class SimulationConfig:
 
 # ------------------------------------------------------------------------- building blocks
 def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
-               dtype: str) -> LatencyModel:
-    """The step-time model of one instance: the profile or the analytic roofline at ``tp``,
+               dtype: str, ep: int = 1) -> LatencyModel:
+    """The step-time model of one instance: the profile or the analytic roofline at ``tp``
+    (``ep``: expert parallelism, roofline only),
     wrapped in a :class:`PipelineModel` when ``pp`` > 1 and in a :class:`DriverOverhead` when
     an overhead is set."""
     from pdserve.sim.analytic import AnalyticModel
 
     base: LatencyModel
     if sim.profile is not None:
+        if ep > 1:
+            raise ValueError(f"ep={ep}: a measured profile has no expert-parallel entries; "
+                             f"simulate expert parallelism with --hardware")
         base = FittedProfile.load(sim.profile, model, tp)
         if base.tp != tp:
             raise ValueError(f"profile {sim.profile!r} was measured at tp={base.tp}, "
                              f"not tp={tp}")
     else:
-        base = AnalyticModel(model, sim.hardware or DEFAULT_HARDWARE, tp, dtype=dtype)
+        base = AnalyticModel(model, sim.hardware or DEFAULT_HARDWARE, tp, dtype=dtype, ep=ep)
     latency = base
     if pp > 1:
         dev = device_of(sim, base)
@@ -191,7 +195,7 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
     instances, info, devices = [], {}, []
     for s in specs:
         dtype = s.engine.dtype
-        latency = step_model(sim, model, s.tp, s.pp, dtype)
+        latency = step_model(sim, model, s.tp, s.pp, dtype, s.ep)
         device = device_of(sim, base_model(latency))
         blocks = kv_cache_blocks(model, s.engine, num_devices=s.num_gpus,
                                  device_memory_bytes=device.memory_bytes if device else None)

@@ -95,6 +95,29 @@ def test_simulate_pipeline_parallel_hardware(tmp_path: Path) -> None:
     assert data["summary"]["num_ok"] == 10
 
 
+def test_simulate_expert_parallel(tmp_path: Path) -> None:
+    """``-ep`` reaches the roofline: Mixtral-8x7B at TP 4 with experts whole on 4 GPUs is a
+    different (slower: the busiest GPU's expert load) step than with experts sharded 4 ways,
+    and the deployment file keeps ``ep``."""
+    runs = {}
+    for ep in (1, 4):
+        out = tmp_path / f"ep{ep}.json"
+        rc = pdserve_main(["simulate", "--hardware", "H100", "--model", "mixtral-8x7b",
+                           "--tp", "4", "--ep", str(ep), "--workload",
+                           "fixed:input=512,output=32", "--num-requests", "8", "--rate", "2",
+                           "--no-progress", "--output-json", str(out)])
+        assert rc == 0
+        runs[ep] = json.loads(out.read_text())
+    assert "ep=4" in runs[4]["deployment"]["roles"]["colocated"]["latency_model"]
+    assert "ep=" not in runs[1]["deployment"]["roles"]["colocated"]["latency_model"]
+    assert runs[4]["summary"]["tpot"]["mean"] != runs[1]["summary"]["tpot"]["mean"]
+    spec = ClusterConfig.from_dict({"model": "mixtral-8x7b", "strategy": "disaggregated",
+                                    "decode_tp": 4, "decode_ep": 2})
+    again = ClusterConfig.from_dict(spec.to_dict())
+    assert [(r.role, r.tp, r.ep) for r in again.roles] == [("prefill", 1, 1), ("decode", 4, 2)]
+    assert [s.ep for s in again.instance_specs(4096)] == [1, 2]
+
+
 @pytest.mark.parametrize("flags,bad", [
     (["--tp", "0"], "'0'"),
     (["--rate", "-3"], "'-3'"),
@@ -107,6 +130,8 @@ def test_simulate_pipeline_parallel_hardware(tmp_path: Path) -> None:
     (["--gpu-memory-utilization", "1.5"], "1.5"),
     (["--config", "/nonexistent/d.yaml"], "/nonexistent/d.yaml"),
     (["--num-kv-blocks", "0"], "'0'"),
+    (["--tp", "2", "--ep", "4"], "ep=4"),  # must divide tp
+    (["--tp", "2", "--ep", "2"], "ep=2"),  # the default model (OPT-13B) has no experts
 ])
 def test_simulate_bad_values_exit_2_with_one_line(flags, bad, capsys) -> None:
     args = ["simulate", "--workload", "fixed:input=8,output=2", "--num-requests", "2",
