@@ -104,6 +104,8 @@ def run(dep: ClusterConfig, workload: str, args: argparse.Namespace) -> dict[str
             "perf_per_dollar": len(ok) / resource, "makespan": res.duration, "busy": busy,
             "flips": [vars(f) for f in flips.records] if flips is not None else [],
             "preemptions": sum(s.num_preemptions for s in res.instance_stats.values()),
+            "preemptions_by_instance": {iid: s.num_preemptions
+                                        for iid, s in res.instance_stats.items()},
             "prefill_wait": float(wait.mean()) if len(wait) else float("nan"),
             "decode_span": (max(e for _, e in dec) - min(b for b, _ in dec)) if dec else 0.0,
             "decode_time": float(np.mean([e - b for b, e in dec])) if dec else 0.0,
