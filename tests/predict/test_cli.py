@@ -81,3 +81,39 @@ def test_bad_input_exits_2_with_one_line(args, bad, pairs_file, tmp_path, monkey
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and bad in err, err
+
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """``pdserve serve``'s server loop replaced by one that records its arguments."""
+    import pdserve.server.cli as serve_cli
+
+    calls = []
+
+    async def fake_serve(config, *args):  # noqa: ANN001, ANN202
+        calls.append(args)
+
+    monkeypatch.setattr(serve_cli, "serve", fake_serve)
+    return calls
+
+
+def test_serve_hands_the_pair_log_to_the_server_and_closes_it(tmp_path, served):
+    f = tmp_path / "pairs.jsonl"
+    assert pdserve_main(["serve", "--demo", "--backend", "inproc",
+                         "--log-length-pairs", str(f)]) == 0
+    [args] = served
+    log = args[-1]
+    assert isinstance(log, PairLog) and log.path == f and log._f.closed
+    assert pdserve_main(["serve", "--demo", "--backend", "inproc"]) == 0
+    assert served[1][-1] is None  # off by default
+
+
+def test_serve_refuses_an_unwritable_pair_log_before_loading(tmp_path, capsys, served):
+    """``pdserve serve --log-length-pairs`` opens its file before any instance starts."""
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(pdserve_main(["serve", "--demo", "--backend", "inproc",
+                                       "--log-length-pairs", str(tmp_path)]))
+    assert e.value.code == 2 and served == []
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"length-pair log {str(tmp_path)!r} is a directory"), err
