@@ -282,7 +282,7 @@ def admission_grid(args: argparse.Namespace, chunk: int, res: dict[str, Any]) ->
     lines = ["| decode KV | admission | accuracy | JCT s | vs greedy | TTFT s | "
              "decode s / request | preemptions |", "|---" * 8 + "|"]
     greedy: dict[Any, dict[str, Any]] = {}
-    # the A100's memory (~68k tokens of OPT-13B KV), and a tight 1,024 blocks (16k tokens)
+    # the A100's memory (~63k tokens of OPT-13B KV), and a tight 1,024 blocks (16k tokens)
     for blocks in (None, 1024):
         for acc in (*ACCURACIES, "exact"):
             for adm in ADMISSIONS:
