@@ -19,6 +19,7 @@ writes a JSON with everything and bar plots.
 
     python benchmarks/tetri.py [--arrival burst|poisson] [--rate R] [--links 25 200 300]
         [--num-requests 128] [--out-dir DIR] [--ablations]
+    python benchmarks/tetri.py --part prefill admission dispatch   # the policy grids
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def vllm(max_seqs: int) -> ClusterConfig:
 
 
 def tetri(link_gbs: float, chunk: int, **over: Any) -> ClusterConfig:
-    prefill = {"policy": over.pop("policy", "sjf"), "prefill_sched_batch": 16,
+    prefill = {"policy": over.pop("policy", "sjf"),
+               "prefill_sched_batch": over.pop("sched_batch", 16),
                "prefill_chunk_size": over.pop("chunk_size", chunk)}
-    decode = {"admission": over.pop("admission", "reserve-dynamic")}
+    decode = {"admission": over.pop("admission", "reserve-dynamic"),
+              "num_kv_blocks": over.pop("decode_kv_blocks", None)}
     d = {"model": "opt-13b", "kv_link": Link(link_gbs),
          "roles": [{"role": "prefill", "count": over.pop("num_prefill", 1), "engine": prefill},
                    {"role": "decode", "count": over.pop("num_decode", 1), "engine": decode}],
@@ -81,14 +84,33 @@ def run(dep: ClusterConfig, workload: str, args: argparse.Namespace) -> dict[str
     ok = [r for r in records if r.ok]
     ttft = np.array([r.timeline.token_times[0] - r.timeline.arrival for r in ok])
     jct = np.array([r.timeline.finish - r.timeline.arrival for r in ok])
+    wait = np.array([r.timeline.prefill_start - r.timeline.arrival for r in ok
+                     if r.timeline.prefill_start is not None])
+    # decode phase: from the first token to the last (TetriInfer Figure 19's decoding time)
+    dec = [(r.timeline.token_times[0], r.timeline.finish) for r in ok
+           if len(r.timeline.token_times) > 1]
     busy = {iid: s.busy_time for iid, s in res.instance_stats.items()}
     resource = sum(busy.values())
     flips = built.simulator.controller.flips
+    # heavy (> 128 output tokens, §5.1) and light decodes each decode instance served
+    hist = built.simulator.controller.history or {}
+    mix: dict[str, list[int]] = {}
+    for r in ok:
+        h = hist.get(r.request_id)
+        if h is not None and h.decode_instance is not None:
+            mix.setdefault(h.decode_instance, [0, 0])[r.output_len <= 128] += 1
     return {"n": len(ok), "failed": len(records) - len(ok), "ttft": float(ttft.mean()),
             "jct": float(jct.mean()), "resource_s": resource,
             "perf_per_dollar": len(ok) / resource, "makespan": res.duration, "busy": busy,
             "flips": [vars(f) for f in flips.records] if flips is not None else [],
-            "preemptions": sum(s.num_preemptions for s in res.instance_stats.values())}
+            "preemptions": sum(s.num_preemptions for s in res.instance_stats.values()),
+            "preemptions_by_instance": {iid: s.num_preemptions
+                                        for iid, s in res.instance_stats.items()},
+            "prefill_wait": float(wait.mean()) if len(wait) else float("nan"),
+            "decode_span": (max(e for _, e in dec) - min(b for b, _ in dec)) if dec else 0.0,
+            "decode_time": float(np.mean([e - b for b, e in dec])) if dec else 0.0,
+            "decode_busy": {iid: b for iid, b in busy.items() if "decode" in iid},
+            "decode_mix": mix}
 
 
 def pct(new: float, old: float) -> str:
@@ -111,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     p.add_argument("--out-dir", default="out/tetri", help="JSON and plots")
     p.add_argument("--ablations", action="store_true")
+    p.add_argument("--part", nargs="+", default=["main"],
+                   choices=("main", "prefill", "admission", "dispatch"),
+                   help="main: TetriInfer vs vLLM per workload (with --ablations); prefill: "
+                        "FCFS/SJF/LJF x PrefillSchedBatch 16-128 (Figure 16); admission: "
+                        "greedy/reserve-static/reserve-dynamic x predictor accuracy (Figure "
+                        "18); dispatch: decode routers x 2-8 decode instances (Figure 19)")
     p.add_argument("--vllm-max-seqs", type=int, default=16,
                    help="the baseline's batch size (TetriInfer §5.2.1 sets vLLM's to 16; "
                         "vLLM's default is 256)")
@@ -127,6 +155,17 @@ def main(argv: list[str] | None = None) -> None:
              "| Tetri JCT s | ΔJCT (paper) | vLLM busy s | Tetri busy s | Δresource (paper) "
              "| perf/$ × (paper) | flips |", "|---" * 13 + "|"]
     t0 = time.perf_counter()
+    grids = [g for g in ("prefill", "admission", "dispatch") if g in args.part]
+    if grids:
+        for g in grids:
+            res: dict[str, Any] = {"chunk_size": chunk, "rows": []}
+            table = GRIDS[g](args, chunk, res)
+            print("\n".join(table))
+            (out / f"tetri_{g}_grid.json").write_text(json.dumps(res, indent=1))
+            PLOTS[g](res, out / f"tetri_{g}_grid.png")
+        print(f"{time.perf_counter() - t0:.0f} s wall", file=sys.stderr)
+        if "main" not in args.part:
+            return
     for wl in args.workloads:
         base = run(vllm(args.vllm_max_seqs), wl, args)
         results["runs"][f"{wl}/vllm"] = base
@@ -203,6 +242,162 @@ def flip_scenario(chunk: int, results: dict[str, Any]) -> list[str]:
                      f"{r['perf_per_dollar']:.2f} | {done} |")
         print(lines[-1], file=sys.stderr)
     return lines
+
+
+# ------------------------------------------------------------------------------ grids
+SCHED_BATCHES = (16, 32, 64, 128)
+ACCURACIES = (0.5, 0.749, 0.9, 1.0)
+ADMISSIONS = ("greedy", "reserve-static", "reserve-dynamic")
+ROUTERS = ("power_of_two_length", "random", "least_load", "imbalanced")
+
+
+def _burst(n: int) -> argparse.Namespace:
+    return argparse.Namespace(arrival="burst", rate=1.0, num_requests=n, seed=0)
+
+
+def prefill_grid(args: argparse.Namespace, chunk: int, res: dict[str, Any]) -> list[str]:
+    """TetriInfer §3.3.1 / Figure 16: FCFS, SJF and LJF prefill order x PrefillSchedBatch 16
+    to 128, 1 prefill + 1 decode instance, all of ``--num-requests`` at once (mixed, lphd)."""
+    lines = ["| workload | PrefillSchedBatch | policy | prefill wait s | TTFT s | vs FCFS "
+             "| JCT s |", "|---" * 7 + "|"]
+    for wl in ("mixed", "lphd"):
+        for b in SCHED_BATCHES:
+            fcfs = None
+            for pol in ("fcfs", "sjf", "ljf"):
+                r = run(tetri(300.0, chunk, policy=pol, sched_batch=b), wl, args)
+                fcfs = fcfs or r
+                res["rows"].append({"workload": wl, "batch": b, "policy": pol, **r})
+                lines.append(f"| {wl} | {b} | {pol.upper()} | {r['prefill_wait']:.2f} | "
+                             f"{r['ttft']:.2f} | {pct(r['ttft'], fcfs['ttft'])} | "
+                             f"{r['jct']:.1f} |")
+                print(lines[-1], file=sys.stderr)
+    return lines
+
+
+def admission_grid(args: argparse.Namespace, chunk: int, res: dict[str, Any]) -> list[str]:
+    """TetriInfer §3.4 / Figure 18: greedy, reserve-static and reserve-dynamic decode admission
+    against the oracle predictor's accuracy (and exact lengths: no predictor, the admission
+    reads ``max_tokens``), 256 ShareGPT (mixed) requests at once, 1 prefill + 1 decode."""
+    a = _burst(256)
+    lines = ["| decode KV | admission | accuracy | JCT s | vs greedy | TTFT s | "
+             "decode s / request | preemptions |", "|---" * 8 + "|"]
+    greedy: dict[Any, dict[str, Any]] = {}
+    # the A100's memory (~63k tokens of OPT-13B KV), and a tight 1,024 blocks (16k tokens)
+    for blocks in (None, 1024):
+        for acc in (*ACCURACIES, "exact"):
+            for adm in ADMISSIONS:
+                over: dict[str, Any] = ({"length_predictor": "none"} if acc == "exact"
+                                        else {"predictor_accuracy": acc})
+                r = run(tetri(300.0, chunk, admission=adm, decode_kv_blocks=blocks, **over),
+                        "mixed", a)
+                greedy.setdefault((blocks, acc), r)
+                res["rows"].append({"admission": adm, "accuracy": acc, "kv_blocks": blocks,
+                                    **r})
+                label = "exact lengths" if acc == "exact" else f"{acc:.1%}"
+                lines.append(f"| {blocks or 'A100'} | {adm} | {label} | {r['jct']:.1f} | "
+                             f"{pct(r['jct'], greedy[(blocks, acc)]['jct'])} | "
+                             f"{r['ttft']:.2f} | {r['decode_time']:.1f} | "
+                             f"{r['preemptions']} |")
+                print(lines[-1], file=sys.stderr)
+    return lines
+
+
+def dispatch_grid(args: argparse.Namespace, chunk: int, res: dict[str, Any]) -> list[str]:
+    """TetriInfer §3.3.4 / Figure 19: decode dispatch policies, 32 ShareGPT (mixed) requests
+    per decode instance at once, 2, 4 and 8 decode instances, as many prefill instances (so
+    that prefill does not pace the decodes).
+    Total decoding time: first decode token to last finish over the run; also the mean
+    per-request decode time and the slowest decode instance's busy seconds."""
+    lines = ["| decode instances | router | total decode time s | vs power-of-two | "
+             "decode s / request | slowest instance busy s (heavy:light) | JCT s | "
+             "preemptions |", "|---" * 8 + "|"]
+    for n in (2, 4, 8):
+        ref = None
+        for router in ROUTERS:
+            r = run(tetri(300.0, chunk, num_prefill=n, num_decode=n, decode_router=router),
+                    "mixed", _burst(32 * n))
+            ref = ref or r
+            res["rows"].append({"num_decode": n, "router": router, **r})
+            slow = max(r["decode_busy"], key=r["decode_busy"].get)
+            hv, lt = r["decode_mix"].get(slow, (0, 0))
+            lines.append(f"| {n} | {router} | {r['decode_span']:.1f} | "
+                         f"{pct(r['decode_span'], ref['decode_span'])} | "
+                         f"{r['decode_time']:.1f} | {r['decode_busy'][slow]:.1f} "
+                         f"({hv}:{lt}) | "
+                         f"{r['jct']:.1f} | {r['preemptions']} |")
+            print(lines[-1], file=sys.stderr)
+    return lines
+
+
+def _plt() -> Any:
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_prefill(res: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, wl in zip(axes, ("mixed", "lphd")):
+        for pol in ("fcfs", "sjf", "ljf"):
+            rows = [r for r in res["rows"] if r["workload"] == wl and r["policy"] == pol]
+            ax.plot([r["batch"] for r in rows], [r["ttft"] for r in rows], "o-",
+                    label=pol.upper())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(SCHED_BATCHES, [str(b) for b in SCHED_BATCHES])
+        ax.set_xlabel("PrefillSchedBatch")
+        ax.set_ylabel("avg TTFT (s)")
+        ax.set_title(f"{wl.upper()}, 128 requests at once")
+        ax.legend()
+    fig.suptitle("Prefill order x PrefillSchedBatch (OPT-13B, A100 profile, 1P+1D)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_admission(res: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    xs = [*ACCURACIES, "exact"]
+    for row, blocks in zip(axes, (None, 1024)):
+        for i, adm in enumerate(ADMISSIONS):
+            rows = [next(r for r in res["rows"] if r["admission"] == adm and
+                         r["accuracy"] == a and r.get("kv_blocks") == blocks) for a in xs]
+            row[0].plot(range(len(xs)), [r["jct"] for r in rows], "o-", label=adm,
+                        color=f"C{i}")
+            row[1].plot(range(len(xs)), [r["preemptions"] for r in rows], "o-", label=adm,
+                        color=f"C{i}")
+        what = "A100 memory" if blocks is None else f"{blocks} KV blocks"
+        for ax, y in zip(row, ("avg JCT (s)", "preemptions (recomputations)")):
+            ax.set_xticks(range(len(xs)), [f"{a:.0%}" if a != "exact" else "exact"
+                                           for a in xs])
+            ax.set_xlabel("predictor accuracy (granularity 200)")
+            ax.set_ylabel(y)
+            ax.set_title(f"decode instance: {what}")
+    axes[0][0].legend()
+    fig.suptitle("Decode admission x predictor accuracy (MIXED, 256 requests at once, 1P+1D)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_dispatch(res: dict[str, Any], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ns = sorted({r["num_decode"] for r in res["rows"]})
+    for router in ROUTERS:
+        rows = [r for r in res["rows"] if r["router"] == router]
+        ax.plot(ns, [r["decode_span"] for r in rows], "o-", label=router)
+    ax.set_xticks(ns)
+    ax.set_xlabel("decode instances (32 requests each)")
+    ax.set_ylabel("total decode time (s)")
+    ax.set_title("Decode dispatch (MIXED, n prefill + n decode)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+GRIDS = {"prefill": prefill_grid, "admission": admission_grid, "dispatch": dispatch_grid}
+PLOTS = {"prefill": plot_prefill, "admission": plot_admission, "dispatch": plot_dispatch}
 
 
 def plot(results: dict[str, Any], args: argparse.Namespace, out: Path) -> None:

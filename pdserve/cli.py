@@ -12,7 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Modules that add their own subcommands (serve; simulate/profile; bench/goodput/compare; demo).
+# Modules that add their own subcommands (serve; simulate/profile; bench/goodput/compare; demo;
+# plan; predictor).
 # pdserve.sim.target registers the `sim` benchmark target.
 _SUBCOMMAND_MODULES = (
     "pdserve.server.cli",
@@ -22,6 +23,7 @@ _SUBCOMMAND_MODULES = (
     "pdserve.bench.cli",
     "pdserve.demo",
     "pdserve.planner.cli",
+    "pdserve.predict.cli",
 )
 
 

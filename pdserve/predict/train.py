@@ -4,6 +4,8 @@ Training data are logged pairs (prompt, generated length) of the target model: a
 with ``output_len`` and ``prompt_token_ids`` (or only ``prompt_len``), or a length trace of
 ``shared/traces`` by name (length-only: the features are the prompt length alone). The paper
 splits its pairs into a training and an evaluation part; :func:`split` does the same, seeded.
+:class:`PairLog` writes that JSONL (``pdserve serve --log-length-pairs FILE``), so the served
+model's own answers become the next predictor's training data (the paper's Figure 8 loop).
 """
 
 from __future__ import annotations
@@ -34,6 +36,33 @@ class Pairs:
     def take(self, idx: np.ndarray) -> Pairs:
         return Pairs(self.prompt_lens[idx], self.output_lens[idx],
                      [self.prompts[i] for i in idx])
+
+
+class PairLog:
+    """Appends one logged pair per finished request to a JSONL file:
+    ``{"prompt_token_ids": [...], "output_len": n}`` (what :func:`load_pairs` reads). Each line
+    is flushed as it is written, so a server that is killed loses at most the line in flight;
+    an existing file is appended to. Writes come from one thread (the server's event loop)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"length-pair log {str(path)!r} is a directory")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = self.path.open("a", encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot write length-pair log {str(path)!r}: {e}") from None
+        self.count = 0
+
+    def write(self, prompt_token_ids: Sequence[int], output_len: int) -> None:
+        self._f.write(json.dumps({"prompt_token_ids": [int(t) for t in prompt_token_ids],
+                                  "output_len": int(output_len)}) + "\n")
+        self._f.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def load_pairs(source: str, traces_dir: str | None = None) -> Pairs:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -56,6 +56,9 @@ from pdserve.server.protocol import (
     dump_json,
 )
 from pdserve.tokenizer import apply_chat_template
+
+if TYPE_CHECKING:
+    from pdserve.predict.train import PairLog
 
 INLINE_TEXT = 256  # characters; shorter texts are tokenized on the loop (a few microseconds)
 LARGE_TEXT = 1 << 16  # characters; longer texts are tokenized on their own thread
@@ -116,8 +119,10 @@ class OpenAIServer:
     prompt does not hold up the others. A prompt with more characters than ``max_model_len``
     tokens could hold is refused before it is tokenized."""
 
-    def __init__(self, runtime: ServingRuntime, model_name: str) -> None:
+    def __init__(self, runtime: ServingRuntime, model_name: str,
+                 pair_log: PairLog | None = None) -> None:
         self.runtime = runtime
+        self.pair_log = pair_log  # (prompt, output length) of each finished choice
         self.model_name = model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics(runtime, model_name)
@@ -320,7 +325,8 @@ class OpenAIServer:
             for j in range(fmt.n):
                 pj = p if j == 0 or p.seed is None else replace(p, seed=derive_seed(p.seed, j))
                 jobs.append((ids, pj))
-        fan = Fanout(self.runtime, self.metrics, fmt, jobs)
+        fan = Fanout(self.runtime, self.metrics, fmt, jobs,
+                     None if self.pair_log is None else self._log_pair)
         try:
             await fan.start()
         except (QueueFullError, ValueError, RequestFailedError) as e:
@@ -339,6 +345,10 @@ class OpenAIServer:
                 raise APIError(500, out.error or "the request failed")
         timeline = _timeline(finals) if body.return_timeline else None
         return Response(dump_json(fmt.response(finals, timeline)), media_type="application/json")
+
+    def _log_pair(self, prompt_ids: list[int], out: RequestOutput) -> None:
+        assert self.pair_log is not None
+        self.pair_log.write(prompt_ids, len(out.token_ids))
 
     async def _collect(self, raw: Request, fan: Fanout) -> list[RequestOutput] | None:
         """The final outputs in choice order, or ``None`` if the client disconnected first
@@ -441,12 +451,15 @@ def _tokenizer_vocab_size(tokenizer: Any) -> int | None:
 
 def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
               api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              pair_log: PairLog | None = None) -> FastAPI:
     """The FastAPI app serving ``runtime`` (already started) under ``served_model_name``
     (default: :func:`default_served_model_name` of the runtime's model, never a cache path).
-    ``api_key`` protects the ``/v1`` endpoints; bodies over ``max_request_bytes`` get a 413."""
+    ``api_key`` protects the ``/v1`` endpoints; bodies over ``max_request_bytes`` get a 413.
+    With ``pair_log`` every choice that finishes (stop or length) is logged as a (prompt,
+    output length) pair, the length predictor's training data (TetriInfer §3.3.2)."""
     server = OpenAIServer(runtime, served_model_name or default_served_model_name(
-        runtime.model_name))
+        runtime.model_name), pair_log)
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving")
     app.state.server = server
 

@@ -12,6 +12,7 @@ import contextlib
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from pdserve.config import ClusterConfig
 from pdserve.flags import (
@@ -22,6 +23,9 @@ from pdserve.flags import (
     positive_int,
 )
 from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
+
+if TYPE_CHECKING:
+    from pdserve.predict.train import PairLog
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
     m.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    m.add_argument("--log-length-pairs", metavar="FILE.jsonl",
+                   help="append each finished request's (prompt_token_ids, output_len) to FILE, "
+                        "training data for `pdserve predictor train` (TetriInfer section "
+                        "3.3.2) (default: off)")
     add_deployment_flags(p, model_help="Hugging Face model directory")
     one_line_errors(p)
     p.set_defaults(func=run)
@@ -80,8 +88,10 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
 async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000,
                 served_model_name: str | None = None, api_key: str | None = None,
                 log_level: str = "info",
-                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
-    """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down."""
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                pair_log: PairLog | None = None) -> None:
+    """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down. With
+    ``pair_log``, every finished request is logged as a (prompt, output length) pair."""
     import uvicorn
 
     from pdserve.cluster.runtime import build_runtime
@@ -97,7 +107,7 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     main_thread = threading.current_thread() is threading.main_thread()
     handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
     try:
-        app = build_app(runtime, served_model_name, api_key, max_request_bytes)
+        app = build_app(runtime, served_model_name, api_key, max_request_bytes, pair_log)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
         # uvicorn re-raises the signal it caught once it has stopped; route it to a no-op so
@@ -125,9 +135,18 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
 
 def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config, args.host, args.port, args.served_model_name, args.api_key,
-                          args.log_level, args.max_request_bytes))
+    pair_log = None
+    if args.log_length_pairs:
+        from pdserve.predict.train import PairLog
+
+        pair_log = PairLog(args.log_length_pairs)  # a bad path fails before the model loads
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(config, args.host, args.port, args.served_model_name,
+                              args.api_key, args.log_level, args.max_request_bytes, pair_log))
+    finally:
+        if pair_log is not None:
+            pair_log.close()
     return 0
 
 

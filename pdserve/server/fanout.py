@@ -4,7 +4,7 @@ one stream."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -33,8 +33,10 @@ class Fanout:
     whatever is still running."""
 
     def __init__(self, runtime: Any, metrics: ServerMetrics, fmt: ResponseFormat,
-                 jobs: list[tuple[list[int], SamplingParams]]) -> None:
+                 jobs: list[tuple[list[int], SamplingParams]],
+                 on_finish: Callable[[list[int], RequestOutput], None] | None = None) -> None:
         self.runtime = runtime
+        self.on_finish = on_finish  # called with (prompt ids, final output) of each choice
         self.metrics = metrics
         self.fmt = fmt
         self.jobs = jobs
@@ -82,6 +84,7 @@ class Fanout:
                         self._pump(j)
                 self.queue.put_nowait((index, out, None))
                 if out.finished:
+                    self._finished(index, out)
                     return
             raise RuntimeError("the runtime ended the output stream without a final output")
         except Exception as e:
@@ -89,6 +92,10 @@ class Fanout:
             self.queue.put_nowait((index, None, e))
         finally:
             tracker.close()
+
+    def _finished(self, index: int, out: RequestOutput) -> None:
+        if self.on_finish is not None and out.finish_reason in ("stop", "length"):
+            self.on_finish(self.jobs[index][0], out)
 
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._iter()
@@ -102,6 +109,7 @@ class Fanout:
                     if out.finished:
                         self.finished = 1
                         self.done.add(0)
+                        self._finished(0, out)
                     yield 0, out
                     if out.finished:
                         return

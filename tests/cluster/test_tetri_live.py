@@ -6,6 +6,7 @@ block (§3.5: the worker's scheduler changes role in place)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -70,3 +71,74 @@ async def test_tetri_live_matches_offline_and_flips_without_loss(model_dir: str)
         assert worker.role == "decode" and worker.engine.scheduler.role == "decode"
     finally:
         await rt.shutdown()
+
+
+def _serve_flags(model_dir: str, *extra: str) -> list[str]:
+    """The issue's "done when" command line (TetriInfer's setting), on the tiny model."""
+    return ["serve", "--model", model_dir, "--strategy", "disaggregated", "--policy", "sjf",
+            "--prefill-sched-batch", "16", "--prefill-chunk-size", "48",
+            "--decode-router", "power_of_two_length", "--admission", "reserve-dynamic",
+            "--flip", "idle:60", "--backend", "inproc", "--max-model-len", "256",
+            "--num-kv-blocks", "96", "--max-num-batched-tokens", "512", *extra]
+
+
+async def test_serve_with_tetriinfer_flags_logs_pairs_that_train_the_predictor(
+        model_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """``pdserve serve``'s TetriInfer flags, parsed as the CLI does, over HTTP: greedy answers
+    equal the offline ones (a single choice, a streamed one, n = 2); ``--log-length-pairs``
+    writes one (prompt ids, output length) line per finished choice; ``pdserve predictor
+    train`` fits a classifier on that log, and a second server runs with it
+    (``--length-predictor classifier --predictor-data model.npz``)."""
+    import httpx
+
+    from pdserve.cli import build_parser
+    from pdserve.cli import main as pdserve_main
+    from pdserve.predict.train import PairLog, load_pairs
+    from pdserve.server.app import serve_locally
+    from pdserve.server.cli import config_from_args
+
+    ps = prompts()
+    lens = [3 + 2 * i for i in range(len(ps))]  # max_tokens per prompt: 3, 5, ..., 13
+    ref = [LLM(model_dir, num_kv_blocks=96, max_model_len=256).generate(
+        [p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].text
+        for p, n in zip(ps, lens)]
+    log_path = tmp_path / "pairs.jsonl"
+
+    async def serve_and_ask(flags: list[str], log: PairLog | None) -> None:
+        cfg = config_from_args(build_parser().parse_args(flags))
+        assert cfg.strategy == "disaggregated" and cfg.flip == "idle:60"
+        rt = await build_runtime(cfg)
+        async with serve_locally(rt, pair_log=log) as url, httpx.AsyncClient(
+                base_url=url, timeout=60) as c:
+            def body(i: int, **kw: object) -> dict[str, object]:
+                return {"prompt": ps[i], "max_tokens": lens[i], "temperature": 0,
+                        "ignore_eos": True, **kw}
+
+            rs = await asyncio.gather(*(c.post("/v1/completions", json=body(i))
+                                        for i in range(len(ps))))
+            assert [r.json()["choices"][0]["text"] for r in rs] == ref
+            two = (await c.post("/v1/completions", json=body(1, n=2))).json()
+            assert [ch["text"] for ch in two["choices"]] == [ref[1]] * 2
+            async with c.stream("POST", "/v1/completions",
+                                json=body(2, stream=True)) as s:
+                text = "".join([json.loads(line[6:])["choices"][0]["text"]
+                                async for line in s.aiter_lines()
+                                if line.startswith("data: {")])
+            assert text == ref[2]
+            await assert_pools_clean(rt)
+
+    log = PairLog(log_path)
+    await serve_and_ask(_serve_flags(model_dir, "--length-predictor", "oracle"), log)
+    log.close()
+    # one line per finished choice: the six prompts, the two samples of prompt 1, prompt 2
+    pairs = load_pairs(str(log_path))
+    got = sorted(zip(map(tuple, pairs.prompts), pairs.output_lens.tolist()))
+    want = sorted([(tuple(p), n) for p, n in zip(ps, lens)]
+                  + [(tuple(ps[1]), lens[1])] * 2 + [(tuple(ps[2]), lens[2])])
+    assert got == want and log.count == 9
+
+    model = tmp_path / "len.npz"
+    assert pdserve_main(["predictor", "train", "--data", str(log_path), "--granularity", "4",
+                         "--eval-share", "0", "--output", str(model)]) == 0
+    await serve_and_ask(_serve_flags(model_dir, "--length-predictor", "classifier",
+                                     "--predictor-data", str(model)), None)
