@@ -12,8 +12,14 @@ import pytest
 from pdserve.cluster.instances import InProcessInstance
 from pdserve.cluster.runtime import ClusterRuntime
 from pdserve.cluster.worker import InstanceWorker
-from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, InstanceSpec, ModelConfig
-from pdserve.config import SchedulerConfig
+from pdserve.config import (
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    InstanceSpec,
+    ModelConfig,
+    SchedulerConfig,
+)
 from pdserve.request import SamplingParams
 from tests.engine.fakes import FakeExecutor, reference_generate
 
