@@ -165,3 +165,49 @@ async def test_bad_scaling_requests_get_clear_errors() -> None:
         assert toks == reference_generate(prompt(1), 5, VOCAB)
     finally:
         await rt.shutdown()
+
+
+async def test_admin_endpoint_adds_and_removes_with_openai_errors() -> None:
+    import httpx
+
+    from pdserve.server.app import build_app
+
+    rt = runtime("disaggregated", p=1, d=1)
+    await rt.start()
+    app = build_app(rt, "fake", api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                     base_url="http://t", headers=auth) as c:
+            r = await c.post("/admin/instances", json={"action": "add", "role": "decode"})
+            assert r.status_code == 200, r.text
+            assert r.json()["instance_id"] == "decode-1"
+            busy = asyncio.create_task(run(rt, "x", prompt(3), 30))
+            await wait_for(lambda: rt.instances["decode-0"].view.active
+                           + rt.instances["decode-1"].view.active > 0, "a decode")
+            target = "decode-0" if rt.instances["decode-0"].view.active else "decode-1"
+            r = await c.post("/admin/instances", json={"action": "remove",
+                                                       "instance_id": target})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["pool"]["used_blocks"] == 0 and body["drain_seconds"] >= 0
+            assert busy.done()  # the request it held finished before the removal answered
+            assert (await busy)[0] == reference_generate(prompt(3), 30, VOCAB)
+            listed = (await c.get("/admin/instances")).json()["instances"]
+            assert sorted(i["instance_id"] for i in listed) == sorted(rt.instances)
+            bad = [({"action": "remove", "instance_id": "prefill-0"}, "last prefill instance"),
+                   ({"action": "remove", "instance_id": "zz"}, "unknown instance 'zz'"),
+                   ({"action": "add"}, "needs a role"),
+                   ({"action": "add", "role": "gpu"}, "unknown role 'gpu'"),
+                   ({"action": "add", "role": "colocated"}, "cannot add a 'colocated'"),
+                   ({"action": "grow", "role": "decode"}, "action"),
+                   ({"action": "add", "role": "decode", "extra": 1}, "extra")]
+            for payload, msg in bad:
+                r = await c.post("/admin/instances", json=payload)
+                assert r.status_code == 400, (payload, r.text)
+                assert msg in r.json()["error"]["message"], (payload, r.text)
+            r = await c.post("/admin/instances", json={"action": "add", "role": "decode"},
+                             headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+    finally:
+        await rt.shutdown()
