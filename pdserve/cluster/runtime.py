@@ -109,6 +109,8 @@ class ClusterRuntime:
         # starts the client of a new instance (add_instance); build_runtime sets it
         self.make_client: Callable[[InstanceSpec], Awaitable[InstanceClient]] | None = None
         self.removals: list[Removal] = []
+        # called with (prompt length, max_tokens, time) at every accepted arrival (replanning)
+        self.arrival_hooks: list[Callable[[int, int, float], None]] = []
         self._adding: set[str] = set()  # ids of instances being started
         router = self.controller.prefill_router
         if isinstance(router, MacroRolling):  # mitosis moves the instances' real handles
@@ -240,11 +242,17 @@ class ClusterRuntime:
         stream = _Stream(list(prompt_token_ids),
                          logprobs=[] if params.logprobs is not None else None)
         self._streams[request_id] = stream
-        acts = self.controller.on_arrival(request_id, prompt_token_ids, params, self.clock())
+        now = self.clock()
+        acts = self.controller.on_arrival(request_id, prompt_token_ids, params, now)
         req = self.controller.get(request_id)
         if req is not None:
             stream.timeline = req.timeline
         self._run(self.core.dispatch(acts))
+        for hook in self.arrival_hooks:
+            try:
+                hook(len(prompt_token_ids), params.max_tokens, now)
+            except Exception:  # a monitor's bug must not fail the request
+                log.exception("arrival hook %r failed", hook)
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:

@@ -6,6 +6,7 @@ checked at shutdown, the others after the run)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -34,13 +35,14 @@ def fake_client(spec: InstanceSpec) -> InProcessInstance:
                                             executor=FakeExecutor(BLOCKS, BS, VOCAB, STEP)))
 
 
-def runtime(strategy: str = "colocated", n: int = 2, p: int = 1, d: int = 1) -> ClusterRuntime:
+def runtime(strategy: str = "colocated", n: int = 2, p: int = 1, d: int = 1,
+            **kw: Any) -> ClusterRuntime:
     eng = EngineConfig(cache=CacheConfig(block_size=BS, num_kv_blocks=BLOCKS),
                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=256))
     cfg = ClusterConfig.from_dict({"engine": eng, "strategy": strategy, "num_instances": n,
                                    "num_prefill": p, "num_decode": d})
     rt = ClusterRuntime(cfg, [fake_client(s) for s in cfg.instance_specs()], tokenizer=None,
-                        model_config=MODEL, model_name="fake")
+                        model_config=MODEL, model_name="fake", **kw)
 
     async def make_client(spec: InstanceSpec) -> InProcessInstance:
         await asyncio.sleep(0.01)  # starting an instance takes a while; requests go on
@@ -54,13 +56,9 @@ def prompt(i: int) -> list[int]:
     return [(7 * i + 3 * j) % (VOCAB - 1) + 1 for j in range(5 + (i * 11) % 23)]
 
 
-FINISHED: dict[str, float] = {}
-
-
 async def run(rt: ClusterRuntime, rid: str, pr: list[int], n: int) -> tuple[list[int], str]:
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     outs = [o async for o in rt.generate(rid, pr, params)]
-    FINISHED[rid] = outs[-1].timeline.finish
     return [t for o in outs for t in o.new_token_ids], outs[-1].instance_id or ""
 
 
@@ -98,6 +96,8 @@ async def test_colocated_remove_drains_and_add_takes_new_requests() -> None:
         # routed after the removal began: never to the draining instance
         later = [asyncio.create_task(run(rt, f"b{i}", prompt(20 + i), n_tok)) for i in range(8)]
         rec = await asyncio.wait_for(removal, 20)
+        # it left only once the requests it held had finished
+        assert not on_victim & set(rt.controller.requests)
         res = await asyncio.wait_for(asyncio.gather(*first, *later), 20)
         prompts = [prompt(i) for i in range(8)] + [prompt(20 + i) for i in range(8)]
         for pr, (toks, _) in zip(prompts, res):
@@ -105,7 +105,6 @@ async def test_colocated_remove_drains_and_add_takes_new_requests() -> None:
         # the requests it held finished there; nothing new went to it
         served = {f"a{i}": iid for i, (_, iid) in enumerate(res[:8])}
         assert all(served[r] == "colocated-0" for r in on_victim)
-        assert all(FINISHED[r] <= rec.drained for r in on_victim)  # it drained, then left
         assert all(iid != "colocated-0" for _, iid in res[8:])
         assert any(iid == "colocated-2" for _, iid in res[8:])
         assert rec.pool == {"used_blocks": 0, "num_blocks": BLOCKS, "num_requests": 0}
@@ -209,5 +208,42 @@ async def test_admin_endpoint_adds_and_removes_with_openai_errors() -> None:
             r = await c.post("/admin/instances", json={"action": "add", "role": "decode"},
                              headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401
+    finally:
+        await rt.shutdown()
+
+
+async def test_live_replanning_follows_a_rate_shift() -> None:
+    """10 req/s, then 30 req/s, then 10 req/s again (a virtual clock): the monitor detects
+    each shift, the planner asks for rate / 10 instances (rounded), the runtime grows to 3 and
+    shrinks back to 1 (the removed ones drain) while serving every request."""
+    from pdserve.planner.replan import LiveReplanner, ShiftDetector
+
+    now = [0.0]
+    rt = runtime("colocated", n=1, clock=lambda: now[0])
+    rp = LiveReplanner(rt, ShiftDetector(window_s=1.0, min_requests=5),
+                       lambda w: {"colocated": round(w.rate / 10)})
+    await rt.start()
+    try:
+        tasks, k = [], 0
+        for rate, seconds in ((10, 2.5), (30, 2.5), (10, 3.0)):
+            for _ in range(int(rate * seconds)):
+                now[0] += 1 / rate
+                tasks.append(asyncio.create_task(run(rt, f"r{k}", prompt(k), 8)))
+                k += 1
+                await asyncio.sleep(0.003)
+                if rp.replans and rp.replans[-1].applied is None:
+                    await rp.wait()  # (arrivals wait for the change in virtual time)
+        res = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        await rp.wait()
+        for i, (toks, _) in enumerate(res):
+            assert toks == reference_generate(prompt(i), 8, VOCAB)
+        assert [r.planned for r in rp.replans] == [{"colocated": 3}, {"colocated": 1}]
+        assert [r.before for r in rp.replans] == [{"colocated": 1}, {"colocated": 3}]
+        assert [r.shift.reasons[0].split()[0] for r in rp.replans] == ["rate", "rate"]
+        assert rp.counts() == {"colocated": 1} and len(rt.removals) == 2
+        assert all(r.pool["used_blocks"] == 0 for r in rt.removals)
+        served = {iid for _, iid in res}
+        assert {"colocated-1", "colocated-2"} <= served  # the added instances served
+        await pools_clean(rt)
     finally:
         await rt.shutdown()
