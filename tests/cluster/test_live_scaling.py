@@ -247,3 +247,11 @@ async def test_live_replanning_follows_a_rate_shift() -> None:
         await pools_clean(rt)
     finally:
         await rt.shutdown()
+
+
+def test_placement_counts_of_planned_deployments() -> None:
+    from pdserve.planner.replan import placement_counts
+
+    assert placement_counts({"model": "opt-13b", "strategy": "disaggregated",
+                             "num_prefill": 2, "num_decode": 3}) == {"prefill": 2, "decode": 3}
+    assert placement_counts({"model": "opt-13b", "num_instances": 4}) == {"colocated": 4}
