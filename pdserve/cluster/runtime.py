@@ -215,7 +215,9 @@ class ClusterRuntime:
     def _handle_of(self, instance_id: str) -> InstanceHandle:
         """What mitosis hands between macro instances: the id, pool size and the client's
         serializable handle (a Ray actor handle; ``None`` for a thread)."""
-        inst = self.instances[instance_id]
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return InstanceHandle(instance_id)
         return InstanceHandle(instance_id, inst.view.num_kv_blocks, inst.view.block_size,
                               inst.client.portable_handle())
 

@@ -455,6 +455,8 @@ async def admin_instances(runtime: Any, body: AdminInstancesRequest) -> dict[str
             iid = await runtime.add_instance(body.role, body.instance_id)
         except ValueError as e:
             raise APIError(400, str(e), param="role") from None
+        except RuntimeError as e:  # e.g. the Ray cluster has no CPU/GPU left for the actor
+            raise APIError(503, f"cannot start a {body.role} instance: {e}") from None
         return {"action": "add", "instance_id": iid, "instances": _instances(runtime)}
     if not body.instance_id:
         raise APIError(400, "action 'remove' needs an instance_id", param="instance_id")
