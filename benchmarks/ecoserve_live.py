@@ -14,7 +14,7 @@ migrations and their times, and that every request finished.
 Small and noisy by necessity: a 2-core machine shared with other jobs.
 
     python benchmarks/ecoserve_live.py [--instances 3] [--rates 2 6 12 6 2] [--step-s 12]
-        [--slo-ttft 0.3] [--slo-tpot 0.05] [--plot docs/img/ecoserve_live.png]
+        [--slo-ttft 0.1] [--slo-tpot 0.02] [--plot docs/img/ecoserve_live.png]
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--rates", type=float, nargs="+", default=[2, 6, 12, 6, 2])
     ap.add_argument("--step-s", type=float, default=12.0)
-    ap.add_argument("--slo-ttft", type=float, default=0.3)
-    ap.add_argument("--slo-tpot", type=float, default=0.05)
+    ap.add_argument("--slo-ttft", type=float, default=0.1)
+    ap.add_argument("--slo-tpot", type=float, default=0.02)
     ap.add_argument("--interval", type=float, default=2.0, help="mitosis decision period (s)")
     ap.add_argument("--lower", type=int, default=1, help="N_l")
     ap.add_argument("--upper", type=int, default=2, help="N_u")
