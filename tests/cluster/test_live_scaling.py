@@ -255,3 +255,41 @@ def test_placement_counts_of_planned_deployments() -> None:
     assert placement_counts({"model": "opt-13b", "strategy": "disaggregated",
                              "num_prefill": 2, "num_decode": 3}) == {"prefill": 2, "decode": 3}
     assert placement_counts({"model": "opt-13b", "num_instances": 4}) == {"colocated": 4}
+
+
+async def test_live_mitosis_in_process_migrates_under_load_and_loses_nothing() -> None:
+    """The macro router's mitosis on the live runtime (threads; the Ray variant with real actor
+    handles is test_live_mitosis_ray.py): a tight TTFT SLO holds requests, so it expands and
+    splits under load; an instance added live is parked, one removed drains."""
+    eng = EngineConfig(cache=CacheConfig(block_size=BS, num_kv_blocks=BLOCKS),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=256, max_model_len=256))
+    cfg = ClusterConfig.from_dict({"engine": eng, "strategy": "partial", "num_instances": 2,
+                                   "mitosis": True, "mitosis_lower": 1, "mitosis_upper": 1,
+                                   "mitosis_interval": 0.01, "slo_ttft": 1e-4,
+                                   "slo_tpot": 1.0})
+    rt = ClusterRuntime(cfg, [fake_client(s) for s in cfg.instance_specs()], tokenizer=None,
+                        model_config=MODEL, model_name="fake")
+    await rt.start()
+    try:
+        spec = InstanceSpec("temporal-2", "temporal", cfg.instance_specs()[0].engine)
+        assert await rt.add_instance("temporal", client=fake_client(spec)) == "temporal-2"
+        router = rt.controller.prefill_router
+
+        async def one(i: int) -> tuple[list[int], str]:
+            await asyncio.sleep(0.004 * i)
+            return await run(rt, f"r{i}", prompt(i), 30)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(40)]
+        await wait_for(lambda: any(m.src is not None and m.dst is not None
+                                   for _, m in router.moves), "a split")
+        assert not all(t.done() for t in tasks)  # under load
+        victim = next(i for i in router.mitosis.members if i != "temporal-0")
+        rec = await asyncio.wait_for(rt.remove_instance(victim), 20)
+        assert rec.pool == {"used_blocks": 0, "num_blocks": BLOCKS, "num_requests": 0}
+        res = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        for i, (toks, _) in enumerate(res):
+            assert toks == reference_generate(prompt(i), 30, VOCAB)
+        assert {"temporal-1", "temporal-2"} & {m.instance_id for _, m in router.moves}
+        await pools_clean(rt)
+    finally:
+        await rt.shutdown()
