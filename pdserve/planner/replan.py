@@ -153,6 +153,47 @@ def simulate_replanning(requests: Sequence[WorkloadRequest], old: Any, new: Any 
     return [by_id[r.request_id] for r in requests]
 
 
+def simulate_scaling(sim: Any, requests: Sequence[WorkloadRequest],
+                     changes: Sequence[tuple[float, Mapping[str, int]]], vocab_size: int,
+                     ) -> tuple[list[RequestRecord], Any]:
+    """Replanning in place in the simulator, as :class:`LiveReplanner` does it live: ``sim``
+    (a ``SimulationConfig``) serves ``requests`` while, at each ``(time, counts)`` of
+    ``changes``, instances are added (copies of the role's first instance) or removed (the
+    youngest first; each drains) through the simulator's scale events — the driver-core
+    operations the live runtime uses. Returns the records and the simulator (its
+    ``removals``: when each removed instance had drained, and its block pool then)."""
+    from dataclasses import replace
+
+    from pdserve.sim.target import build_simulator, to_records, to_sim_requests
+
+    built = build_simulator(sim)
+    s = built.simulator
+    ids: dict[str, list[str]] = {}
+    template: dict[str, Any] = {}
+    for iid, inst in s.insts.items():
+        if inst.pp > 1:
+            raise ValueError("simulate_scaling: pipeline-parallel instances are not supported")
+        role = inst.spec.engine.scheduler.role
+        ids.setdefault(role, []).append(iid)
+        template.setdefault(role, inst.spec)
+    made = {role: len(v) for role, v in ids.items()}
+    for t, counts in sorted(changes, key=lambda c: c[0]):
+        for role, n in counts.items():
+            if role not in ids:
+                raise ValueError(f"the plan has role {role!r}; the deployment has "
+                                 f"{', '.join(sorted(ids))}")
+            mine = ids[role]
+            while len(mine) < n:
+                new = f"{role}-{made[role]}"
+                made[role] += 1
+                s.add_instance(t, replace(template[role], instance_id=new))
+                mine.append(new)
+            while len(mine) > max(n, 1):
+                s.remove_instance(t, mine.pop())
+    result = s.run(to_sim_requests(requests, vocab_size))
+    return to_records(requests, result), s
+
+
 def attainment_over_time(requests: Sequence[WorkloadRequest], records: Sequence[RequestRecord],
                          slo: SLO, bin_s: float) -> list[tuple[float, float, int]]:
     """``(bin start, attainment, requests)`` per ``bin_s`` of arrival time."""
