@@ -36,11 +36,11 @@ def fake_client(spec: InstanceSpec) -> InProcessInstance:
 
 
 def runtime(strategy: str = "colocated", n: int = 2, p: int = 1, d: int = 1,
-            **kw: Any) -> ClusterRuntime:
+            router: str | None = None, **kw: Any) -> ClusterRuntime:
     eng = EngineConfig(cache=CacheConfig(block_size=BS, num_kv_blocks=BLOCKS),
                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=256))
     cfg = ClusterConfig.from_dict({"engine": eng, "strategy": strategy, "num_instances": n,
-                                   "num_prefill": p, "num_decode": d})
+                                   "num_prefill": p, "num_decode": d, "prefill_router": router})
     rt = ClusterRuntime(cfg, [fake_client(s) for s in cfg.instance_specs()], tokenizer=None,
                         model_config=MODEL, model_name="fake", **kw)
 
@@ -80,7 +80,7 @@ async def pools_clean(rt: ClusterRuntime) -> None:
 
 
 async def test_colocated_remove_drains_and_add_takes_new_requests() -> None:
-    rt = runtime("colocated", n=2)
+    rt = runtime("colocated", n=2, router="round_robin")  # the new instance surely serves
     await rt.start()
     try:
         n_tok = 40
@@ -219,7 +219,9 @@ async def test_live_replanning_follows_a_rate_shift() -> None:
     from pdserve.planner.replan import LiveReplanner, ShiftDetector
 
     now = [0.0]
-    rt = runtime("colocated", n=1, clock=lambda: now[0])
+    # round robin: every instance takes its share (shortest-queue ties would all go to the
+    # first instance when requests finish at once)
+    rt = runtime("colocated", n=1, router="round_robin", clock=lambda: now[0])
     rp = LiveReplanner(rt, ShiftDetector(window_s=1.0, min_requests=5),
                        lambda w: {"colocated": round(w.rate / 10)})
     await rt.start()
