@@ -126,6 +126,7 @@ class Controller:
         # every request ever seen, finished ones included (the simulator reports from it)
         self.history: dict[str, ClusterRequest] | None = {} if keep_history else None
         self.queued: deque[ClusterRequest] = deque()  # held by the router, arrival order
+        self.removing: set[str] = set()  # draining before removal (live scaling)
 
     # ------------------------------------------------------------------ helpers
     def _router_of(self, instance_id: str) -> Router:
@@ -256,7 +257,7 @@ class Controller:
                 self.flips.flipped(self.instances[iid], rep.role, rep.now)
         if rep.role == "temporal":
             self.instances[iid].report = rep
-        if rep.kv_events and self.instances[iid].alive:  # for a router's prefix index
+        if rep.kv_events and self.instances[iid].alive and iid not in self.removing:
             self._router_of(iid).on_kv_events(iid, rep.kv_events)
         for rid in rep.imported:
             acts += self.on_imported(iid, rid, rep.now)
@@ -419,6 +420,60 @@ class Controller:
         req.stage, req.finish_reason = "done", "error"
         self.requests.pop(req.request_id, None)
         return acts + [Fail(req.request_id, message, req.timeline)]
+
+    # ------------------------------------------------------------------ membership
+    def add_instance(self, view: InstanceView, now: float) -> list[Action]:
+        """A new instance joins (live scaling, replanning): the routers may pick it from now
+        on, starting with the requests they hold."""
+        if view.instance_id in self.instances:
+            raise ValueError(f"instance id {view.instance_id!r} is already in use")
+        allowed = {"prefill": ("prefill", "decode")}.get(self.entry_role, (self.entry_role,))
+        if view.role not in allowed:
+            raise ValueError(f"cannot add a {view.role!r} instance to a deployment of "
+                             f"{' + '.join(allowed)} instances")
+        self.instances[view.instance_id] = view
+        self._router_of(view.instance_id).on_instance_added(view)
+        return self._route_queued(now) if self.queued else []
+
+    def remove_instance(self, instance_id: str, now: float) -> list[Action]:
+        """Start removing an instance: no request is routed to it any more (its routers forget
+        it); the requests on it run to the end there — decodes finish, a prefill instance's
+        held KV is pulled — after which :meth:`drained` is true and the driver shuts it down
+        and calls :meth:`forget`. A role keeps at least one instance: removing the last one
+        raises ``ValueError``."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            raise ValueError(f"unknown instance {instance_id!r}; instances: "
+                             f"{', '.join(sorted(self.instances))}")
+        if instance_id in self.removing:
+            raise ValueError(f"instance {instance_id!r} is already being removed")
+        if not inst.alive:
+            raise ValueError(f"instance {instance_id!r} is dead")
+        if inst.draining:
+            raise ValueError(f"instance {instance_id!r} is draining for a role flip")
+        if not [i for i in self._live(inst.role) if i.instance_id != instance_id]:
+            raise ValueError(f"cannot remove {instance_id!r}: it is the last {inst.role} "
+                             f"instance (a role keeps at least one)")
+        inst.draining = True
+        self.removing.add(instance_id)
+        self._router_of(instance_id).on_instance_removed(instance_id)
+        return self._route_queued(now) if self.queued else []
+
+    def drained(self, instance_id: str) -> bool:
+        """An instance being removed holds no request any more (or died)."""
+        inst = self.instances[instance_id]
+        return instance_id in self.removing and (inst.active == 0 or not inst.alive)
+
+    def forget(self, instance_id: str) -> None:
+        """Drop a drained (or dead) instance from the cluster's picture."""
+        inst = self.instances[instance_id]
+        if inst.alive and not self.drained(instance_id):
+            raise ValueError(f"instance {instance_id!r} is not drained (being removed, no "
+                             f"request left: {instance_id in self.removing}, "
+                             f"{inst.active} requests)")
+        self.removing.discard(instance_id)
+        del self.instances[instance_id]  # its routers forgot it at removal or failure
+        inst.alive = False
 
     def get(self, request_id: str) -> ClusterRequest | None:
         return self.requests.get(request_id)

@@ -14,6 +14,13 @@ controller actions) and carries out the effects it returns:
 at once with the commands queued so far, *before* the report is processed; commands that
 processing the report produces for the same instance go with the step after. So an instance
 never idles while the driver runs the controller, streams tokens or writes SSE.
+
+**Scaling** (live add/remove, replanning, DistServe §4.4): :meth:`DriverCore.add_instance`
+registers a started instance with the core and the controller; :meth:`DriverCore.remove_instance`
+stops routing to one, which then drains — its requests run to the end there — and once
+:meth:`DriverCore.drained` (no request on it, no step in flight, no command waiting) the driver
+calls :meth:`DriverCore.forget` and shuts the instance down. Both drivers call these, so a
+simulated removal drains exactly as a live one does.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.cluster.controller import Action, ClusterRequest, Controller, Fail, Send, Transfer
+from pdserve.cluster.routing import InstanceView
 from pdserve.cluster.worker import Command, ImportKV, StepReport, TokenDelta
 
 
@@ -102,8 +110,37 @@ class DriverCore:
         ``now`` dates the end of the move; ``None`` when the driver reports it separately."""
         if now is not None:
             self.controller.on_transfer_done(request_id, now)
+        if dst not in self.queues:  # removed meanwhile (the request had been aborted)
+            return []
         self.queues[dst].append(ImportKV(request_id, payload))
         return self.kick(dst)
+
+    # ------------------------------------------------------------------ scaling
+    def add_instance(self, view: InstanceView, now: float) -> list[Effect]:
+        """A started instance joins; requests the router held may go to it at once."""
+        if view.instance_id in self.queues:
+            raise ValueError(f"instance id {view.instance_id!r} is already in use")
+        actions = self.controller.add_instance(view, now)
+        self.queues[view.instance_id] = []
+        self.busy[view.instance_id] = False
+        return self.dispatch(actions)
+
+    def remove_instance(self, instance_id: str, now: float) -> list[Effect]:
+        """Stop routing to ``instance_id``; it drains (``ValueError`` for an unknown, dead or
+        last instance of its role)."""
+        return self.dispatch(self.controller.remove_instance(instance_id, now))
+
+    def drained(self, instance_id: str) -> bool:
+        """Removal may complete: no request left on it, no step in flight, no command queued."""
+        return self.controller.drained(instance_id) and (
+            self.idle(instance_id) or not self.controller.instances[instance_id].alive)
+
+    def forget(self, instance_id: str) -> None:
+        """Drop a drained instance (the driver then shuts it down)."""
+        if not self.drained(instance_id):
+            raise ValueError(f"instance {instance_id!r} has not drained")
+        self.controller.forget(instance_id)
+        del self.queues[instance_id], self.busy[instance_id]
 
     def instance_failed(self, instance_id: str, now: float) -> list[Effect]:
         """The instance is gone: its requests are recomputed elsewhere (or fail)."""

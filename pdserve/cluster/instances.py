@@ -64,6 +64,15 @@ class InstanceClient:
     async def check_integrity(self) -> dict[str, int]:
         raise NotImplementedError
 
+    def portable_handle(self) -> Any:
+        """A serializable handle that reaches this instance from another process (a Ray actor
+        handle), or ``None`` when it has none (a thread)."""
+        return None
+
+    def adopt(self, handle: Any) -> None:
+        """Reach the instance through ``handle`` (one :meth:`portable_handle` returned, moved and
+        rebuilt: EcoServe's instance migration) from now on."""
+
     async def close(self) -> None:
         pass
 
@@ -202,6 +211,12 @@ class RayInstance(InstanceClient):
 
     async def check_integrity(self) -> dict[str, int]:
         return await _await(self.actor.check_integrity.remote())
+
+    def portable_handle(self) -> Any:
+        return self.actor
+
+    def adopt(self, handle: Any) -> None:
+        self.actor = handle
 
     def kill(self) -> None:
         import ray

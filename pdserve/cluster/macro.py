@@ -52,7 +52,12 @@ class MacroRolling(Router):
     parks) after three windows in a row with mean TTFT under half the SLO, nothing held and a
     mean saved TPOT over ``slo_ttft`` (the decodes could absorb a whole TTFT budget of prefill).
     ``scale_log`` keeps ``(time, instances in macro instances, removed ones still draining)``
-    per decision; ``moves`` every migration (with its handle's serialization time).
+    per decision; ``moves`` every migration (with its handle's serialization time). A driver
+    sets ``handle_of`` (instance id → :class:`InstanceHandle`, the live runtime's with the
+    instance's Ray actor handle) and ``on_migrated`` (gets the rebuilt handle) to move real
+    handles; without them a plain handle (id, pool size) is moved. Instances added while
+    serving (:meth:`on_instance_added`) are parked under mitosis, else join the last macro
+    instance with room (or a new one).
 
     Without ``prefill_time`` (a live deployment without a latency model) prefill time is
     estimated online: the mean seconds per prompt token of finished prefills.
@@ -100,6 +105,8 @@ class MacroRolling(Router):
         self._calm = 0
         self.scale_log: list[tuple[float, int, int]] = []
         self.moves: list[tuple[float, Move]] = []
+        self.handle_of: Callable[[str], InstanceHandle] | None = None
+        self.on_migrated: Callable[[InstanceHandle], None] | None = None
 
     # ------------------------------------------------------------------ membership
     @property
@@ -129,13 +136,28 @@ class MacroRolling(Router):
             self.parked.remove(instance_id)
         self.pending.pop(instance_id, None)
 
+    def on_instance_added(self, view: InstanceView) -> None:
+        self.views[view.instance_id] = view
+        if not self._ready:
+            return  # set up with the candidates of the first routing decision
+        if self.scaling:
+            self.parked.append(view.instance_id)
+        elif self.macros and len(self.macros[-1]) < self.macro_size:
+            self.macros[-1].append(view.instance_id)
+        else:
+            self.macros.append([view.instance_id])
+
     def _record(self, moves: list[Move]) -> None:
-        """Hand each moved instance's handle to its new macro-instance scheduler."""
+        """Hand each moved instance's handle to its new macro-instance scheduler: serialize it
+        and rebuild it (timed), then the driver reaches the instance through the rebuilt one."""
         for m in moves:
             v = self.views.get(m.instance_id)
-            handle = InstanceHandle(m.instance_id, v.num_kv_blocks if v else 0,
-                                    v.block_size if v else 16)
-            _, seconds = migrate(handle)
+            handle = (self.handle_of(m.instance_id) if self.handle_of is not None
+                      else InstanceHandle(m.instance_id, v.num_kv_blocks if v else 0,
+                                          v.block_size if v else 16))
+            rebuilt, seconds = migrate(handle)
+            if self.on_migrated is not None:
+                self.on_migrated(rebuilt)
             self.moves.append((self.now, Move(m.instance_id, m.src, m.dst, seconds)))
         if moves:
             self.last.clear()

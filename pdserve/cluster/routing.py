@@ -76,7 +76,10 @@ class Router:
         """KV events of one instance, in emission order."""
 
     def on_instance_removed(self, instance_id: str) -> None:
-        """``instance_id`` died: forget what it cached."""
+        """``instance_id`` died or is being removed: forget what it cached."""
+
+    def on_instance_added(self, view: InstanceView) -> None:
+        """A new instance joined (live scaling); it is among the candidates from now on."""
 
     def on_time(self, now: float) -> None:
         """The controller's current time, before a routing decision or after a report."""

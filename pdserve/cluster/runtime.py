@@ -5,6 +5,11 @@ step in flight, the next one pipelined with report processing) and what the cont
 actions become; this module carries it out on asyncio: a step is a thread or Ray task whose
 report feeds the core, a KV transfer a task. Each request's tokens stream to its caller through
 a queue.
+
+Instances come and go while serving (:meth:`ClusterRuntime.add_instance`,
+:meth:`ClusterRuntime.remove_instance`: live scaling and replanning, DistServe §4.4): a new one
+is started like the deployment's own (a thread or a Ray actor) and joins the routers; a removed
+one stops receiving requests, drains, is checked for leaked KV blocks and shut down.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.cluster.controller import Controller, Fail, Transfer
@@ -28,10 +33,12 @@ from pdserve.cluster.instances import (
     load_worker,
     wait_for_resources,
 )
+from pdserve.cluster.macro import MacroRolling
 from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
+from pdserve.cluster.scaling import InstanceHandle
 from pdserve.cluster.tetri import controller_extras
-from pdserve.config import ClusterConfig, Link, ModelConfig, cdiv
+from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 
 log = logging.getLogger("pdserve.runtime")
@@ -44,6 +51,19 @@ class _Instance:
     # end of the last step the instance reported; its time never runs backwards, even with an
     # executor that reports modelled (not measured) step times
     step_end: float = 0.0
+
+
+@dataclass
+class Removal:
+    """One completed :meth:`ClusterRuntime.remove_instance`: when it was asked for, when the
+    instance had drained, and its block pool's ``check_integrity`` at shutdown (``None`` if it
+    had died)."""
+
+    instance_id: str
+    role: str
+    requested: float
+    drained: float
+    pool: dict[str, int] | None
 
 
 @dataclass
@@ -86,6 +106,15 @@ class ClusterRuntime:
                                      **controller_extras(config,
                                                          model_config.max_position_embeddings))
         self.core = DriverCore(self.controller, self.instances)
+        # starts the client of a new instance (add_instance); build_runtime sets it
+        self.make_client: Callable[[InstanceSpec], Awaitable[InstanceClient]] | None = None
+        self.removals: list[Removal] = []
+        # called with (prompt length, max_tokens, time) at every accepted arrival (replanning)
+        self.arrival_hooks: list[Callable[[int, int, float], None]] = []
+        self._adding: set[str] = set()  # ids of instances being started
+        router = self.controller.prefill_router
+        if isinstance(router, MacroRolling):  # mitosis moves the instances' real handles
+            router.handle_of, router.on_migrated = self._handle_of, self._adopt
         self._streams: dict[str, _Stream] = {}
         self.batch_log: list[tuple[str, list[tuple[str, int, int]]]] | None = None  # tests
         self._running = False
@@ -108,6 +137,96 @@ class ClusterRuntime:
         for inst in self.instances.values():
             await inst.client.close()
 
+    # ------------------------------------------------------------------ scaling
+    async def add_instance(self, role: str, instance_id: str | None = None,
+                           client: InstanceClient | None = None) -> str:
+        """Start a new ``role`` instance (the deployment's settings for that role; a thread or a
+        Ray actor per its backend, unless ``client`` is given) and let the routers use it.
+        Returns its id (default ``ROLE-N``, the first free N)."""
+        allowed = {"prefill": ("prefill", "decode")}.get(self.controller.entry_role,
+                                                          (self.controller.entry_role,))
+        if role not in allowed:
+            raise ValueError(f"cannot add a {role!r} instance to this deployment; it takes "
+                             f"{' or '.join(allowed)} instances")
+        taken = set(self.instances) | self._adding
+        if instance_id is None:
+            instance_id = next(f"{role}-{n}" for n in range(len(taken) + 1)
+                               if f"{role}-{n}" not in taken)
+        elif instance_id in taken:
+            raise ValueError(f"instance id {instance_id!r} is already in use")
+        spec = next(s for s in self.config.instance_specs(
+            self.model_config.max_position_embeddings) if s.role == role)
+        spec = replace(spec, instance_id=instance_id)
+        if client is None and self.make_client is None:
+            raise RuntimeError("this runtime was built over given instance clients and cannot "
+                               "start instances; pass client=")
+        self._adding.add(instance_id)
+        try:
+            if client is None:
+                assert self.make_client is not None
+                client = await self.make_client(spec)
+            view = InstanceView(instance_id, client.role, client.num_kv_blocks,
+                                client.block_size)
+            self.instances[instance_id] = _Instance(client, view)
+            try:
+                effects = self.core.add_instance(view, self.clock())
+            except Exception:
+                del self.instances[instance_id]
+                await client.close()
+                raise
+        finally:
+            self._adding.discard(instance_id)
+        self.num_gpus += spec.num_gpus
+        log.info("instance %s (%s) added", instance_id, role)
+        self._run(effects)
+        return instance_id
+
+    async def remove_instance(self, instance_id: str) -> Removal:
+        """Stop routing to ``instance_id``, let it finish what it holds (running decodes
+        complete; a prefill instance's held KV is pulled), then check its block pool and shut
+        it down. ``ValueError`` for an unknown or dead instance, or the last of its role."""
+        requested = self.clock()
+        role = self.instances[instance_id].view.role if instance_id in self.instances else ""
+        self._run(self.core.remove_instance(instance_id, requested))
+        log.info("instance %s (%s) draining for removal", instance_id, role)
+        while not self.core.drained(instance_id):
+            if not self._running:
+                raise RuntimeError(f"shut down while {instance_id} was draining")
+            await asyncio.sleep(0.01)
+        inst = self.instances.pop(instance_id)
+        was_alive = inst.view.alive
+        self.core.forget(instance_id)
+        drained = self.clock()
+        pool = None
+        if was_alive:
+            with contextlib.suppress(InstanceDeadError):
+                pool = await inst.client.check_integrity()
+        await inst.client.close()
+        if pool is not None and (pool["used_blocks"] or pool["num_requests"]):
+            log.error("instance %s removed with blocks in use: %s", instance_id, pool)
+        spec = self.config.role(role)
+        self.num_gpus -= spec.tp * spec.pp if spec is not None else 1
+        rec = Removal(instance_id, role, requested, drained, pool)
+        self.removals.append(rec)
+        log.info("instance %s removed after %.3f s of draining", instance_id,
+                 drained - requested)
+        return rec
+
+    def _handle_of(self, instance_id: str) -> InstanceHandle:
+        """What mitosis hands between macro instances: the id, pool size and the client's
+        serializable handle (a Ray actor handle; ``None`` for a thread)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return InstanceHandle(instance_id)
+        return InstanceHandle(instance_id, inst.view.num_kv_blocks, inst.view.block_size,
+                              inst.client.portable_handle())
+
+    def _adopt(self, handle: InstanceHandle) -> None:
+        """A migrated handle arrived: from now on the instance is reached through it."""
+        inst = self.instances.get(handle.instance_id)
+        if inst is not None and handle.actor is not None:
+            inst.client.adopt(handle.actor)
+
     # ------------------------------------------------------------------ requests
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -125,11 +244,17 @@ class ClusterRuntime:
         stream = _Stream(list(prompt_token_ids),
                          logprobs=[] if params.logprobs is not None else None)
         self._streams[request_id] = stream
-        acts = self.controller.on_arrival(request_id, prompt_token_ids, params, self.clock())
+        now = self.clock()
+        acts = self.controller.on_arrival(request_id, prompt_token_ids, params, now)
         req = self.controller.get(request_id)
         if req is not None:
             stream.timeline = req.timeline
         self._run(self.core.dispatch(acts))
+        for hook in self.arrival_hooks:
+            try:
+                hook(len(prompt_token_ids), params.max_tokens, now)
+            except Exception:  # a monitor's bug must not fail the request
+                log.exception("arrival hook %r failed", hook)
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -249,7 +374,9 @@ class ClusterRuntime:
                 timeline=req.timeline, instance_id=rep.instance_id))
 
     async def _transfer(self, t: Transfer) -> None:
-        src, dst = self.instances[t.src], self.instances[t.dst]
+        src, dst = self.instances.get(t.src), self.instances.get(t.dst)
+        if src is None or dst is None:
+            return  # removed meanwhile: the request had been aborted
         start = time.monotonic()
         try:
             payload, pending = await src.client.send_kv(t.request_id, t.first_block)
@@ -308,24 +435,38 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     specs = config.instance_specs(model_config.max_position_embeddings)
     routers = make_routers(config.prefill_router, config.decode_router,
                            **config.router_options())
-    events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
-    clients: list[InstanceClient]
     if config.backend == "ray":
         init_ray(config.ray_address, len(specs))
+    clients = await start_clients(config, specs, tokenizer, routers)
+    runtime = ClusterRuntime(config, clients, tokenizer, model_config, model_name,
+                             routers=routers)
+
+    async def make_client(spec: InstanceSpec) -> InstanceClient:
+        return (await start_clients(config, [spec], tokenizer, routers))[0]
+
+    runtime.make_client = make_client
+    await runtime.start()
+    return runtime
+
+
+async def start_clients(config: ClusterConfig, specs: list[InstanceSpec], tokenizer: Any,
+                        routers: tuple[Router, Router]) -> list[InstanceClient]:
+    """Start the instances of ``specs`` as the deployment's backend runs them: one Ray actor
+    each (Ray already initialised; waits for the CPUs/GPUs, or says what is missing), or
+    in-process workers loaded off the event loop. Workers report KV events when their role's
+    router wants them."""
+    events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
+    loop = asyncio.get_running_loop()
+    if config.backend == "ray":
         need = {"CPU": float(len(specs))}
         gpus = sum(1 for s in specs if s.engine.device.startswith("cuda"))  # one per actor
         if gpus:
             need["GPU"] = float(gpus)
-        await asyncio.get_running_loop().run_in_executor(None, wait_for_resources, need)
-        clients = list(await asyncio.gather(*(
-            RayInstance.create(s.instance_id, s.engine, events[s.instance_id]) for s in specs)))
-    else:
-        loop = asyncio.get_running_loop()
-        workers = [await loop.run_in_executor(None, lambda s=s: load_worker(
-            s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id]))
-            for s in specs]
-        clients = [InProcessInstance(w) for w in workers]
-    runtime = ClusterRuntime(config, clients, tokenizer, model_config, model_name,
-                             routers=routers)
-    await runtime.start()
-    return runtime
+        await loop.run_in_executor(None, wait_for_resources, need)
+        return list(await asyncio.gather(*(
+            RayInstance.create(s.instance_id, s.engine, events[s.instance_id])
+            for s in specs)))
+    workers = [await loop.run_in_executor(None, lambda s=s: load_worker(
+        s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id]))
+        for s in specs]
+    return [InProcessInstance(w) for w in workers]

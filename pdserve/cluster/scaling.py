@@ -11,9 +11,10 @@ Macro instances are ordered lists of instance ids, each holding between N_l (``l
   (4 | 2 → 3 | 2 → 2 | 2 → 4). A lone macro instance keeps N_l.
 
 Instances change macro instance as :class:`InstanceHandle` values — small serializable records
-(the controller resolves the id to its client: a thread or a Ray actor, whose own handle is
-serializable too); :func:`migrate` pickles one across and times it (the paper: < 100 ms). No
-instance restarts, reloads or interrupts a request: membership only decides where new prompts go.
+carrying, in the live runtime on Ray, the instance's Ray actor handle (pickled through Ray's own
+reducer and rebuilt on the other side; the runtime then reaches the actor through the rebuilt
+handle); :func:`migrate` pickles one across and times it (the paper: < 100 ms). No instance
+restarts, reloads or interrupts a request: membership only decides where new prompts go.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class InstanceHandle:
     instance_id: str
     num_kv_blocks: int = 0
     block_size: int = 16
+    actor: Any = None  # the instance's Ray actor handle, if it runs in one
 
 
 @dataclass(frozen=True)

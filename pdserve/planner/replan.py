@@ -12,12 +12,17 @@ before the switch run to completion on the old deployment (it drains; nothing is
 later ones on the new one — a blue-green switch, each deployment simulated through
 :func:`pdserve.sim.target.simulate`. The switch happens ``reload_s`` after the detection
 (DistServe: re-running the search takes seconds, reloading weights minutes).
+
+:class:`LiveReplanner` replans the live runtime: the same detector watches its arrivals, and a
+new placement's instance counts are applied by adding and removing instances while serving
+(:meth:`pdserve.cluster.runtime.ClusterRuntime.add_instance` / ``remove_instance``; a removed
+instance drains first) — no blue-green switch, no reload of the instances that stay.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +153,47 @@ def simulate_replanning(requests: Sequence[WorkloadRequest], old: Any, new: Any 
     return [by_id[r.request_id] for r in requests]
 
 
+def simulate_scaling(sim: Any, requests: Sequence[WorkloadRequest],
+                     changes: Sequence[tuple[float, Mapping[str, int]]], vocab_size: int,
+                     ) -> tuple[list[RequestRecord], Any]:
+    """Replanning in place in the simulator, as :class:`LiveReplanner` does it live: ``sim``
+    (a ``SimulationConfig``) serves ``requests`` while, at each ``(time, counts)`` of
+    ``changes``, instances are added (copies of the role's first instance) or removed (the
+    youngest first; each drains) through the simulator's scale events — the driver-core
+    operations the live runtime uses. Returns the records and the simulator (its
+    ``removals``: when each removed instance had drained, and its block pool then)."""
+    from dataclasses import replace
+
+    from pdserve.sim.target import build_simulator, to_records, to_sim_requests
+
+    built = build_simulator(sim)
+    s = built.simulator
+    ids: dict[str, list[str]] = {}
+    template: dict[str, Any] = {}
+    for iid, inst in s.insts.items():
+        if inst.pp > 1:
+            raise ValueError("simulate_scaling: pipeline-parallel instances are not supported")
+        role = inst.spec.engine.scheduler.role
+        ids.setdefault(role, []).append(iid)
+        template.setdefault(role, inst.spec)
+    made = {role: len(v) for role, v in ids.items()}
+    for t, counts in sorted(changes, key=lambda c: c[0]):
+        for role, n in counts.items():
+            if role not in ids:
+                raise ValueError(f"the plan has role {role!r}; the deployment has "
+                                 f"{', '.join(sorted(ids))}")
+            mine = ids[role]
+            while len(mine) < n:
+                new = f"{role}-{made[role]}"
+                made[role] += 1
+                s.add_instance(t, replace(template[role], instance_id=new))
+                mine.append(new)
+            while len(mine) > max(n, 1):
+                s.remove_instance(t, mine.pop())
+    result = s.run(to_sim_requests(requests, vocab_size))
+    return to_records(requests, result), s
+
+
 def attainment_over_time(requests: Sequence[WorkloadRequest], records: Sequence[RequestRecord],
                          slo: SLO, bin_s: float) -> list[tuple[float, float, int]]:
     """``(bin start, attainment, requests)`` per ``bin_s`` of arrival time."""
@@ -155,3 +201,118 @@ def attainment_over_time(requests: Sequence[WorkloadRequest], records: Sequence[
     for w, r in zip(requests, records):
         bins.setdefault(int(w.arrival_time // bin_s), []).append(attains(r, slo))
     return [(k * bin_s, sum(v) / len(v), len(v)) for k, v in sorted(bins.items())]
+
+
+# --------------------------------------------------------------------------- live replanning
+def placement_counts(deployment: Mapping[str, Any]) -> dict[str, int]:
+    """Instances per role of a planned deployment (a ``ClusterConfig.from_dict`` mapping, e.g.
+    ``Placement.deployment``)."""
+    from pdserve.config import ClusterConfig
+
+    return {r.role: r.count for r in ClusterConfig.from_dict(deployment).roles}
+
+
+def search_planner(problem: Any, strategy: str) -> Callable[[WindowStats], dict[str, int]]:
+    """A live replanner's planner: the placement search (:func:`pdserve.planner.search.plan`)
+    of ``problem`` re-run at the window's observed rate, restricted to the deployment's
+    ``strategy`` (a live deployment changes instance counts, not strategy), as counts per role.
+    """
+    from dataclasses import replace
+
+    from pdserve.planner.search import plan
+
+    def planner(window: WindowStats) -> dict[str, int]:
+        p = replace(problem, rate=max(window.rate, 1e-3))
+        return placement_counts(plan(p, strategies=(strategy,)).best.deployment)
+
+    return planner
+
+
+@dataclass
+class Replan:
+    """One live replanning: the shift, the counts before, the planned counts and when the
+    new counts were in place (every removed instance drained)."""
+
+    shift: Shift
+    before: dict[str, int]
+    planned: dict[str, int]
+    applied: float | None = None
+
+
+class LiveReplanner:
+    """Replanning in the live runtime (DistServe §4.4): every arrival feeds a
+    :class:`ShiftDetector` (prompt length and ``max_tokens`` as the output length); on a shift,
+    ``planner(window)`` — e.g. :func:`search_planner`, run off the event loop — gives the
+    instance count per role for the new pattern, and the difference is applied with
+    ``runtime.add_instance`` / ``runtime.remove_instance`` (a removed instance drains first:
+    nothing is dropped). Replannings run one at a time; a shift during one is planned after it.
+    ``replans`` records each."""
+
+    def __init__(self, runtime: Any, detector: ShiftDetector,
+                 planner: Callable[[WindowStats], Mapping[str, int]]) -> None:
+        self.runtime, self.detector, self.planner = runtime, detector, planner
+        self.replans: list[Replan] = []
+        self._task: Any = None
+        self._next: Shift | None = None
+        runtime.arrival_hooks.append(self.observe)
+
+    def counts(self) -> dict[str, int]:
+        """Instances per role now (not counting those draining for removal)."""
+        out: dict[str, int] = {}
+        for s in self.runtime.instance_status():
+            if s.alive and s.instance_id not in self.runtime.controller.removing:
+                out[s.role] = out.get(s.role, 0) + 1
+        return out
+
+    def observe(self, prompt_len: int, max_tokens: int, now: float) -> None:
+        shift = self.detector.observe(now, prompt_len, max_tokens)
+        if shift is None:
+            return
+        if self._task is not None and not self._task.done():
+            self._next = shift
+            return
+        self._start(shift)
+
+    def _start(self, shift: Shift) -> None:
+        import asyncio
+
+        self._task = asyncio.get_running_loop().create_task(self._replan(shift))
+
+    async def _replan(self, shift: Shift) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        planned = dict(await loop.run_in_executor(None, self.planner, shift.after))
+        rec = Replan(shift, self.counts(), planned)
+        self.replans.append(rec)
+        await self.apply(planned)
+        rec.applied = self.runtime.clock()
+        if self._next is not None:
+            nxt, self._next = self._next, None
+            self._start(nxt)
+
+    async def apply(self, planned: Mapping[str, int]) -> None:
+        """Add the missing instances (concurrently), then remove the surplus (each drains;
+        the youngest instances go first)."""
+        import asyncio
+
+        have = self.counts()
+        for role in planned:
+            if role not in have:
+                raise ValueError(f"the plan has role {role!r}; the deployment has "
+                                 f"{', '.join(sorted(have))}")
+        adds = [self.runtime.add_instance(role) for role, n in planned.items()
+                for _ in range(n - have[role])]
+        await asyncio.gather(*adds)
+        removes = []
+        for role, n in planned.items():
+            mine = [s.instance_id for s in self.runtime.instance_status()
+                    if s.role == role and s.alive
+                    and s.instance_id not in self.runtime.controller.removing]
+            removes += mine[::-1][:max(len(mine) - max(n, 1), 0)]
+        await asyncio.gather(*(self.runtime.remove_instance(i) for i in removes))
+
+    async def wait(self) -> None:
+        """Until no replanning is under way."""
+        while self._task is not None and not self._task.done():
+            await self._task

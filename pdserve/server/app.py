@@ -14,19 +14,20 @@ import asyncio
 import contextlib
 import os
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -435,6 +436,53 @@ class OpenAIServer:
         return Response("{}", media_type="application/json")
 
 
+class AdminInstancesRequest(BaseModel):
+    """``POST /admin/instances``: ``{"action": "add", "role": ROLE[, "instance_id": ID]}`` or
+    ``{"action": "remove", "instance_id": ID}`` (live scaling, replanning from outside)."""
+
+    model_config = ConfigDict(extra="forbid")
+    action: Literal["add", "remove"]
+    role: str | None = None
+    instance_id: str | None = None
+
+
+def _instances(runtime: Any) -> list[dict[str, Any]]:
+    return [{"instance_id": s.instance_id, "role": s.role, "alive": s.alive,
+             "draining": bool(getattr(runtime, "instances", {}).get(s.instance_id)
+                              and runtime.instances[s.instance_id].view.draining)}
+            for s in runtime.instance_status()]
+
+
+async def admin_instances(runtime: Any, body: AdminInstancesRequest) -> dict[str, Any]:
+    """Add or remove an instance; a removal answers once the instance has drained."""
+    if not hasattr(runtime, "add_instance"):
+        raise APIError(400, "this runtime cannot add or remove instances")
+    if body.action == "add":
+        if not body.role:
+            raise APIError(400, "action 'add' needs a role", param="role")
+        if body.role not in ("colocated", "prefill", "decode", "temporal"):
+            raise APIError(400, f"unknown role {body.role!r}; use colocated, prefill, decode "
+                                f"or temporal", param="role")
+        try:
+            iid = await runtime.add_instance(body.role, body.instance_id)
+        except ValueError as e:
+            raise APIError(400, str(e), param="role") from None
+        except RuntimeError as e:  # e.g. the Ray cluster has no CPU/GPU left for the actor
+            raise APIError(503, f"cannot start a {body.role} instance: {e}") from None
+        return {"action": "add", "instance_id": iid, "instances": _instances(runtime)}
+    if not body.instance_id:
+        raise APIError(400, "action 'remove' needs an instance_id", param="instance_id")
+    if body.role is not None:
+        raise APIError(400, "action 'remove' takes an instance_id, not a role", param="role")
+    try:
+        rec = await runtime.remove_instance(body.instance_id)
+    except ValueError as e:
+        raise APIError(400, str(e), param="instance_id") from None
+    return {"action": "remove", "instance_id": rec.instance_id, "role": rec.role,
+            "drain_seconds": rec.drained - rec.requested, "pool": rec.pool,
+            "instances": _instances(runtime)}
+
+
 def _timeline(finals: list[RequestOutput]) -> dict[str, Any]:
     """One choice's timeline, or ``{"choices": [...]}`` for several."""
     if len(finals) == 1:
@@ -518,6 +566,26 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _admin_auth(raw: Request) -> None:
+        if api_key and not secrets.compare_digest(raw.headers.get("authorization", ""),
+                                                  f"Bearer {api_key}"):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
+                                "<key>')")
+
+    @app.get("/admin/instances")
+    async def list_instances(raw: Request) -> dict[str, Any]:
+        _admin_auth(raw)
+        return {"instances": _instances(runtime)}
+
+    @app.post("/admin/instances")
+    async def scale_instances(raw: Request) -> dict[str, Any]:
+        _admin_auth(raw)  # before looking at the body
+        try:
+            body = AdminInstancesRequest.model_validate_json(await raw.body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await admin_instances(runtime, body)
 
     return app
 

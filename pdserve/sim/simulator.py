@@ -41,7 +41,7 @@ from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
-STEP_END, TRANSFER_END, ARRIVAL = 0, 1, 2
+STEP_END, TRANSFER_END, ARRIVAL, SCALE = 0, 1, 2, 3
 
 
 class StepTimeModel(Protocol):
@@ -203,36 +203,73 @@ class Simulator:
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
         self.inter = inter_node_link or Link()
+        self.record_batches = record_batches
         routers = make_routers(prefill_router, decode_router)
+        self.routers = routers
         self.insts: dict[str, _Inst] = {}
         for spec in instances:
-            pipe, _ = pipeline_of(spec.latency)
-            pp = pipe.pp if pipe is not None else 1
-            lanes = [spec]
-            if pp > 1:  # k virtual engines over one pipeline (module docstring)
-                stages = PipelineStages(pp)
-                lanes = [replace(spec, instance_id=f"{spec.instance_id}.v{j}",
-                                 num_kv_blocks=max(1, spec.num_kv_blocks // pp))
-                         for j in range(pp)]
-            router = role_router(spec.engine.scheduler.role, *routers)
-            for lane in lanes:
-                ex = (PipelinedExecutor(lane.latency, lane.num_kv_blocks, stages) if pp > 1
-                      else SimExecutor(lane.latency, lane.num_kv_blocks))
-                worker = InstanceWorker(lane.instance_id, lane.engine, executor=ex,
-                                        stream_tokens=False, log_batches=record_batches,
-                                        record_events=router.wants_kv_events)
-                self.insts[lane.instance_id] = _Inst(lane, worker, ex, pp)
+            self.insts.update((i.spec.instance_id, i) for i in self._build(spec))
         self.controller = Controller(
             [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
                           i.spec.engine.cache.block_size) for i in self.insts.values()],
             *routers, keep_history=True, **(controller_kw or {}))
         self.core = DriverCore(self.controller, self.insts)
         self.num_gpus = sum(s.num_gpus for s in instances)
-        self.record_batches = record_batches
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._errors: dict[str, str] = {}
         self._batch_log: list[tuple[str, float, list[tuple[str, int, int]]]] = []
+        self._removing: dict[str, float] = {}  # instance -> when its removal was asked
+        # (instance, asked, drained, its block pool's check_integrity()) per removal
+        self.removals: list[tuple[str, float, float, dict[str, int]]] = []
+
+    def _build(self, spec: SimInstance) -> list[_Inst]:
+        """The worker(s) of one instance: one, or k virtual engines for PP = k."""
+        pipe, _ = pipeline_of(spec.latency)
+        pp = pipe.pp if pipe is not None else 1
+        lanes = [spec]
+        if pp > 1:  # k virtual engines over one pipeline (module docstring)
+            stages = PipelineStages(pp)
+            lanes = [replace(spec, instance_id=f"{spec.instance_id}.v{j}",
+                             num_kv_blocks=max(1, spec.num_kv_blocks // pp))
+                     for j in range(pp)]
+        router = role_router(spec.engine.scheduler.role, *self.routers)
+        out = []
+        for lane in lanes:
+            ex = (PipelinedExecutor(lane.latency, lane.num_kv_blocks, stages) if pp > 1
+                  else SimExecutor(lane.latency, lane.num_kv_blocks))
+            worker = InstanceWorker(lane.instance_id, lane.engine, executor=ex,
+                                    stream_tokens=False, log_batches=self.record_batches,
+                                    record_events=router.wants_kv_events)
+            out.append(_Inst(lane, worker, ex, pp))
+        return out
+
+    # ------------------------------------------------------------------ scaling
+    def add_instance(self, at: float, spec: SimInstance) -> None:
+        """Start ``spec`` at virtual time ``at`` (live: ``ClusterRuntime.add_instance``)."""
+        self._push(at, SCALE, ("add", spec))
+
+    def remove_instance(self, at: float, instance_id: str) -> None:
+        """Remove ``instance_id`` at ``at``: it drains, then leaves (live:
+        ``ClusterRuntime.remove_instance``); ``removals`` records when it had drained."""
+        self._push(at, SCALE, ("remove", instance_id))
+
+    def _scale(self, op: str, arg: Any, now: float) -> None:
+        if op == "add":
+            for inst in self._build(arg):
+                self.insts[inst.spec.instance_id] = inst
+                view = InstanceView(inst.spec.instance_id, inst.worker.role,
+                                    inst.spec.num_kv_blocks, inst.spec.engine.cache.block_size)
+                self._run(self.core.add_instance(view, now), now)
+        else:
+            self._run(self.core.remove_instance(arg, now), now)
+            self._removing[arg] = now
+
+    def _forget_drained(self, now: float) -> None:
+        for iid in [i for i in self._removing if self.core.drained(i)]:
+            self.core.forget(iid)
+            self.removals.append((iid, self._removing.pop(iid), now,
+                                  self.insts[iid].worker.check_integrity()))
 
     # ------------------------------------------------------------------ events
     def _push(self, t: float, prio: int, data: Any) -> None:
@@ -254,10 +291,14 @@ class Simulator:
             elif prio == TRANSFER_END:
                 rid, dst, payload = data
                 self._run(core.transfer_done(rid, dst, payload, now), now)
+            elif prio == SCALE:
+                self._scale(*data, now)
             else:
                 r = data
                 self._run(core.dispatch(self.controller.on_arrival(
                     r.request_id, r.prompt_token_ids, r.sampling_params(), now)), now)
+            if self._removing:
+                self._forget_drained(now)
             if progress is not None:
                 finished = len(self.controller.history) - len(self.controller.requests)
                 if finished != done:
