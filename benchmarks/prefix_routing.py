@@ -39,8 +39,8 @@ reports per-GPU goodput instead (DESIGN.md "Goodput definitions": the highest ra
 :func:`pdserve.bench.goodput.search_goodput`, each probe a fresh simulation of the same
 requests retimed to Poisson arrivals at the probed rate — Mooncake's own timestamps are not
 used here: its requests arrive in same-instant bursts that stretching time does not separate,
-so attainment stays below 90 % at any rate). The SLOs are set per workload from its zero-load latency
-as DistServe does (its chatbot SLOs for OPT-13B, 0.25 s TTFT and 0.1 s TPOT, are ~3–4× the
+so attainment stays below 90 % at any rate). The SLOs are set per workload from its zero-load
+latency as DistServe does (its chatbot SLOs for OPT-13B, 0.25 s TTFT and 0.1 s TPOT, are ~3–4× the
 model's unloaded latency): ``--slo-scale`` (5) × the workload's mean cold-cache prefill time of
 a prompt alone (TTFT) and × the mean decode-step time of a request alone at half its output
 (TPOT), both from the same A100 profile.
@@ -212,19 +212,24 @@ def run_goodput(a: argparse.Namespace) -> None:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
     if a.plot:
-        sizes = list(dict.fromkeys(r["instances"] for r in rows))
-        pivot = {}
-        for r in rows:
-            pivot.setdefault((r["workload"], r["router"]), {"workload": r["workload"],
-                                                            "router": r["router"]})[
-                f"g{r['instances']}"] = r["per_gpu_goodput"]
-        path = plot_grouped_bars(
-            list(pivot.values()), "workload", "router",
-            [(f"g{n}", f"{n} instances: per-GPU goodput (req/s)") for n in sizes],
-            os.path.join(a.plot, "prefix_routing_goodput.png"),
-            f"Per-GPU goodput ({TARGET:.0%} attain {a.slo_scale:g}× zero-load TTFT and TPOT), "
-            "simulated OPT-13B on A100")
+        path = plot_goodput(rows, os.path.join(a.plot, "prefix_routing_goodput.png"),
+                            a.slo_scale)
         print(f"wrote {path}", file=sys.stderr)
+
+
+def plot_goodput(rows: list[dict[str, Any]], path: str, slo_scale: float) -> Any:
+    """One panel per workload: per-GPU goodput of each router at each size."""
+    pivot: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in rows:
+        pivot.setdefault((r["instances"], r["router"]), {
+            "instances": r["instances"], "router": r["router"]})[r["workload"]] = \
+            r["per_gpu_goodput"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    return plot_grouped_bars(
+        list(pivot.values()), "instances", "router",
+        [(w, f"{w}: per-GPU goodput (req/s)") for w in workloads], path,
+        f"Per-GPU goodput ({TARGET:.0%} attain {slo_scale:g}× zero-load TTFT and TPOT), "
+        "simulated OPT-13B on A100")
 
 
 def main(argv: list[str] | None = None) -> None:
