@@ -16,7 +16,7 @@ times beside them (``time.thread_time_ns``, clock resolution permitting) do not.
 
 times the E2 router of another checkout (e.g. ``git archive <commit> | tar -x -C /tmp/old``)
 against this one in the same process: both routers get identical indexes and requests, and
-each request is routed by one then the other, so both see the same machine load (the decisions
+each request is routed by both (alternately first), so both see the same machine load (the decisions
 must agree). Reports thread CPU time median / P99 per repeat for both.
 """
 
@@ -185,8 +185,8 @@ def compare(baseline: type, n_inst: int, tokens: int, n_req: int, explore_share:
     gc.collect()
     gc.disable()
     try:
-        for a, b in zip(setups[0][1], setups[1][1]):
-            for k, r in ((0, a), (1, b)):
+        for j, (a, b) in enumerate(zip(setups[0][1], setups[1][1])):
+            for k, r in ((0, a), (1, b)) if j % 2 else ((1, b), (0, a)):
                 c0 = time.thread_time_ns()
                 routers[k].select(r, setups[k][0])
                 times[k].append(time.thread_time_ns() - c0)

@@ -409,10 +409,21 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ size
     def memory_bytes(self) -> int:
-        """Bytes held by the index's nodes and hash table (object sizes, shallow)."""
+        """Bytes held by the index's nodes and hash table (object sizes, shallow; an int shared
+        with another field or CPython's small-int cache counted once or not at all; the stride
+        memo, up to ``max_memo`` entries, not included)."""
         per_node = sys.getsizeof(Node(0, None, 0))
-        ints = sum(sys.getsizeof(n.key) + sys.getsizeof(n.mask) for n in self.nodes.values())
-        return sys.getsizeof(self.nodes) + per_node * len(self.nodes) + ints
+        size = sys.getsizeof
+        total = sys.getsizeof(self.nodes) + per_node * len(self.nodes)
+        for n in self.nodes.values():
+            total += size(n.key) + size(n.mask)
+            if n.wand is not n.mask and not -5 <= n.wand <= 256:
+                total += size(n.wand)
+            if n.depth > 256:
+                total += size(n.depth)
+            if isinstance(n.kids, list):
+                total += size(n.kids)
+        return total
 
 
 def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

@@ -326,12 +326,21 @@ class E2Router(Router):
         self.load[iid] = self.load.get(iid, 0.0) + e.prefill + e.decode
         self.decode_load[iid] = self.decode_load.get(iid, 0.0) + e.decode
         if key is not None:
-            st = self.key_stats.setdefault(key, {}).setdefault(iid, [0, 0.0])
+            per = self.key_stats.get(key)
+            if per is None:
+                per = self.key_stats[key] = {}
+            st = per.get(iid)
+            if st is None:
+                st = per[iid] = [0, 0.0]
             st[0] += 1
             st[1] += e.prefill + e.decode
-            lru = self._lru.setdefault(iid, OrderedDict())
-            lru[key] = None
-            lru.move_to_end(key)
+            lru = self._lru.get(iid)
+            if lru is None:
+                lru = self._lru[iid] = OrderedDict()
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
             self._pending.append((req, key, iid))
             if len(self._pending) > self.max_window:
                 self._pending.popleft()
