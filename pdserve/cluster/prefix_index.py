@@ -295,16 +295,18 @@ class PrefixIndex:
     # ------------------------------------------------------------------ lookups
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Match a prompt: the leading blocks some instance holds, each instance's share of
-        them, and the radix nodes along them. Costs O(matched blocks + 1).
+        them, and the radix nodes along them. Costs O(prompt tokens matched) for hashing them, and
+        O(matched strides + blocks near where an instance's prefix ends) otherwise.
 
         Hashing block by block is the cost of a lookup, so whole strides of ``stride`` blocks
         are looked up at once: a stride's tokens hash (chained over strides, in C) to a memo of
         the engine's chained hash of its last block. When that node ends one of the index's
         windows (:class:`Node`) and its window AND says that every instance that held the
         blocks before the stride holds all of it, the stride is taken whole: in O(1), or, when
-        the window has branch points (radix node ends), a walk up it; otherwise its nodes (the end node's parent links) are taken block by
-        block. A stride seen for the first time, one where the match ends, and the tail are
-        hashed block by block (the memo then learns the stride). The memo maps token content to
+        the window has branch points (radix node ends), a walk up it; otherwise its nodes (the
+        end node's parent links) are taken block by block. A stride seen for the first time, one
+        where the match ends, and the tail are hashed block by block (the memo then learns the
+        stride). The memo maps token content to
         hashes, so it never goes stale; it is cleared when full."""
         toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
         bs, sb, nodes, memo, ids = self.block_size, self.stride, self.nodes, self._memo, self._ids
