@@ -15,8 +15,12 @@ block: set by ``BlockStored`` events, cleared by ``BlockRemoved`` events and ins
 index knows what is really cached rather than what was routed. A node lives while some instance
 holds it or a descendant needs it as a parent, so memory is bounded by the blocks cached across
 the cluster (:meth:`PrefixIndex.memory_bytes` reports it). A lookup hashes the prompt (whole
-strides of blocks at once where it can) and stops at the first block no instance holds:
-O(matched blocks + 1).
+strides of blocks at once where it can) and stops at the first block no instance holds. So that
+it need not visit every matched block, each node also keeps a summary of its stride-aligned
+window (the AND of the holder masks from the window's first block down to it, and whether one
+of them is a branch point), which the events keep current by touching at most one window below
+the changed node (children links); a matched stride whose summary shows no instance's prefix
+ending inside it costs O(1) beyond its hash (:meth:`PrefixIndex.match`).
 """
 
 from __future__ import annotations
