@@ -259,7 +259,12 @@ class PrefixIndex:
     # ------------------------------------------------------------------ window summaries
     def _adopt(self, parent: Node, child: Node) -> None:
         k = parent.kids
-        parent.kids = child if k is None else [k, child] if isinstance(k, Node) else k + [child]
+        if k is None:
+            parent.kids = child
+        elif isinstance(k, Node):
+            parent.kids = [k, child]
+        else:
+            k.append(child)
         parent.nchild += 1
         if parent.nchild == 2:
             self._refresh(parent)  # it became a branch point

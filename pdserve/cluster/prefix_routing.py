@@ -98,7 +98,8 @@ class E2Router(Router):
     ``replicate_factor`` (2×) that of the first half.
 
     ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
-    latency model when given, else :class:`LinearPrefillTime`.
+    latency model when given, else :class:`LinearPrefillTime`; it must be a pure function of
+    the token count (E2 memoises it).
     """
 
     name = "preble"
