@@ -38,10 +38,10 @@ class Node:
 
     The *window summary* serves lookups by whole strides: the index cuts every path into
     windows of ``stride`` blocks (depths ``k·stride`` to ``k·stride + stride − 1``), and
-    ``wand`` is the AND of the masks from the window's first block down to this one, ``wbr``
-    whether any of them is a branch point."""
+    ``wand`` is the AND of the masks from the window's first block down to this one, ``wor``
+    their OR, ``wbr`` whether any of them is a branch point."""
 
-    __slots__ = ("key", "parent", "nchild", "mask", "depth", "kids", "wand", "wbr")
+    __slots__ = ("key", "parent", "nchild", "mask", "depth", "kids", "wand", "wor", "wbr")
 
     def __init__(self, key: int, parent: Node | None, depth: int) -> None:
         self.key = key
@@ -51,6 +51,7 @@ class Node:
         self.depth = depth
         self.kids: Node | list[Node] | None = None
         self.wand = 0
+        self.wor = 0
         self.wbr = False
 
     def children(self) -> list[Node]:
@@ -72,17 +73,24 @@ class PrefixMatch:
     whole stride of ``stride`` blocks, or a list of nodes.
     """
 
-    __slots__ = ("lengths", "segments", "segment_ends", "num_tokens", "block_size", "first",
+    __slots__ = ("lengths", "segments", "segment_ends", "num_tokens", "block_size",
                  "num_nodes", "_parts", "_stride", "_nodes")
 
     def __init__(self, parts: list[Node | list[Node]], stride: int, num_nodes: int,
                  lengths: dict[str, int], segments: list[tuple[int, int]],
-                 segment_ends: list[Node], first: Node | None, num_tokens: int,
-                 block_size: int) -> None:
+                 segment_ends: list[Node], num_tokens: int, block_size: int) -> None:
         self._parts, self._stride, self.num_nodes = parts, stride, num_nodes
         self.lengths, self.segments, self.segment_ends = lengths, segments, segment_ends
-        self.first, self.num_tokens, self.block_size = first, num_tokens, block_size
+        self.num_tokens, self.block_size = num_tokens, block_size
         self._nodes: list[Node] | None = None
+
+    @property
+    def first(self) -> Node | None:
+        """The prompt's first block (``None`` without a match)."""
+        if not self.num_nodes:
+            return None
+        part = self._parts[0]
+        return part[0] if isinstance(part, list) else _up(part, self._stride - 1)
 
     @property
     def nodes(self) -> list[Node]:
@@ -176,7 +184,8 @@ class PrefixIndex:
         m = 1 << bit
         held = []
         for n in self.nodes.values():
-            n.wand &= ~m  # the bit leaves every mask, so every window AND
+            n.wand &= ~m  # the bit leaves every mask, so every window AND and OR
+            n.wor &= ~m
             if n.mask & m:
                 held.append(n)
         for node in held:
@@ -278,12 +287,12 @@ class PrefixIndex:
             x = stack.pop()
             p, d = x.parent, x.depth
             if d % sb == 0 or p is None or d < 0:
-                wand, wbr = x.mask, x.nchild > 1
+                wand, wor, wbr = x.mask, x.mask, x.nchild > 1
             else:
-                wand, wbr = p.wand & x.mask, p.wbr or x.nchild > 1
-            if wand == x.wand and wbr == x.wbr:
+                wand, wor, wbr = p.wand & x.mask, p.wor | x.mask, p.wbr or x.nchild > 1
+            if wand == x.wand and wor == x.wor and wbr == x.wbr:
                 continue
-            x.wand, x.wbr = wand, wbr
+            x.wand, x.wor, x.wbr = wand, wor, wbr
             k = x.kids
             if k is not None and (d + 1) % sb:
                 stack += [k] if isinstance(k, Node) else k
@@ -297,7 +306,7 @@ class PrefixIndex:
             x = stack.pop()
             if x is not top:
                 x.depth = x.parent.depth + 1  # type: ignore[union-attr]
-            x.wand, x.wbr = -1, True  # force the recomputation below
+            x.wand, x.wor, x.wbr = -1, -1, True  # force the recomputation below
             self._refresh(x)
             stack += x.children()
 
@@ -326,7 +335,6 @@ class PrefixIndex:
         seg_ends: list[Node] = []
         live = -1  # instances holding every block so far (-1: before the first block)
         i = start = 0  # blocks matched; where the current radix node starts
-        first: Node | None = None
         last_key, sh = NO_PARENT, NO_PARENT
         while i < nb:
             chain: list[Node] | None = None
@@ -336,12 +344,10 @@ class PrefixIndex:
                 if end is not None and end.depth == i + sb - 1:
                     # the stride is one window: its summary says who holds all of it
                     a = end.wand
-                    top = _up(end, sb - 1) if i == 0 else None
-                    base = live if top is None else top.mask
-                    if base and base & a == base:  # nobody's prefix ends inside the stride
-                        live = base
-                        if top is not None:
-                            first = top
+                    # nobody's prefix ends inside the stride: at the start, every block has
+                    # the same holders; later, every block has all of the holders so far
+                    if a and (a == end.wor if i == 0 else live & a == live):
+                        live = a if i == 0 else live
                         if end.wbr:  # branch points inside: each ends a radix node
                             node, k = end, i + sb
                             ends = []
@@ -395,8 +401,6 @@ class PrefixIndex:
                     segments.append((start, i + 1))
                     seg_ends.append(node)
                     start = i + 1
-                if first is None:
-                    first = node
                 i += 1
                 taken += 1
             if taken:
@@ -409,7 +413,7 @@ class PrefixIndex:
             if start < i:
                 segments.append((start, i))
                 seg_ends.append(_last(parts))
-        return PrefixMatch(parts, sb, i, lengths, segments, seg_ends, first, len(token_ids), bs)
+        return PrefixMatch(parts, sb, i, lengths, segments, seg_ends, len(token_ids), bs)
 
     def holders(self, block_hash: int) -> list[str]:
         """Instances holding the block ``block_hash``."""
@@ -428,8 +432,9 @@ class PrefixIndex:
         total = sys.getsizeof(self.nodes) + per_node * len(self.nodes)
         for n in self.nodes.values():
             total += size(n.key) + size(n.mask)
-            if n.wand is not n.mask and not -5 <= n.wand <= 256:
-                total += size(n.wand)
+            for v in (n.wand, n.wor):
+                if v is not n.mask and not -5 <= v <= 256:
+                    total += size(v)
             if n.depth > 256:
                 total += size(n.depth)
             if isinstance(n.kids, list):

@@ -96,10 +96,11 @@ def check_summaries(index):
         if node.depth < 0:
             continue
         window = path[:node.depth % sb + 1]
-        want_and = -1
+        want_and, want_or = -1, 0
         for x in window:
             want_and &= x.mask
-        assert node.wand == want_and
+            want_or |= x.mask
+        assert node.wand == want_and and node.wor == want_or
         assert node.wbr == any(x.nchild > 1 for x in window)
 
 
