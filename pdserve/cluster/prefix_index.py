@@ -187,10 +187,11 @@ class PrefixIndex:
             n.wand &= ~m  # the bit leaves every mask, so every window AND and OR
             n.wor &= ~m
             if n.mask & m:
+                n.mask &= ~m  # all masks first: pruning refreshes summaries from them
                 held.append(n)
         for node in held:
-            node.mask &= ~m
-            self._prune(node)
+            if self.nodes.get(node.key) is node:  # (not pruned with a descendant already)
+                self._prune(node)
 
     # ------------------------------------------------------------------ events
     def apply(self, instance_id: str, events: Iterable[KVEvent]) -> None:
@@ -348,10 +349,11 @@ class PrefixIndex:
                     # the same holders; later, every block has all of the holders so far
                     if a and (a == end.wor if i == 0 else live & a == live):
                         live = a if i == 0 else live
-                        if end.wbr:  # branch points inside: each ends a radix node
+                        if end.wbr:  # branch points inside: each ends a radix node; walk
+                            # up only while some remain above (wbr counts down to the node)
                             node, k = end, i + sb
                             ends = []
-                            while k > i:
+                            while k > i and node.wbr:
                                 if node.nchild > 1:
                                     ends.append((k, node))
                                 node, k = node.parent, k - 1  # type: ignore[assignment]

@@ -189,6 +189,20 @@ def test_long_prompts_match_brute_force_through_window_summaries(stride, paths, 
             check(index, ref, prompts, hashes)
 
 
+def test_losing_an_instance_refreshes_summaries_below_a_former_branch():
+    """Hand-made case hypothesis found: b holds [1 1]-[1 1] and [1 1]-[2 2], a holds
+    [1 1]-[2 2]; when b is lost, [1 1] stops being a branch point and [2 2]'s window summary is
+    recomputed — from masks that must already have lost b's bit."""
+    prompts, hashes = long_prompts([[1, 1], [1, 2]])
+    index = PrefixIndex(BS, stride=16)
+    for iid, k in (("b", 0), ("a", 1), ("b", 1)):
+        index.apply(iid, [BlockStored(hashes[k], NO_PARENT, prompts[k], BS)])
+    index.remove_instance("b")
+    node = index.nodes[hashes[1][1]]
+    assert (node.mask, node.wand, node.wor, node.wbr) == (2, 2, 2, False)  # a: bit 1
+    check(index, {"a": set(hashes[1])}, prompts, hashes)
+
+
 def test_index_follows_a_real_block_pool():
     """Events from the engine's block pool (stores, LRU evictions) keep the index exact."""
     pool = BlockPool(num_blocks=4, block_size=BS, record_events=True)
