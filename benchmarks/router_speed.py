@@ -11,16 +11,25 @@ matching, the cost model, recording, rebalancing checks.
 Targets (issue 11): median ≤ 50 µs, P99 ≤ 200 µs for 64 instances and 1 M cached tokens.
 Wall-clock times include the OS descheduling this process on a shared machine; the thread CPU
 times beside them (``time.thread_time_ns``, clock resolution permitting) do not.
+
+    python benchmarks/router_speed.py --baseline OLD_CHECKOUT [--repeats 3]
+
+times the E2 router of another checkout (e.g. ``git archive <commit> | tar -x -C /tmp/old``)
+against this one in the same process: both routers get identical indexes and requests, and
+each request is routed by both (alternately first), so both see the same machine load (the decisions
+must agree). Reports thread CPU time median / P99 per repeat for both.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import sys
 import time
+from typing import Any
 
 from pdserve.cluster.controller import ClusterRequest
 from pdserve.cluster.prefix_index import PrefixIndex, prompt_hashes
@@ -132,6 +141,68 @@ def run(name: str, n_inst: int, tokens: int, n_req: int, explore_share: float,
             "decisions": getattr(router, "decisions", None)}
 
 
+def load_baseline(root: str) -> type:
+    """The ``E2Router`` class of the checkout at ``root``, loaded beside ours (its prefix index
+    module under another name; its router left out of our registry)."""
+    import importlib.util
+
+    def load(name: str, path: str, subs: tuple[tuple[str, str], ...] = ()) -> Any:
+        with open(path) as f:
+            src = f.read()
+        for a, b in subs:
+            src = src.replace(a, b)
+        spec = importlib.util.spec_from_loader(name, loader=None)
+        assert spec is not None
+        mod = importlib.util.module_from_spec(spec)
+        mod.__file__ = path
+        sys.modules[name] = mod
+        exec(compile(src, path, "exec"), mod.__dict__)
+        return mod
+
+    base = os.path.join(root, "pdserve", "cluster")
+    load("baseline_prefix_index", os.path.join(base, "prefix_index.py"))
+    mod = load("baseline_prefix_routing", os.path.join(base, "prefix_routing.py"), (
+        ("from pdserve.cluster.prefix_index import", "from baseline_prefix_index import"),
+        ("@register\n", "")))
+    return mod.E2Router
+
+
+def compare(baseline: type, n_inst: int, tokens: int, n_req: int, explore_share: float,
+            prefix_len: int, seed: int) -> dict[str, Any]:
+    """Thread CPU time per ``select`` of ``baseline()`` and of our E2 router, interleaved."""
+    routers = [baseline(), make_router("preble")]
+    setups = []
+    for router in routers:
+        rng = random.Random(seed)
+        corpus = build_corpus(tokens, rng, prefix_len)
+        views = [InstanceView(f"i{k}", "colocated", num_kv_blocks=1, block_size=BS)
+                 for k in range(n_inst)]
+        populate(router, corpus, views, rng)
+        for v in views:
+            v.num_kv_blocks = max(router.index.num_blocks(v.instance_id), 1)
+        setups.append((views, requests(corpus, n_req, rng, explore_share, prefix_len)))
+    times: list[list[int]] = [[], []]
+    gc.collect()
+    gc.disable()
+    try:
+        for j, (a, b) in enumerate(zip(setups[0][1], setups[1][1])):
+            for k, r in ((0, a), (1, b)) if j % 2 else ((1, b), (0, a)):
+                c0 = time.thread_time_ns()
+                routers[k].select(r, setups[k][0])
+                times[k].append(time.thread_time_ns() - c0)
+    finally:
+        gc.enable()
+    if routers[0].decisions != routers[1].decisions:
+        raise AssertionError(f"the routers decided differently: {routers[0].decisions} vs "
+                             f"{routers[1].decisions}")
+    out: dict[str, Any] = {"prompt_blocks": statistics.mean(
+        len(r.prompt_token_ids) // BS for r in setups[1][1])}
+    for name, t in zip(("baseline", "ours"), times):
+        t.sort()
+        out[name] = (statistics.median(t) / 1e3, t[int(0.99 * (len(t) - 1))] / 1e3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--instances", type=int, default=64)
@@ -141,7 +212,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix-tokens", type=int, default=PREFIX,
                     help="length of the shared prefixes (prompts are about this + 350 tokens)")
     ap.add_argument("--routers", default="preble,kv_overlap,sglang_cache_aware")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="compare E2 with the one of the checkout in DIR (module docstring)")
+    ap.add_argument("--repeats", type=int, default=3, help="--baseline: runs")
     a = ap.parse_args(argv)
+    if a.baseline:
+        old = load_baseline(a.baseline)
+        print(f"python {sys.version.split()[0]}; {a.instances} instances, {a.requests} requests "
+              f"({a.explore_share:.0%} fresh prompts); thread CPU time per select, µs")
+        for rep in range(a.repeats):
+            r = compare(old, a.instances, a.tokens, a.requests, a.explore_share,
+                        a.prefix_tokens, seed=rep)
+            (bm, bp), (om, op) = r["baseline"], r["ours"]
+            print(f"repeat {rep}: {r['prompt_blocks']:.0f} prompt blocks | baseline median "
+                  f"{bm:6.1f} P99 {bp:6.1f} | ours median {om:6.1f} P99 {op:6.1f} | "
+                  f"ours / baseline: median {om / bm:.2f}, P99 {op / bp:.2f} | load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+        return
     print(f"python {sys.version.split()[0]}; {a.instances} instances, "
           f"{a.requests} requests ({a.explore_share:.0%} fresh prompts)")
     for name in a.routers.split(","):

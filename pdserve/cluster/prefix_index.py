@@ -14,47 +14,99 @@ when prompts diverge. Each node carries a bitmask of the instances whose block p
 block: set by ``BlockStored`` events, cleared by ``BlockRemoved`` events and instance loss, so the
 index knows what is really cached rather than what was routed. A node lives while some instance
 holds it or a descendant needs it as a parent, so memory is bounded by the blocks cached across
-the cluster (:meth:`PrefixIndex.memory_bytes` reports it). A lookup hashes the prompt block by
-block and stops at the first block no instance holds: O(matched blocks + 1).
+the cluster (:meth:`PrefixIndex.memory_bytes` reports it). A lookup hashes the prompt (whole
+strides of blocks at once where it can) and stops at the first block no instance holds. So that
+it need not visit every matched block, each node also keeps a summary of its stride-aligned
+window (the AND of the holder masks from the window's first block down to it, and whether one
+of them is a branch point), which the events keep current by touching at most one window below
+the changed node (children links); a matched stride whose summary shows no instance's prefix
+ending inside it costs O(1) beyond its hash (:meth:`PrefixIndex.match`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent, hash_block
 
 
 class Node:
     """One cached block. ``mask``: bit ``b`` set when instance ``b`` holds the block;
-    ``nchild``: children in the index (> 1 = a branch point)."""
+    ``nchild``: children in the index (> 1 = a branch point), ``kids`` them (``None``, one
+    node, or a list); ``depth``: blocks above it (-1: unknown, below a placeholder).
 
-    __slots__ = ("key", "parent", "nchild", "mask")
+    The *window summary* serves lookups by whole strides: the index cuts every path into
+    windows of ``stride`` blocks (depths ``k·stride`` to ``k·stride + stride − 1``), and
+    ``wand`` is the AND of the masks from the window's first block down to this one, ``wor``
+    their OR, ``wbr`` whether any of them is a branch point."""
 
-    def __init__(self, key: int, parent: Node | None) -> None:
+    __slots__ = ("key", "parent", "nchild", "mask", "depth", "kids", "wand", "wor", "wbr")
+
+    def __init__(self, key: int, parent: Node | None, depth: int) -> None:
         self.key = key
         self.parent = parent
         self.nchild = 0
         self.mask = 0
+        self.depth = depth
+        self.kids: Node | list[Node] | None = None
+        self.wand = 0
+        self.wor = 0
+        self.wbr = False
+
+    def children(self) -> list[Node]:
+        k = self.kids
+        return [] if k is None else [k] if isinstance(k, Node) else list(k)
 
 
-@dataclass(slots=True)
 class PrefixMatch:
     """A prompt matched against the index.
 
     ``nodes``: the leading prompt blocks some instance holds *contiguously from the start*;
     ``lengths``: instance -> number of leading blocks it holds (instances holding none absent);
     ``segments``: ``(start, end)`` block ranges of Preble's radix nodes along ``nodes`` (a new
-    segment starts after a branch point); ``num_tokens``: the prompt's length.
+    segment starts after a branch point) and ``segment_ends`` the node ending each;
+    ``num_tokens``: the prompt's length.
+
+    A lookup does not list the matched nodes (that is per-block work a routing decision does not
+    need): ``nodes`` is built on first use from the stretches the lookup kept — a node ending a
+    whole stride of ``stride`` blocks, or a list of nodes.
     """
 
-    nodes: list[Node]
-    lengths: dict[str, int]
-    segments: list[tuple[int, int]]
-    num_tokens: int
-    block_size: int
+    __slots__ = ("lengths", "segments", "segment_ends", "num_tokens", "block_size",
+                 "num_nodes", "_parts", "_stride", "_nodes")
+
+    def __init__(self, parts: list[Node | list[Node]], stride: int, num_nodes: int,
+                 lengths: dict[str, int], segments: list[tuple[int, int]],
+                 segment_ends: list[Node], num_tokens: int, block_size: int) -> None:
+        self._parts, self._stride, self.num_nodes = parts, stride, num_nodes
+        self.lengths, self.segments, self.segment_ends = lengths, segments, segment_ends
+        self.num_tokens, self.block_size = num_tokens, block_size
+        self._nodes: list[Node] | None = None
+
+    @property
+    def first(self) -> Node | None:
+        """The prompt's first block (``None`` without a match)."""
+        if not self.num_nodes:
+            return None
+        part = self._parts[0]
+        return part[0] if isinstance(part, list) else _up(part, self._stride - 1)
+
+    @property
+    def nodes(self) -> list[Node]:
+        if self._nodes is None:
+            out: list[Node] = []
+            for part in self._parts:
+                if isinstance(part, Node):  # a whole stride: walk up from its last block
+                    chain, node = [part], part
+                    for _ in range(self._stride - 1):
+                        node = node.parent  # type: ignore[assignment]
+                        chain.append(node)
+                    out += reversed(chain)
+                else:
+                    out += part
+            self._nodes = out[:self.num_nodes]
+        return self._nodes
 
     @property
     def hashes(self) -> list[int]:
@@ -69,15 +121,20 @@ class PrefixMatch:
     def cached_tokens(self, instance_id: str) -> int:
         return self.lengths.get(instance_id, 0) * self.block_size
 
-    def key_portion(self) -> tuple[int, int] | None:
-        """Preble's *key portion* (its workload study; "E2 Global Scheduler"): the deepest radix
-        node on the matched path with more tokens than all its predecessors together (the first
-        node always qualifies); ``None`` without a match."""
+    def key_segment(self) -> int | None:
+        """Index in ``segments`` of Preble's *key portion* (its workload study; "E2 Global
+        Scheduler"): the deepest radix node on the matched path with more tokens than all its
+        predecessors together (the first node always qualifies); ``None`` without a match."""
         best = None
-        for start, end in self.segments:
+        for j, (start, end) in enumerate(self.segments):
             if end - start > start:
-                best = (start, end)
+                best = j
         return best
+
+    def key_portion(self) -> tuple[int, int] | None:
+        """The key portion's block range (:meth:`key_segment`)."""
+        j = self.key_segment()
+        return None if j is None else self.segments[j]
 
 
 class PrefixIndex:
@@ -125,9 +182,16 @@ class PrefixIndex:
         self._ids[bit] = None
         del self._blocks[instance_id]
         m = 1 << bit
-        for node in [n for n in self.nodes.values() if n.mask & m]:
-            node.mask &= ~m
-            self._prune(node)
+        held = []
+        for n in self.nodes.values():
+            n.wand &= ~m  # the bit leaves every mask, so every window AND and OR
+            n.wor &= ~m
+            if n.mask & m:
+                n.mask &= ~m  # all masks first: pruning refreshes summaries from them
+                held.append(n)
+        for node in held:
+            if self.nodes.get(node.key) is node:  # (not pruned with a descendant already)
+                self._prune(node)
 
     # ------------------------------------------------------------------ events
     def apply(self, instance_id: str, events: Iterable[KVEvent]) -> None:
@@ -147,27 +211,36 @@ class PrefixIndex:
         """``instance_id`` now holds these chained blocks (the first one's parent given)."""
         m = 1 << self._bit_of(instance_id)
         nodes = self.nodes
-        parent = None if parent_hash == NO_PARENT else self._node(parent_hash, None)
+        parent = None if parent_hash == NO_PARENT else self._node(parent_hash)
         for h in block_hashes:
             node = nodes.get(h)
             if node is None:
-                node = nodes[h] = Node(h, parent)
+                if parent is None:
+                    node = nodes[h] = Node(h, None, 0)
+                else:
+                    node = nodes[h] = Node(h, parent, parent.depth + 1 if parent.depth >= 0
+                                           else -1)
+                    self._adopt(parent, node)
+            elif node.parent is None and node.depth < 0:  # a placeholder learns its place
                 if parent is not None:
-                    parent.nchild += 1
-            elif node.parent is None and parent is not None:  # a placeholder learns its parent
-                node.parent = parent
-                parent.nchild += 1
+                    node.parent = parent
+                    self._adopt(parent, node)
+                depth = 0 if parent is None else parent.depth + 1 if parent.depth >= 0 else -1
+                if depth >= 0:
+                    self._set_depths(node, depth)
             if not node.mask & m:
                 node.mask |= m
                 self._blocks[instance_id] += 1
+                self._refresh(node)
             parent = node
 
-    def _node(self, h: int, parent: Node | None) -> Node:
-        """The node for ``h``, created as a placeholder (held by nobody) when unknown: a parent
-        the events never stored, or one already removed while a child is still cached."""
+    def _node(self, h: int) -> Node:
+        """The node for ``h``, created as a placeholder (held by nobody, depth unknown) when
+        unknown: a parent the events never stored, or one already removed while a child is
+        still cached."""
         node = self.nodes.get(h)
         if node is None:
-            node = self.nodes[h] = Node(h, parent)
+            node = self.nodes[h] = Node(h, None, -1)
         return node
 
     def remove(self, instance_id: str, block_hashes: Sequence[int]) -> None:
@@ -181,6 +254,7 @@ class PrefixIndex:
             if node is not None and node.mask & m:
                 node.mask &= ~m
                 self._blocks[instance_id] -= 1
+                self._refresh(node)
                 self._prune(node)
 
     def _prune(self, node: Node | None) -> None:
@@ -188,85 +262,160 @@ class PrefixIndex:
             del self.nodes[node.key]
             parent = node.parent
             if parent is not None:
-                parent.nchild -= 1
+                _disown(parent, node)
+                self._refresh(parent)
             node = parent
+
+    # ------------------------------------------------------------------ window summaries
+    def _adopt(self, parent: Node, child: Node) -> None:
+        k = parent.kids
+        if k is None:
+            parent.kids = child
+        elif isinstance(k, Node):
+            parent.kids = [k, child]
+        else:
+            k.append(child)
+        parent.nchild += 1
+        if parent.nchild == 2:
+            self._refresh(parent)  # it became a branch point
+
+    def _refresh(self, node: Node) -> None:
+        """Recompute ``node``'s window summary from its parent's, and its descendants' in the
+        same window while theirs change (each event touches at most one window's worth)."""
+        sb = self.stride
+        stack = [node]
+        while stack:
+            x = stack.pop()
+            p, d = x.parent, x.depth
+            if d % sb == 0 or p is None or d < 0:
+                wand, wor, wbr = x.mask, x.mask, x.nchild > 1
+            else:
+                wand, wor, wbr = p.wand & x.mask, p.wor | x.mask, p.wbr or x.nchild > 1
+            if wand == x.wand and wor == x.wor and wbr == x.wbr:
+                continue
+            x.wand, x.wor, x.wbr = wand, wor, wbr
+            k = x.kids
+            if k is not None and (d + 1) % sb:
+                stack += [k] if isinstance(k, Node) else k
+
+    def _set_depths(self, top: Node, depth: int) -> None:
+        """``top`` learned its place (``depth``): give it and its subtree their depths and
+        summaries (O(subtree); placeholders are rare)."""
+        top.depth = depth
+        stack = [top]
+        while stack:
+            x = stack.pop()
+            if x is not top:
+                x.depth = x.parent.depth + 1  # type: ignore[union-attr]
+            x.wand, x.wor, x.wbr = -1, -1, True  # force the recomputation below
+            self._refresh(x)
+            stack += x.children()
 
     # ------------------------------------------------------------------ lookups
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Match a prompt: the leading blocks some instance holds, each instance's share of
-        them, and the radix nodes along them. Costs O(matched blocks + 1)."""
-        bs, ids = self.block_size, self._ids
-        found = self._walk(token_ids if isinstance(token_ids, tuple) else tuple(token_ids))
-        lengths: dict[str, int] = {}
-        segments: list[tuple[int, int]] = []
-        live = -1  # instances holding every block so far
-        i = start = 0
-        for node in found:  # hot loop: most blocks change nothing
-            if live & node.mask != live:
-                held = live & node.mask
-                if i:  # the instances that held every block so far but not this one
-                    _record(lengths, ids, live & ~held, i)
-                if not held:
-                    live = 0
-                    break
-                live = held
-            if node.nchild > 1:  # a branch point ends Preble's radix node here
-                segments.append((start, i + 1))
-                start = i + 1
-            i += 1
-        path = found[:i]
-        n = len(path)
-        if n:
-            _record(lengths, ids, live, n)
-            if start < n:
-                segments.append((start, n))
-        return PrefixMatch(path, lengths, segments, len(token_ids), bs)
-
-    def _walk(self, toks: tuple[int, ...]) -> list[Node]:
-        """The index's nodes for the prompt's leading blocks, up to the first block it lacks.
+        them, and the radix nodes along them. Costs O(prompt tokens matched) for hashing them, and
+        O(matched strides + blocks near where an instance's prefix ends) otherwise.
 
         Hashing block by block is the cost of a lookup, so whole strides of ``stride`` blocks
         are looked up at once: a stride's tokens hash (chained over strides, in C) to a memo of
-        the engine's chained hash of its last block; when that node exists, its parent links
-        give the stride's other nodes. A stride seen for the first time, one where the match
-        ends, and the tail are hashed block by block (the memo then learns the stride). The
-        memo maps token content to hashes, so it never goes stale; it is cleared when full."""
-        bs, sb, nodes, memo = self.block_size, self.stride, self.nodes, self._memo
+        the engine's chained hash of its last block. When that node ends one of the index's
+        windows (:class:`Node`) and its window AND says that every instance that held the
+        blocks before the stride holds all of it, the stride is taken whole: in O(1), or, when
+        the window has branch points (radix node ends), a walk up it; otherwise its nodes (the
+        end node's parent links) are taken block by block. A stride seen for the first time, one
+        where the match ends, and the tail are hashed block by block (the memo then learns the
+        stride). The memo maps token content to
+        hashes, so it never goes stale; it is cleared when full."""
+        toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        bs, sb, nodes, memo, ids = self.block_size, self.stride, self.nodes, self._memo, self._ids
         nb = len(toks) // bs
-        out: list[Node] = []
-        i, sh = 0, NO_PARENT
+        parts: list[Node | list[Node]] = []
+        lengths: dict[str, int] = {}
+        segments: list[tuple[int, int]] = []
+        seg_ends: list[Node] = []
+        live = -1  # instances holding every block so far (-1: before the first block)
+        i = start = 0  # blocks matched; where the current radix node starts
+        last_key, sh = NO_PARENT, NO_PARENT
         while i < nb:
+            chain: list[Node] | None = None
             if sb > 1 and i + sb <= nb:
                 sh = hash((sh, toks[i * bs:(i + sb) * bs]))
                 end = nodes.get(memo.get(sh, NO_PARENT))
-                if end is not None:
-                    chain, node = [end], end
-                    for _ in range(sb - 1):
-                        node = node.parent
-                        if node is None:
-                            break
-                        chain.append(node)
-                    if node is not None:
-                        chain.reverse()
-                        out += chain
+                if end is not None and end.depth == i + sb - 1:
+                    # the stride is one window: its summary says who holds all of it
+                    a = end.wand
+                    # nobody's prefix ends inside the stride: at the start, every block has
+                    # the same holders; later, every block has all of the holders so far
+                    if a and (a == end.wor if i == 0 else live & a == live):
+                        live = a if i == 0 else live
+                        if end.wbr:  # branch points inside: each ends a radix node; walk
+                            # up only while some remain above (wbr counts down to the node)
+                            node, k = end, i + sb
+                            ends = []
+                            while k > i and node.wbr:
+                                if node.nchild > 1:
+                                    ends.append((k, node))
+                                node, k = node.parent, k - 1  # type: ignore[assignment]
+                            for k, node in reversed(ends):
+                                segments.append((start, k))
+                                seg_ends.append(node)
+                                start = k
+                        parts.append(end)
                         i += sb
+                        last_key = end.key
                         continue
+                if end is not None and _has_ancestors(end, sb - 1):  # block by block
+                    chain = [end]
+                    node = end
+                    for _ in range(sb - 1):
+                        node = node.parent  # type: ignore[assignment]
+                        chain.append(node)
+                    chain.reverse()
                 n_to = i + sb
             else:
                 n_to = nb
-            parent = out[-1].key if out else NO_PARENT
-            for j in range(i, n_to):
-                parent = hash((parent, toks[j * bs:(j + 1) * bs]))  # = hash_block (hot loop)
-                node = nodes.get(parent)
-                if node is None:
-                    return out
-                out.append(node)
-            if n_to - i == sb > 1:
-                if len(memo) >= self.max_memo:
-                    memo.clear()
-                memo[sh] = parent
-            i = n_to
-        return out
+            if chain is None:
+                chain = []
+                parent = last_key
+                for j in range(i, n_to):
+                    parent = hash((parent, toks[j * bs:(j + 1) * bs]))  # = hash_block
+                    node = nodes.get(parent)
+                    if node is None:
+                        break
+                    chain.append(node)
+                if len(chain) == n_to - i == sb > 1:
+                    if len(memo) >= self.max_memo:
+                        memo.clear()
+                    memo[sh] = parent
+            whole = len(chain) == n_to - i
+            taken = 0
+            for node in chain:  # block by block: most blocks change nothing
+                if live & node.mask != live:
+                    held = live & node.mask
+                    if i:  # the instances that held every block so far but not this one
+                        _record(lengths, ids, live & ~held, i)
+                    if not held:
+                        live = 0
+                        break
+                    live = held
+                if node.nchild > 1:  # a branch point ends Preble's radix node here
+                    segments.append((start, i + 1))
+                    seg_ends.append(node)
+                    start = i + 1
+                i += 1
+                taken += 1
+            if taken:
+                parts.append(chain[:taken])
+                last_key = chain[taken - 1].key
+            if not whole or live == 0:
+                break
+        if i:
+            _record(lengths, ids, live, i)
+            if start < i:
+                segments.append((start, i))
+                seg_ends.append(_last(parts))
+        return PrefixMatch(parts, sb, i, lengths, segments, seg_ends, len(token_ids), bs)
 
     def holders(self, block_hash: int) -> list[str]:
         """Instances holding the block ``block_hash``."""
@@ -277,10 +426,22 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ size
     def memory_bytes(self) -> int:
-        """Bytes held by the index's nodes and hash table (object sizes, shallow)."""
-        per_node = sys.getsizeof(Node(0, None))
-        ints = sum(sys.getsizeof(n.key) + sys.getsizeof(n.mask) for n in self.nodes.values())
-        return sys.getsizeof(self.nodes) + per_node * len(self.nodes) + ints
+        """Bytes held by the index's nodes and hash table (object sizes, shallow; an int shared
+        with another field or CPython's small-int cache counted once or not at all; the stride
+        memo, up to ``max_memo`` entries, not included)."""
+        per_node = sys.getsizeof(Node(0, None, 0))
+        size = sys.getsizeof
+        total = sys.getsizeof(self.nodes) + per_node * len(self.nodes)
+        for n in self.nodes.values():
+            total += size(n.key) + size(n.mask)
+            for v in (n.wand, n.wor):
+                if v is not n.mask and not -5 <= v <= 256:
+                    total += size(v)
+            if n.depth > 256:
+                total += size(n.depth)
+            if isinstance(n.kids, list):
+                total += size(n.kids)
+        return total
 
 
 def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -295,6 +456,38 @@ def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 def block_size_of(events: Sequence[KVEvent]) -> int | None:
     """The block size of the first stored block in ``events`` (``None``: only removals)."""
     return next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+
+
+def _disown(parent: Node, child: Node) -> None:
+    k = parent.kids
+    if k is child:
+        parent.kids = None
+    else:
+        assert isinstance(k, list)
+        k.remove(child)
+        if len(k) == 1:
+            parent.kids = k[0]
+    parent.nchild -= 1
+
+
+def _has_ancestors(node: Node, k: int) -> bool:
+    for _ in range(k):
+        node = node.parent  # type: ignore[assignment]
+        if node is None:
+            return False
+    return True
+
+
+def _up(node: Node, k: int) -> Node:
+    """The ``k``-th ancestor of ``node`` (the caller knows it exists)."""
+    for _ in range(k):
+        node = node.parent  # type: ignore[assignment]
+    return node
+
+
+def _last(parts: list[Node | list[Node]]) -> Node:
+    part = parts[-1]
+    return part if isinstance(part, Node) else part[-1]
 
 
 def _record(lengths: dict[str, int], ids: Sequence[str | None], mask: int, n: int) -> None:

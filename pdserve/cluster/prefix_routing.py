@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixMatch, block_size_of
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
 
 PrefillTime = Callable[[int], float]
+_ID = attrgetter("instance_id")
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ class E2Router(Router):
     ``replicate_factor`` (2×) that of the first half.
 
     ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
-    latency model when given, else :class:`LinearPrefillTime`.
+    latency model when given, else :class:`LinearPrefillTime`; it must be a pure function of
+    the token count (E2 memoises it).
     """
 
     name = "preble"
@@ -145,6 +148,7 @@ class E2Router(Router):
         self._pending: deque[tuple[ClusterRequest, int, str]] = deque()
         self.num_routed = 0
         self._now = float("-inf")
+        self._pt_memo: dict[int, float] = {}
         self.decisions: dict[str, int] = {"exploit": 0, "explore": 0, "pd_balance": 0,
                                           "rebalance": 0, "replicate": 0}
 
@@ -181,14 +185,15 @@ class E2Router(Router):
             self._observe_ttfts()
         bs = candidates[0].block_size
         m = self._index(bs).match(request.prompt_token_ids)
-        by_id = {c.instance_id: c for c in candidates}
+        by_id = dict(zip(map(_ID, candidates), candidates))
         n = m.num_tokens
-        cached = max((k for i, k in m.lengths.items() if i in by_id), default=0) * bs
-        key = m.key_portion()
-        key_hash = m.nodes[key[1] - 1].key if key is not None else None
+        lengths = m.lengths
+        cached = max((lengths[i] for i in lengths if i in by_id), default=0) * bs
+        j = m.key_segment()
+        key_hash = m.segment_ends[j].key if j is not None else None
         inst = None
-        if key is not None and cached > self.exploit_ratio * n:
-            inst = self._exploit(m, key, by_id, now)
+        if j is not None and cached > self.exploit_ratio * n:
+            inst = self._exploit(m, j, by_id, now)
             if inst is not None:
                 self.decisions["exploit"] += 1
         if inst is None:
@@ -201,27 +206,40 @@ class E2Router(Router):
         self._rebalance(by_id)
         return inst
 
-    def _exploit(self, m: PrefixMatch, key: tuple[int, int], by_id: dict[str, InstanceView],
+    def _pt(self, num_tokens: int) -> float:
+        """``prefill_time(num_tokens)``, memoised (a regression: a pure function of the
+        count)."""
+        t = self._pt_memo.get(num_tokens)
+        if t is None:
+            if len(self._pt_memo) >= 1 << 16:
+                self._pt_memo.clear()
+            t = self._pt_memo[num_tokens] = self.prefill_time(num_tokens)
+        return t
+
+    def _exploit(self, m: PrefixMatch, j: int, by_id: dict[str, InstanceView],
                  now: float) -> InstanceView | None:
-        key_hash = m.nodes[key[1] - 1].key
-        self.key_tokens[key_hash] = (key[1] - key[0]) * m.block_size
+        start, end = m.segments[j]
+        key_hash = m.segment_ends[j].key
+        self.key_tokens[key_hash] = (end - start) * m.block_size
         if self.moved:
             # the deepest moved prefix on the path wins; a prefix first seen as new is keyed by
             # its first block (see select), so that one is checked too
-            for end in [e for _, e in reversed(m.segments)] + [1]:
-                target = self.moved.get(m.nodes[end - 1].key)
+            for node in [*reversed(m.segment_ends), m.first]:
+                target = self.moved.get(node.key)  # type: ignore[union-attr]
                 if target in by_id:
                     return by_id[target]
-        holders = [iid for iid, n in m.lengths.items() if n >= key[1] and iid in by_id]
-        holders += [iid for iid in self.replicas.get(key_hash, ()) if iid in by_id
-                    and iid not in holders]
+        holders = [iid for iid, k in m.lengths.items() if k >= end and iid in by_id]
+        reps = self.replicas.get(key_hash)
+        if reps:
+            holders += [iid for iid in reps if iid in by_id and iid not in holders]
         if not holders:
             return None
-        best = min(holders, key=lambda i: self.load.get(i, 0.0))
-        if self._overloaded(key_hash, best, now):
+        load = self.load
+        best = holders[0] if len(holders) == 1 else min(holders, key=lambda i: load.get(i, 0.0))
+        if key_hash in self._ttft and self._overloaded(key_hash, best, now):
             others = [i for i in by_id if i not in holders]
             if others:
-                rep = min(others, key=lambda i: self.load.get(i, 0.0))
+                rep = min(others, key=lambda i: load.get(i, 0.0))
                 self.replicas.setdefault(key_hash, set()).add(rep)
                 self._ttft.get(key_hash, {}).pop(best, None)
                 self.decisions["replicate"] += 1
@@ -229,10 +247,12 @@ class E2Router(Router):
         return by_id[best]
 
     def _explore(self, m: PrefixMatch, n: int, by_id: dict[str, InstanceView]) -> InstanceView:
-        pt = self.prefill_time
         missed = n - m.num_cached_tokens
-        if missed >= self.pd_tokens and len(by_id) > 1:
-            top = self._decode_heavy(by_id)
+        ids = list(by_id)
+        get = self.load.get
+        loads = [get(i, 0.0) for i in ids]
+        if missed >= self.pd_tokens and len(ids) > 1:
+            top = self._decode_heavy(ids, loads)
             if top is not None:
                 self.decisions["pd_balance"] += 1
                 return by_id[top]
@@ -240,11 +260,13 @@ class E2Router(Router):
         # cost_i = L_i + R_i + M_i. M_i >= 0 is the costly term: it is computed for the
         # instance with the least L_i + R_i, then only for those whose L_i + R_i is below that
         # instance's total (ties: candidate order)
-        load, lengths, bs = self.load, m.lengths, m.block_size
-        ids = list(by_id)
-        pt_all = pt(n)
-        bounds = [load.get(i, 0.0) + (pt(n - lengths[i] * bs) if i in lengths else pt_all)
-                  for i in ids]
+        lengths, bs = m.lengths, m.block_size
+        pt_all = self._pt(n)
+        bounds = [li + pt_all for li in loads]
+        if lengths:
+            for k, i in enumerate(ids):
+                if i in lengths:
+                    bounds[k] = loads[k] + self._pt(n - lengths[i] * bs)
         j = bounds.index(min(bounds))
         best, best_cost = j, bounds[j] + self._evict_cost(by_id[ids[j]], self._miss(m, ids[j]))
         for k, bound in enumerate(bounds):
@@ -258,14 +280,13 @@ class E2Router(Router):
     def _miss(m: PrefixMatch, instance_id: str) -> int:
         return m.num_tokens - m.cached_tokens(instance_id)
 
-    def _decode_heavy(self, by_id: dict[str, InstanceView]) -> str | None:
+    def _decode_heavy(self, ids: list[str], loads: list[float]) -> str | None:
         """The candidate whose window load is most decode-heavy, when it stands out: its decode
         share of ``L`` exceeds the others' mean by ``pd_margin`` and its ``L`` is at most the
         mean ``L`` (a busy instance is no place for a long prefill, whatever its mix). ``None``
-        while some candidate has no load in the window (nothing to balance yet)."""
-        load, dec = self.load, self.decode_load
-        ids = list(by_id)
-        loads = [load.get(i, 0.0) for i in ids]
+        while some candidate has no load in the window (nothing to balance yet). ``loads``:
+        the candidates' ``L``, in the order of ``ids``."""
+        dec = self.decode_load
         if min(loads) <= 0:
             return None
         shares = [dec.get(i, 0.0) / li for i, li in zip(ids, loads)]
@@ -285,7 +306,7 @@ class E2Router(Router):
         lru = self._lru.get(inst.instance_id)
         if excess <= 0 or not lru:
             return 0.0
-        cost, pt = 0.0, self.prefill_time
+        cost, pt = 0.0, self._pt
         for k, key in enumerate(lru):
             if excess <= 0 or k >= self.max_evict_scan:
                 break
@@ -300,18 +321,27 @@ class E2Router(Router):
     def _record(self, req: ClusterRequest, iid: str, m: PrefixMatch, key: int | None,
                 now: float) -> None:
         missed = m.num_tokens - m.cached_tokens(iid)
-        e = _Entry(now, iid, key, self.prefill_time(missed),
+        e = _Entry(now, iid, key, self._pt(missed),
                    req.params.max_tokens * self.tpot)
         self._win.append(e)
         self.load[iid] = self.load.get(iid, 0.0) + e.prefill + e.decode
         self.decode_load[iid] = self.decode_load.get(iid, 0.0) + e.decode
         if key is not None:
-            st = self.key_stats.setdefault(key, {}).setdefault(iid, [0, 0.0])
+            per = self.key_stats.get(key)
+            if per is None:
+                per = self.key_stats[key] = {}
+            st = per.get(iid)
+            if st is None:
+                st = per[iid] = [0, 0.0]
             st[0] += 1
             st[1] += e.prefill + e.decode
-            lru = self._lru.setdefault(iid, OrderedDict())
-            lru[key] = None
-            lru.move_to_end(key)
+            lru = self._lru.get(iid)
+            if lru is None:
+                lru = self._lru[iid] = OrderedDict()
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
             self._pending.append((req, key, iid))
             if len(self._pending) > self.max_window:
                 self._pending.popleft()

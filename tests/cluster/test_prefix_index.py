@@ -21,12 +21,12 @@ HASHES = [prompt_hashes(p, BS) for p in PROMPTS]
 INSTANCES = ["a", "b", "c"]
 
 
-def ref_lengths(ref, prompt_idx):
+def ref_lengths(ref, hashes):
     """Blocks of the prompt each instance holds contiguously from the start (brute force)."""
     out = {}
     for iid, held in ref.items():
         n = 0
-        for h in HASHES[prompt_idx]:
+        for h in hashes:
             if h not in held:
                 break
             n += 1
@@ -35,29 +35,73 @@ def ref_lengths(ref, prompt_idx):
     return out
 
 
-def check(index, ref):
+def ref_segments(hashes, n, children):
+    """Preble's radix nodes along the first ``n`` blocks: a new one after each block with two
+    or more children (``children`` counted from the index's parent links)."""
+    out, start = [], 0
+    for i, h in enumerate(hashes[:n]):
+        if children.get(h, 0) > 1:
+            out.append((start, i + 1))
+            start = i + 1
+    if start < n:
+        out.append((start, n))
+    return out
+
+
+def check(index, ref, prompts=PROMPTS, hashes=HASHES):
     for iid in INSTANCES:
         assert index.num_blocks(iid) == len(ref.get(iid, ()))
-    for k, prompt in enumerate(PROMPTS):
-        m = index.match(prompt + [0])  # a partial trailing block never matches
-        assert m.lengths == ref_lengths(ref, k), (k, m.lengths)
-        assert m.hashes == HASHES[k][:len(m.nodes)]
-        assert len(m.nodes) == max(m.lengths.values(), default=0)
-        assert sum(e - s for s, e in m.segments) == len(m.nodes)
-    union = set().union(*ref.values()) if ref else set()
-    for h in union:
-        assert sorted(index.holders(h)) == sorted(i for i, s in ref.items() if h in s)
     children = {}
     for node in index.nodes.values():
         if node.parent is not None:
-            assert index.nodes[node.parent.key] is node.parent
             children[node.parent.key] = children.get(node.parent.key, 0) + 1
+    for k, prompt in enumerate(prompts):
+        m = index.match(prompt + [0])  # a partial trailing block never matches
+        lengths = ref_lengths(ref, hashes[k])
+        n = max(lengths.values(), default=0)
+        assert m.lengths == lengths, (k, m.lengths)
+        assert m.hashes == hashes[k][:n]
+        assert len(m.nodes) == n
+        assert m.segments == ref_segments(hashes[k], n, children)
+        assert [e.key for e in m.segment_ends] == [hashes[k][e - 1] for _, e in m.segments]
+        assert m.first is None if n == 0 else m.first.key == hashes[k][0]
+    check_summaries(index)
+    union = set().union(*ref.values()) if ref else set()
+    for h in union:
+        assert sorted(index.holders(h)) == sorted(i for i, s in ref.items() if h in s)
+    for node in index.nodes.values():
+        if node.parent is not None:
+            assert index.nodes[node.parent.key] is node.parent
     for h, node in index.nodes.items():
         assert node.nchild == children.get(h, 0)
         # bounded memory: a node nobody holds lives only as some held node's ancestor
         assert node.mask or node.nchild, "an unreferenced node was not pruned"
         if node.mask:
             assert h in union
+
+
+def check_summaries(index):
+    """Depths and window summaries recomputed from scratch by walking up the parent links."""
+    sb = index.stride
+    for node in index.nodes.values():
+        assert sorted(c.key for c in node.children()) == sorted(
+            n.key for n in index.nodes.values() if n.parent is node)
+        path, x = [], node
+        while x is not None:
+            path.append(x)
+            x = x.parent
+        # a chain ending at a placeholder (never stored as anybody's child) has no known depth
+        rooted = path[-1].depth == 0
+        assert node.depth == (len(path) - 1 if rooted else -1)
+        if node.depth < 0:
+            continue
+        window = path[:node.depth % sb + 1]
+        want_and, want_or = -1, 0
+        for x in window:
+            want_and &= x.mask
+            want_or |= x.mask
+        assert node.wand == want_and and node.wor == want_or
+        assert node.wbr == any(x.nchild > 1 for x in window)
 
 
 op = st.one_of(
@@ -93,6 +137,70 @@ def test_index_matches_brute_force(stride, max_memo, ops):
     for iid in INSTANCES:
         index.remove_instance(iid)
     assert index.nodes == {}  # everything leaves with the instances
+
+
+def long_prompts(draw_tree):
+    """Prompts (and their hashes) along random root-to-leaf paths of a tree of token blocks."""
+    prompts = []
+    for path in draw_tree:
+        prompts.append([t for b in path for t in (b, b)])
+    return prompts, [prompt_hashes(p, BS) for p in prompts]
+
+
+@st.composite
+def tree_paths(draw):
+    """Up to 5 paths of 1–24 blocks, each branching off an earlier one at a random block."""
+    paths = []
+    for _ in range(draw(st.integers(1, 5))):
+        fork = draw(st.integers(0, 24))
+        base = draw(st.sampled_from(paths))[:fork] if paths else []
+        tail = draw(st.lists(st.integers(1, 4), min_size=1, max_size=24 - len(base)
+                             if len(base) < 24 else 1))
+        paths.append(base + tail)
+    return paths
+
+
+@pytest.mark.parametrize("stride", [4, 16])
+@settings(max_examples=150, deadline=None)
+@given(paths=tree_paths(), data=st.data())
+def test_long_prompts_match_brute_force_through_window_summaries(stride, paths, data):
+    """Prompts of up to 24 blocks with branch points and instances' prefixes ending anywhere,
+    including inside a stride: lookups by whole strides (window summaries) agree with the
+    reference after every store, eviction and instance loss."""
+    prompts, hashes = long_prompts(paths)
+    index, ref = PrefixIndex(BS, stride=stride), {}
+    ops = data.draw(st.lists(st.tuples(
+        st.sampled_from(["store", "store", "evict", "lose"]), st.sampled_from(INSTANCES),
+        st.integers(0, len(prompts) - 1), st.integers(0, 23), st.integers(1, 24)), max_size=25))
+    for kind, iid, k, first, n in ops:
+        hs = hashes[k][first:first + n]
+        if kind == "store" and hs:
+            parent = hashes[k][first - 1] if first else NO_PARENT
+            toks = prompts[k][first * BS:(first + len(hs)) * BS]
+            index.apply(iid, [BlockStored(hs, parent, toks, BS)])
+            ref.setdefault(iid, set()).update(hs)
+        elif kind == "evict" and hs:
+            index.apply(iid, [BlockRemoved(hs)])
+            ref.setdefault(iid, set()).difference_update(hs)
+        elif kind == "lose":
+            index.remove_instance(iid)
+            ref.pop(iid, None)
+        for _ in range(2):  # the second lookup goes through the memo the first one filled
+            check(index, ref, prompts, hashes)
+
+
+def test_losing_an_instance_refreshes_summaries_below_a_former_branch():
+    """Hand-made case hypothesis found: b holds [1 1]-[1 1] and [1 1]-[2 2], a holds
+    [1 1]-[2 2]; when b is lost, [1 1] stops being a branch point and [2 2]'s window summary is
+    recomputed — from masks that must already have lost b's bit."""
+    prompts, hashes = long_prompts([[1, 1], [1, 2]])
+    index = PrefixIndex(BS, stride=16)
+    for iid, k in (("b", 0), ("a", 1), ("b", 1)):
+        index.apply(iid, [BlockStored(hashes[k], NO_PARENT, prompts[k], BS)])
+    index.remove_instance("b")
+    node = index.nodes[hashes[1][1]]
+    assert (node.mask, node.wand, node.wor, node.wbr) == (2, 2, 2, False)  # a: bit 1
+    check(index, {"a": set(hashes[1])}, prompts, hashes)
 
 
 def test_index_follows_a_real_block_pool():

@@ -311,3 +311,42 @@ def test_simulated_cluster_keeps_the_index_exact(router):
         assert r.index.num_blocks(iid) == len(pool.cached)
         for h in pool.cached:
             assert iid in r.index.holders(h)
+
+
+# ------------------------------------------------------------------ the command line
+def test_serve_flags_select_preble_router_and_local_policy():
+    """`pdserve serve --prefill-router preble --policy preble` reaches the deployment spec
+    (E2 in front, Preble's priority groups on every instance); the live run of that spec is
+    tests/cluster/test_runtime_real.py::test_preble_router_is_fed_by_the_instances_kv_events."""
+    from pdserve.cli import build_parser
+    from pdserve.flags import deployment_from_args
+
+    args = build_parser().parse_args(["serve", "--model", "opt-13b", "--num-instances", "2",
+                                      "--prefill-router", "preble", "--policy", "preble"])
+    spec = deployment_from_args(args)
+    assert spec.prefill_router == "preble"
+    assert spec.engine["policy"] == "preble"
+    assert all(s.engine.scheduler.policy == "preble" for s in spec.instance_specs(2048))
+
+
+def test_simulate_with_preble_flags(tmp_path, capsys):
+    """`pdserve simulate` with the same flags: the spec carries both and every request
+    finishes (that E2 then sees the simulated caches is
+    tests/sim/test_target_cli.py::test_preble_router_in_the_simulator_sees_the_cache)."""
+    import json
+
+    from pdserve.cli import main as pdserve_main
+
+    out = tmp_path / "preble.json"
+    rc = pdserve_main(["simulate", "--hardware", "A100-80GB", "--model", "opt-13b",
+                       "--num-instances", "3", "--prefill-router", "preble",
+                       "--policy", "preble", "--workload",
+                       "prefix:num_prefixes=4,shared_len=1024,unique_len=64,output_len=8",
+                       "--num-requests", "60", "--rate", "6", "--no-progress",
+                       "--output-json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    spec = data["deployment"]["spec"]
+    assert spec["prefill_router"] == "preble" and spec["engine"]["policy"] == "preble"
+    assert data["deployment"]["routers"][0] == "preble"
+    assert data["summary"]["num_ok"] == 60
