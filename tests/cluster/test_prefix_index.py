@@ -120,23 +120,30 @@ def test_index_matches_brute_force(stride, max_memo, ops):
     """Block-by-block lookups (stride 1) and stride lookups through the memo (a tiny memo is
     cleared as it goes) agree with the reference after every event."""
     index, ref = PrefixIndex(BS, stride=stride, max_memo=max_memo), {}
-    for kind, iid, k, first, n in ops:
-        hs = HASHES[k][first:first + n]
-        if kind == "store" and hs:
-            parent = HASHES[k][first - 1] if first else NO_PARENT
-            toks = PROMPTS[k][first * BS:(first + len(hs)) * BS]
-            index.apply(iid, [BlockStored(hs, parent, toks, BS)])
-            ref.setdefault(iid, set()).update(hs)
-        elif kind == "evict" and hs:
-            index.apply(iid, [BlockRemoved(hs)])
-            ref.setdefault(iid, set()).difference_update(hs)
-        elif kind == "lose":
-            index.remove_instance(iid)
-            ref.pop(iid, None)
+    for op in ops:
+        apply_op(index, ref, op, PROMPTS, HASHES)
         check(index, ref)
     for iid in INSTANCES:
         index.remove_instance(iid)
     assert index.nodes == {}  # everything leaves with the instances
+
+
+def apply_op(index, ref, op, prompts, hashes) -> None:
+    """One random event — ``(kind, instance, prompt, first block, blocks)`` — applied to the
+    index and to the reference (instance → set of block hashes)."""
+    kind, iid, k, first, n = op
+    hs = hashes[k][first:first + n]
+    if kind == "store" and hs:
+        parent = hashes[k][first - 1] if first else NO_PARENT
+        toks = prompts[k][first * BS:(first + len(hs)) * BS]
+        index.apply(iid, [BlockStored(hs, parent, toks, BS)])
+        ref.setdefault(iid, set()).update(hs)
+    elif kind == "evict" and hs:
+        index.apply(iid, [BlockRemoved(hs)])
+        ref.setdefault(iid, set()).difference_update(hs)
+    elif kind == "lose":
+        index.remove_instance(iid)
+        ref.pop(iid, None)
 
 
 def long_prompts(draw_tree):
@@ -172,19 +179,8 @@ def test_long_prompts_match_brute_force_through_window_summaries(stride, paths, 
     ops = data.draw(st.lists(st.tuples(
         st.sampled_from(["store", "store", "evict", "lose"]), st.sampled_from(INSTANCES),
         st.integers(0, len(prompts) - 1), st.integers(0, 23), st.integers(1, 24)), max_size=25))
-    for kind, iid, k, first, n in ops:
-        hs = hashes[k][first:first + n]
-        if kind == "store" and hs:
-            parent = hashes[k][first - 1] if first else NO_PARENT
-            toks = prompts[k][first * BS:(first + len(hs)) * BS]
-            index.apply(iid, [BlockStored(hs, parent, toks, BS)])
-            ref.setdefault(iid, set()).update(hs)
-        elif kind == "evict" and hs:
-            index.apply(iid, [BlockRemoved(hs)])
-            ref.setdefault(iid, set()).difference_update(hs)
-        elif kind == "lose":
-            index.remove_instance(iid)
-            ref.pop(iid, None)
+    for op in ops:
+        apply_op(index, ref, op, prompts, hashes)
         for _ in range(2):  # the second lookup goes through the memo the first one filled
             check(index, ref, prompts, hashes)
 
