@@ -44,6 +44,8 @@ import numpy as np
 from pdserve.bench.goodput import AttainmentResult, search_goodput
 from pdserve.bench.metrics import SLO, attainment
 from pdserve.bench.workloads import make_workload
+from pdserve.cluster.macro import MacroRolling
+from pdserve.cluster.routing import register
 from pdserve.config import ClusterConfig, Link
 from pdserve.sim.target import SimulationConfig, build_simulator, to_records, to_sim_requests
 
@@ -228,11 +230,60 @@ def part_goodput(args: argparse.Namespace) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- explain
+@register
+class MacroRollingNoHold(MacroRolling):
+    """Counterfactual: Algorithm 1 as printed (§4.2.3) — when no instance passes Algorithm 2
+    the request goes to the instance after the last one anyway, instead of waiting here."""
+
+    name = "macro_rolling_nohold"
+
+    def select(self, request: Any, candidates: list) -> Any:
+        view = super().select(request, candidates)
+        if view is not None or not self.macros:
+            return view
+        m = self._rr % len(self.macros)
+        group = self.macros[m]
+        pos = (self.last.get(m, 0) + 1) % len(group)
+        view = next((c for c in candidates if c.instance_id == group[pos]), None)
+        if view is not None:
+            self.last[m], self._rr = pos, (m + 1) % len(self.macros)
+            self.pending.setdefault(view.instance_id, {})[request.request_id] = request
+        return view
+
+
+@register
+class MacroRollingHoldAware(MacroRolling):
+    """Counterfactual: Algorithm 2's TTFT bound (t_total <= SLO_TTFT) assumes every prompt was
+    routed on arrival; a prompt this router held has spent ``routed − arrival`` of its budget,
+    so here the bound is t_total + the longest such hold (among the phase's prompts and the
+    new one, ignoring those already past SLO_TTFT: they are late anyway and, first in line,
+    would hold up the others) <= SLO_TTFT."""
+
+    name = "macro_rolling_holdaware"
+
+    def check(self, view: Any, request: Any, now: float) -> bool:
+        waiting, prefilled = self._pending(view)
+        holds = [now - request.arrival] + [(r.timeline.routed or now) - r.arrival
+                                           for r in waiting + prefilled]
+        spent = max((h for h in holds if h < self.slo_ttft), default=0.0)
+        slo, self.slo_ttft = self.slo_ttft, self.slo_ttft - spent
+        try:
+            return super().check(view, request, now)
+        finally:
+            self.slo_ttft = slo
+
+
+# --------------------------------------------------------------------------- explain
 EXPLAIN = [  # (label, strategy, padg deployment keys)
     ("NoDG chunked", "nodg-chunked", {}), ("NoDG prefill-first", "nodg-pf", {}),
     ("PaDG (paper: phase budget = SLO_TTFT, 1 macro of 8)", "padg", {}),
     ("PaDG, phase budget SLO_TTFT / 4", "padg", {"phase_budget": 0.25}),
     ("PaDG, macro instances of 2", "padg", {"macro_instance_size": 2}),
+]
+EXPLAIN_COUNTERFACTUAL = [
+    ("PaDG, Alg. 1 as printed (no hold)", "padg", {"prefill_router": "macro_rolling_nohold"}),
+    ("PaDG, hold time counted in Alg. 2's TTFT", "padg",
+     {"prefill_router": "macro_rolling_holdaware"}),
 ]
 
 
@@ -257,10 +308,11 @@ def part_explain(args: argparse.Namespace) -> list[dict]:
     requests miss (TTFT or TPOT), the phase-switch wait, the router's holds."""
     jobs = [(wl, float(rate), *v, args.explain_model, args.num_requests)
             for wl, rate in (x.split("@") for x in args.explain.split(","))
-            for v in EXPLAIN]
+            for v in (EXPLAIN if args.explain_variants == "main" else EXPLAIN_COUNTERFACTUAL)]
     with ProcessPoolExecutor(args.jobs) as ex:
         rows = list(ex.map(explain_case, jobs))
-    with open(os.path.join(args.out, f"explain-{args.explain_model}.json"), "w") as f:
+    with open(os.path.join(args.out, f"explain-{args.explain_model}-{args.explain_variants}.json"),
+              "w") as f:
         json.dump(rows, f, indent=1)
     print("| workload @ rate (prefill load) | variant | attainment std / eco | miss TTFT "
           "| miss TPOT (own wait) | switch wait mean / P90 (s) | wait / TPOT budget "
@@ -507,6 +559,9 @@ def main() -> int:
     p.add_argument("--explain", default="chatbot@8,chatbot@12,summarization@4",
                    help="--part explain: workload@rate (whole deployment, req/s) probes")
     p.add_argument("--explain-model", default="30b")
+    p.add_argument("--explain-variants", choices=("main", "counterfactual"), default="main",
+                   help="--part explain: the strategies and PaDG settings, or two router "
+                        "counterfactuals (Alg. 1 as printed; hold time in Alg. 2's TTFT)")
     p.add_argument("--merge", nargs="*", default=[], metavar="JSON",
                    help="--part table: goodput JSON files to merge (later ones win)")
     p.add_argument("--testbeds", default="l20,a100")
