@@ -357,9 +357,13 @@ def goodput_table(rows: list[dict]) -> str:
               if (r["testbed"], r["model"], r["workload"], r.get("level", 0.9)) == k}
         g = {s: by[s]["per_gpu_goodput_rps"] for s in by}
         other = max([g[s] for s in STRATEGIES[:3] if s in g] or [0.0])
-        capped = any(by[s].get("capped") for s in by)
-        gain = ("n/a (capped)" if capped else f"{100 * (g['padg'] / other - 1):+.0f} %"
-                if other > 0 and "padg" in g else "n/a")
+        capped_other = any(by[s].get("capped") for s in by if s != "padg")
+        capped_padg = "padg" in by and by["padg"].get("capped")
+        if "padg" not in g or other <= 0 or (capped_other and capped_padg):
+            gain = "n/a"
+        else:  # a capped search gives a lower bound only
+            bound = "≤ " if capped_other else "≥ " if capped_padg else ""
+            gain = f"{bound}{100 * (g['padg'] / other - 1):+.0f} %"
         wait = by["padg"].get("switch_wait_s") if "padg" in by else None
         wait_ms = f"{1000 * wait:,.0f}" if wait is not None else "n/a"
         out.append(f"| {k[0]} | {k[1]} | {k[2]} | P{round(100 * k[3])} | "
