@@ -230,7 +230,6 @@ def part_goodput(args: argparse.Namespace) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- explain
-@register
 class MacroRollingNoHold(MacroRolling):
     """Counterfactual: Algorithm 1 as printed (§4.2.3) — when no instance passes Algorithm 2
     the request goes to the instance after the last one anyway, instead of waiting here."""
@@ -251,7 +250,6 @@ class MacroRollingNoHold(MacroRolling):
         return view
 
 
-@register
 class MacroRollingHoldAware(MacroRolling):
     """Counterfactual: Algorithm 2's TTFT bound (t_total <= SLO_TTFT) assumes every prompt was
     routed on arrival; a prompt this router held has spent ``routed − arrival`` of its budget,
@@ -306,6 +304,8 @@ def explain_case(job: tuple) -> dict:
 def part_explain(args: argparse.Namespace) -> list[dict]:
     """Why PaDG loses under the standard definition: one probe per variant, with where the
     requests miss (TTFT or TPOT), the phase-switch wait, the router's holds."""
+    for cls in (MacroRollingNoHold, MacroRollingHoldAware):  # only here: not a served router
+        register(cls)
     jobs = [(wl, float(rate), *v, args.explain_model, args.num_requests)
             for wl, rate in (x.split("@") for x in args.explain.split(","))
             for v in (EXPLAIN if args.explain_variants == "main" else EXPLAIN_COUNTERFACTUAL)]
