@@ -382,7 +382,7 @@ def plot_goodput(rows: list[dict], path: str) -> None:
         return (r.get("definition", "standard"), r["testbed"], r["model"], r["workload"])
 
     panels = sorted({key(r) for r in rows}, key=lambda k: (k[0] != "standard", k[1:]))
-    cols = min(3, len(panels))
+    cols = min(3, len({k[1:] for k in panels}))  # a row per definition when they fit
     nrow = -(-len(panels) // cols)
     fig = Figure(figsize=(4.2 * cols, 3.0 * nrow + 0.4))
     FigureCanvasAgg(fig)
