@@ -791,11 +791,13 @@ def _rank(pls: Iterable[Placement]) -> list[Placement]:
 
 def plan(p: Problem, workers: int | None = None,
          on_unit: Callable[[UnitResult], None] | None = None,
-         strategies: Sequence[str] = STRATEGIES, prune: bool = True) -> Plan:
+         strategies: Sequence[str] = STRATEGIES, prune: bool = True,
+         early_stop: bool = True) -> Plan:
     """Search the placements for ``p`` (module docstring) and rank them by per-GPU goodput.
     ``prune``: skip units whose capacity bound is dominated and stop rate searches that cannot
     beat the best unit of their kind (:meth:`UnitCache.get_bounded`); ``prune=False`` searches
-    every unit to convergence (full per-phase rankings)."""
+    every unit to convergence (full per-phase rankings); ``early_stop=False`` keeps the
+    dominance pruning only (the search before early stops existed)."""
     t0 = time.perf_counter()
     workers = workers or min(2, os.cpu_count() or 1)
     tps = available_tps(p, _model(p.model))
@@ -805,7 +807,7 @@ def plan(p: Problem, workers: int | None = None,
     alg2 = "disaggregated" in strategies and p.affinity == "low"
     alg1 = "disaggregated" in strategies and p.affinity == "high"
     with UnitCache(p, workers, on_unit) as cache:
-        results = cache.get_bounded(units) if prune else cache.get(units)
+        results = cache.get_bounded(units, early_stop=early_stop) if prune else cache.get(units)
         by_unit = {r.unit: r for r in results}
         placements: list[Placement] = []
         placements += colocated_placements(p, [r for r in results if r.unit.kind == "colocated"])
