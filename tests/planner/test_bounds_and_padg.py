@@ -122,3 +122,14 @@ def test_a_padg_plan_file_runs_with_simulate_config(const_profile, tmp_path: Pat
     assert rc == 0
     out_text = capsys.readouterr().out
     assert "sim:partial" in out_text and "20 requests" in out_text
+
+
+def test_advice_point_names_the_winner_of_three():
+    from pdserve.planner.advise import AdvicePoint
+
+    pt = lambda c, d, q: AdvicePoint(1.0, 1.0, c, d, "c", "d", q, "q")  # noqa: E731
+    assert pt(1.0, 1.2, 1.1).winner == "disaggregated"
+    assert pt(1.0, 0.9, 1.1).winner == "partial"
+    assert pt(1.0, 1.0, 1.0).winner == "colocated"  # a tie goes to the simpler strategy
+    assert pt(0.0, 0.0, 0.0).winner == "neither"
+    assert pt(2.0, 3.0, 0.0).ratio == pytest.approx(1.5)
