@@ -154,6 +154,8 @@ def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
     sizes = ((1, 4), (1, 8), (2, 8), (4, 8)) if args.model == "opt-66b" else \
         ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8))
     for nodes, m in sizes:
+        if args.only and args.only not in f"{nodes}x{m}":
+            continue
         p = Problem(model=args.model, profile=PROFILE, slo=slo, rate=4.0, nodes=nodes,
                     gpus_per_node=m, num_requests=args.num_requests)
         d = summary(f"{args.model} {nodes}x{m}", *timed_plan(p, args.workers, _strats(args),
