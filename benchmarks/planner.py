@@ -156,7 +156,7 @@ def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
     for nodes, m in sizes:
         if args.only and args.only not in f"{nodes}x{m}":
             continue
-        p = Problem(model=args.model, profile=PROFILE, slo=slo, rate=4.0, nodes=nodes,
+        p = Problem(model=args.model, profile=PROFILE, slo=slo, rate=args.scaling_rate, nodes=nodes,
                     gpus_per_node=m, num_requests=args.num_requests)
         d = summary(f"{args.model} {nodes}x{m}", *timed_plan(p, args.workers, _strats(args),
                                                                 not args.exhaustive))
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exhaustive", action="store_true",
                     help="timing/scaling: no pruning, no early stop (full rankings)")
     ap.add_argument("--model", default="opt-66b", help="scaling: opt-13b or opt-66b")
+    ap.add_argument("--scaling-rate", type=float, default=1.0,
+                    help="scaling: req/s to serve (units do not depend on it; 1 fits 1x4)")
     ap.add_argument("--no-early-stop", action="store_true",
                     help="timing: dominance pruning only (the search before early stops)")
     ap.add_argument("--rate", type=float, default=2.0, help="replan: req/s")
