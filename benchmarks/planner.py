@@ -156,8 +156,8 @@ def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
     for nodes, m in sizes:
         if args.only and args.only not in f"{nodes}x{m}":
             continue
-        p = Problem(model=args.model, profile=PROFILE, slo=slo, rate=args.scaling_rate, nodes=nodes,
-                    gpus_per_node=m, num_requests=args.num_requests)
+        p = Problem(model=args.model, profile=PROFILE, slo=slo, rate=args.scaling_rate,
+                    nodes=nodes, gpus_per_node=m, num_requests=args.num_requests)
         d = summary(f"{args.model} {nodes}x{m}", *timed_plan(p, args.workers, _strats(args),
                                                                 not args.exhaustive))
         out.append({**d, "gpus": nodes * m})
