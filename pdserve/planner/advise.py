@@ -70,7 +70,8 @@ def advise_point(p: Problem, strategies: Sequence[str] = STRATEGIES,
         b = res.best_of(s) if s in strategies else None
         out[f"{s}_per_gpu"] = b.per_gpu_rps if b else 0.0
         out[s] = b.name if b else ("none (not searched)" if s not in strategies else
-                                   "none (no placement meets the SLO)")
+                                   "none (none meets the SLO at this rate within the "
+                                   "cluster)")
     return out
 
 
