@@ -29,10 +29,15 @@ Per-GPU goodput of a unit = its goodput / its GPUs. Then:
   with the intra-node link, the best few are simulated whole, the best is replicated.
 * **Colocated** units (TP × PP, prefill-first and chunked) are always searched, so that every
   plan says which strategy wins and by how much.
+* **Partial** units (EcoServe §4.2.1, PaDG): one macro instance of ``macro_size`` temporal
+  instances routed by ``macro_rolling``, replicated to the rate; no KV crosses a link.
 
 Pruning: a unit whose weights and KV do not fit (``kv_cache_blocks`` raises, or the KV cannot
 hold one longest request) and a unit that misses the SLO even at zero load (each request alone
-on the instance) are not simulated. Results are memoised per unit; units run on a process pool.
+on the instance) are not simulated; a unit whose capacity bound is dominated is not simulated,
+and a unit that fails at the rate tying the best per-GPU goodput of its kind so far stops after
+that probe (:meth:`UnitCache.get_bounded`). Results are memoised per unit; units run on a
+process pool.
 """
 
 from __future__ import annotations
