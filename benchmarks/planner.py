@@ -3,6 +3,7 @@
     python benchmarks/planner.py timing    [--output-json out/plan_timing.json]
     python benchmarks/planner.py scaling   [--plot out/plan_scaling.png]   # §6.5 Fig. 12
     python benchmarks/planner.py replan    [--plot out/replan.png]         # §4.3 replanning
+    python benchmarks/planner.py table3    [--only "opt-66b code"]         # Appendix B Table 3
 
 ``timing`` plans OPT-13B on 1 node x 4 A100 and OPT-66B on 4 nodes x 8 A100 (high and low node
 affinity) with DistServe's A100 profiles and Table 1 chatbot SLOs, and reports each plan's wall
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.metrics import SLO
-from pdserve.planner.search import Plan, Problem, plan
+from pdserve.planner.search import STRATEGIES, Plan, Problem, plan
 
 PROFILE = "distserve_profiler-a100-80g.distserve"
 SLO_13B = SLO(0.25, 0.1)  # DistServe Table 1, chatbot OPT-13B
@@ -39,14 +40,14 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def timed_plan(p: Problem, workers: int = 2, strategies: tuple[str, ...] = (
-        "colocated", "disaggregated")) -> tuple[Plan, float, float]:
+def timed_plan(p: Problem, workers: int = 2, strategies: tuple[str, ...] = STRATEGIES,
+               prune: bool = True, early_stop: bool = True) -> tuple[Plan, float, float]:
     from pdserve.planner import search
 
     search.unit_model.cache_clear()
     search.base_workload.cache_clear()
     c0, t0 = _cpu(), time.perf_counter()
-    res = plan(p, workers, strategies=strategies)
+    res = plan(p, workers, strategies=strategies, prune=prune, early_stop=early_stop)
     return res, time.perf_counter() - t0, _cpu() - c0
 
 
@@ -59,7 +60,10 @@ def _phase(res: Plan, kind: str) -> dict[str, Any] | None:
 
 
 def summary(name: str, res: Plan, wall: float, cpu: float) -> dict[str, Any]:
-    d = {"case": name, "wall_s": wall, "cpu_s": cpu, "best": res.best.name,
+    import os
+
+    d = {"case": name, "wall_s": wall, "cpu_s": cpu, "load_avg_1min": os.getloadavg()[0],
+         "best": res.best.name,
          "best_per_gpu": res.best.per_gpu_rps,
          "best_colocated": res.best_colocated.name if res.best_colocated else None,
          "best_colocated_per_gpu": res.best_colocated.per_gpu_rps if res.best_colocated else None,
@@ -67,9 +71,17 @@ def summary(name: str, res: Plan, wall: float, cpu: float) -> dict[str, Any]:
          "best_disaggregated_per_gpu": (res.best_disaggregated.per_gpu_rps
                                         if res.best_disaggregated else None),
          "best_prefill_unit": _phase(res, "prefill"), "best_decode_unit": _phase(res, "decode"),
-         "units_simulated": sum(1 for u in res.units if u.probes),
-         "units_pruned": sum(1 for u in res.units if u.pruned)}
-    print(f"{name}: {wall:.1f} s wall, {cpu:.1f} s CPU; best {d['best']} "
+         "best_partial": res.best_partial.name if res.best_partial else None,
+         "best_partial_per_gpu": res.best_partial.per_gpu_rps if res.best_partial else None,
+         "units_simulated": sum(1 for u in res.units if u.probes and not u.stopped),
+         "units_stopped": sum(1 for u in res.units if u.stopped),
+         "units_pruned": sum(1 for u in res.units if u.pruned),
+         "probes": sum(len(u.probes) for u in res.units),
+         "simulated_requests": sum(q.get("num_requests", 0) for u in res.units
+                                   for q in u.probes)}
+    print(f"{name}: {wall:.1f} s wall, {cpu:.1f} s CPU (load {d['load_avg_1min']:.1f}); "
+          f"{d['units_simulated']} units searched, {d['units_stopped']} stopped early, "
+          f"{d['units_pruned']} pruned, {d['probes']} probes; best {d['best']} "
           f"({d['best_per_gpu']:.3f}/GPU); prefill {d['best_prefill_unit']}, decode "
           f"{d['best_decode_unit']}", flush=True)
     return d
@@ -85,16 +97,69 @@ def cmd_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     nodes=4, gpus_per_node=8, affinity="low",
                                     num_requests=args.num_requests)),
     ]
-    return [summary(n, *timed_plan(p, args.workers)) for n, p in cases
-            if not args.only or args.only in n]
+    return [summary(n, *timed_plan(p, args.workers, _strats(args), not args.exhaustive,
+                                   not args.no_early_stop))
+            for n, p in cases if not args.only or args.only in n]
+
+
+def _strats(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(x for x in args.strategies.split(",") if x)
+
+
+# DistServe Appendix B Table 3: (model, workload, Table 1 SLO, paper's prefill TP/PP, decode)
+TABLE3 = [("opt-13b", "distserve-chatbot", SLO_13B, (2, 1), (1, 1)),
+          ("opt-66b", "distserve-chatbot", SLO_66B, (4, 1), (2, 2)),
+          ("opt-66b", "summarization", SLO(15.0, 0.15), (4, 1), (2, 2)),
+          ("opt-66b", "code", SLO(0.125, 0.2), (4, 1), (2, 2))]
+
+
+def cmd_table3(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every prefill and decode unit searched to convergence (no pruning, no early stop) on
+    one node of 8 A100 (Alg. 1's per-phase search; KV over NVLink): each phase's ranking by
+    per-GPU goodput, and where the paper's choice stands in it."""
+    out = []
+    for model, workload, slo, pre, dec in TABLE3:
+        name = f"{model} {workload}"
+        if args.only and args.only not in name:
+            continue
+        p = Problem(model=model, profile=PROFILE, workload=workload, slo=slo, rate=4.0,
+                    nodes=1, gpus_per_node=8, num_requests=args.num_requests)
+        res, wall, cpu = timed_plan(p, args.workers, ("disaggregated",), prune=False)
+        row: dict[str, Any] = {"case": name, "wall_s": wall, "cpu_s": cpu,
+                               "paper_prefill": pre, "paper_decode": dec}
+        for kind, paper in (("prefill", pre), ("decode", dec)):
+            units = sorted((u for u in res.units if u.unit.kind == kind),
+                           key=lambda u: -u.per_gpu_rps)
+            best = units[0].per_gpu_rps if units else 0.0
+            ranking = [{"tp": u.unit.tp, "pp": u.unit.pp, "per_gpu_rps": u.per_gpu_rps,
+                        "goodput_rps": u.goodput_rps, "pruned": u.pruned} for u in units]
+            mine = next((r for r in ranking if (r["tp"], r["pp"]) == paper), None)
+            row[kind] = {"ranking": ranking, "ours": (units[0].unit.tp, units[0].unit.pp),
+                         "paper_per_gpu": mine["per_gpu_rps"] if mine else None,
+                         "paper_vs_ours": (mine["per_gpu_rps"] / best if mine and best
+                                           else None)}
+            print(f"{name} {kind}: ours TP{units[0].unit.tp} PP{units[0].unit.pp} "
+                  f"{best:.3f}/GPU; paper TP{paper[0]} PP{paper[1]} "
+                  f"{row[kind]['paper_per_gpu']} ({row[kind]['paper_vs_ours']}); "
+                  + ", ".join(f"TP{r['tp']}PP{r['pp']}={r['per_gpu_rps']:.3f}"
+                              + (" (pruned)" if r["pruned"] else "") for r in ranking),
+                  flush=True)
+        out.append(row)
+    return out
 
 
 def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
-    for nodes, m in ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8)):
-        p = Problem(model="opt-13b", profile=PROFILE, slo=SLO_13B, rate=4.0, nodes=nodes,
-                    gpus_per_node=m, num_requests=args.num_requests)
-        d = summary(f"opt-13b {nodes}x{m}", *timed_plan(p, args.workers))
+    slo = SLO_13B if args.model == "opt-13b" else SLO_66B
+    sizes = ((1, 4), (1, 8), (2, 8), (4, 8)) if args.model == "opt-66b" else \
+        ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8))
+    for nodes, m in sizes:
+        if args.only and args.only not in f"{nodes}x{m}":
+            continue
+        p = Problem(model=args.model, profile=PROFILE, slo=slo, rate=args.scaling_rate,
+                    nodes=nodes, gpus_per_node=m, num_requests=args.num_requests)
+        d = summary(f"{args.model} {nodes}x{m}", *timed_plan(p, args.workers, _strats(args),
+                                                                not args.exhaustive))
         out.append({**d, "gpus": nodes * m})
     if args.plot:
         import matplotlib
@@ -108,7 +173,7 @@ def cmd_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("GPUs in the cluster")
         ax.set_ylabel("planning time (s)")
-        ax.set_title("pdserve plan, OPT-13B chatbot (2 workers)")
+        ax.set_title(f"pdserve plan, {args.model} chatbot (2 workers)")
         ax.legend()
         fig.tight_layout()
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
@@ -185,11 +250,20 @@ def cmd_replan(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("timing", "scaling", "replan"))
+    ap.add_argument("what", choices=("timing", "scaling", "replan", "table3"))
     ap.add_argument("--num-requests", type=int, default=300)
     ap.add_argument("--plan-requests", type=int, default=200, help="replan: per probe")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--only", help="timing: run the cases whose name contains this")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help="timing/scaling: strategies searched (default all three)")
+    ap.add_argument("--exhaustive", action="store_true",
+                    help="timing/scaling: no pruning, no early stop (full rankings)")
+    ap.add_argument("--model", default="opt-66b", help="scaling: opt-13b or opt-66b")
+    ap.add_argument("--scaling-rate", type=float, default=1.0,
+                    help="scaling: req/s to serve (units do not depend on it; 1 fits 1x4)")
+    ap.add_argument("--no-early-stop", action="store_true",
+                    help="timing: dominance pruning only (the search before early stops)")
     ap.add_argument("--rate", type=float, default=2.0, help="replan: req/s")
     ap.add_argument("--window-s", type=float, default=60.0)
     ap.add_argument("--reload-s", type=float, default=30.0)
@@ -197,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
-    out = {"timing": cmd_timing, "scaling": cmd_scaling, "replan": cmd_replan}[args.what](args)
+    out = {"timing": cmd_timing, "scaling": cmd_scaling, "replan": cmd_replan,
+           "table3": cmd_table3}[args.what](args)
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(out, indent=1, default=str) + "\n")

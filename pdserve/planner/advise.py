@@ -1,11 +1,13 @@
 """Strategy advisor: where does disaggregation pay? (DistServe §3, §6.2 "SLO scale".)
 
 For each SLO scale (both objectives multiplied) and each output-length scale (the workload's
-output/input ratio), :func:`advise` plans colocated and disaggregated placements
-(:func:`pdserve.planner.search.plan`) and keeps the best per-GPU goodput of each strategy.
+output/input ratio), :func:`advise` plans colocated (NoDG), disaggregated (FuDG, DistServe) and
+partially disaggregated (PaDG, EcoServe §4.2) placements in one
+:func:`pdserve.planner.search.plan` and keeps the best per-GPU goodput of each strategy.
 Disaggregation pays where its best beats colocation's: typically tight TTFT with long outputs
 (prefill–decode interference hurts colocation most), while loose SLOs and short outputs favour
-colocated batching.
+colocated batching; PaDG needs no KV link between instances, so it gains where that link is
+slow.
 """
 
 from __future__ import annotations
@@ -15,54 +17,73 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.planner.search import Problem, UnitResult, plan
+from pdserve.planner.search import STRATEGIES, Problem, UnitResult, plan
 
 
 @dataclass
 class AdvicePoint:
+    """The best per-GPU goodput of each strategy at one (SLO scale, output scale); 0 and a
+    name starting ``none`` where no placement of that strategy meets the SLO (or it was not
+    searched)."""
+
     slo_scale: float
     output_scale: float
     colocated_per_gpu: float
     disaggregated_per_gpu: float
     colocated: str
     disaggregated: str
+    partial_per_gpu: float = 0.0
+    partial: str = "none (not searched)"
 
     @property
     def ratio(self) -> float | None:
+        """Best disaggregated over best colocated per-GPU goodput."""
         if self.colocated_per_gpu <= 0:
             return None if self.disaggregated_per_gpu <= 0 else float("inf")
         return self.disaggregated_per_gpu / self.colocated_per_gpu
 
     @property
     def winner(self) -> str:
-        if self.colocated_per_gpu <= 0 and self.disaggregated_per_gpu <= 0:
-            return "neither"
-        return "disaggregated" if self.disaggregated_per_gpu > self.colocated_per_gpu \
-            else "colocated"
+        """The strategy with the highest per-GPU goodput (ties: the simpler one — colocated,
+        then disaggregated — wins)."""
+        vals = {"colocated": self.colocated_per_gpu,
+                "disaggregated": self.disaggregated_per_gpu, "partial": self.partial_per_gpu}
+        best = max(vals, key=lambda k: (vals[k], -STRATEGIES.index(k)))
+        return "neither" if vals[best] <= 0 else best
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "ratio": self.ratio, "winner": self.winner}
 
 
-def _best(p: Problem, strategy: str, workers: int | None,
-          on_unit: Callable[[UnitResult], None] | None) -> tuple[float, str]:
+def advise_point(p: Problem, strategies: Sequence[str] = STRATEGIES,
+                 workers: int | None = None,
+                 on_unit: Callable[[UnitResult], None] | None = None) -> dict[str, Any]:
+    """One plan over ``strategies``: the best per-GPU goodput and placement of each."""
+    out: dict[str, Any] = {}
     try:
-        res = plan(p, workers, on_unit, (strategy,))
+        res = plan(p, workers, on_unit, tuple(strategies))
     except ValueError as e:  # nothing meets the SLO at this point
-        return 0.0, f"none ({str(e)[:80]})"
-    return res.best.per_gpu_rps, res.best.name
+        for s in STRATEGIES:
+            out[f"{s}_per_gpu"], out[s] = 0.0, f"none ({str(e)[:80]})"
+        return out
+    for s in STRATEGIES:
+        b = res.best_of(s) if s in strategies else None
+        out[f"{s}_per_gpu"] = b.per_gpu_rps if b else 0.0
+        out[s] = b.name if b else ("none (not searched)" if s not in strategies else
+                                   "none (none meets the SLO at this rate within the "
+                                   "cluster)")
+    return out
 
 
 def advise(base: Problem, slo_scales: Sequence[float], output_scales: Sequence[float],
            workers: int | None = None,
-           on_unit: Callable[[UnitResult], None] | None = None) -> list[AdvicePoint]:
+           on_unit: Callable[[UnitResult], None] | None = None,
+           strategies: Sequence[str] = STRATEGIES) -> list[AdvicePoint]:
     out = []
     for f in output_scales:
         for k in slo_scales:
             p = replace(base, slo=base.slo.scaled(k), output_scale=f)
-            c, cn = _best(p, "colocated", workers, on_unit)
-            d, dn = _best(p, "disaggregated", workers, on_unit)
-            out.append(AdvicePoint(k, f, c, d, cn, dn))
+            out.append(AdvicePoint(k, f, **advise_point(p, strategies, workers, on_unit)))
     return out
 
 
@@ -70,11 +91,13 @@ def advise_markdown(base: Problem, grid: Sequence[AdvicePoint]) -> str:
     lines = [f"## pdserve advise: {base.model} · {base.workload} · SLO TTFT {base.slo.ttft:g} s "
              f"/ TPOT {base.slo.tpot:g} s (x scale) · {base.nodes}x{base.gpus_per_node} GPUs",
              "", "| output scale | SLO scale | best colocated (per GPU) | best disaggregated "
-             "(per GPU) | disagg / colo | winner |", "|---|---|---|---|---|---|"]
+             "(per GPU) | best partial (per GPU) | disagg / colo | winner |",
+             "|---|---|---|---|---|---|---|"]
     for g in grid:
         r = g.ratio
         lines.append(f"| {g.output_scale:g} | {g.slo_scale:g} | {g.colocated_per_gpu:.3f} "
                      f"({g.colocated}) | {g.disaggregated_per_gpu:.3f} ({g.disaggregated}) | "
+                     f"{g.partial_per_gpu:.3f} ({g.partial}) | "
                      f"{'–' if r is None else f'{r:.2f}x'} | {g.winner} |")
     return "\n".join(lines)
 
@@ -94,8 +117,11 @@ def plot_advice(base: Problem, grid: Sequence[AdvicePoint], folder: Path) -> Pat
         xs = [g.slo_scale for g in pts]
         c = [g.colocated_per_gpu for g in pts]
         d = [g.disaggregated_per_gpu for g in pts]
-        ax.plot(xs, c, "o-", label="best colocated")
-        ax.plot(xs, d, "s-", label="best disaggregated")
+        q = [g.partial_per_gpu for g in pts]
+        ax.plot(xs, c, "o-", color="tab:blue", label="best colocated")
+        ax.plot(xs, d, "s-", color="tab:orange", label="best disaggregated")
+        if any(v > 0 for v in q):
+            ax.plot(xs, q, "^-", color="tab:green", label="best partial (PaDG)")
         ax.fill_between(xs, c, d, where=[b > a for a, b in zip(c, d)], alpha=0.2,
                         color="tab:orange", label="disaggregation pays")
         ax.set_xscale("log")

@@ -99,8 +99,15 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help="node affinity: high = fast cross-node network (Alg. 1), low = KV must "
                         "stay on the intra-node link (Alg. 2) (default high)")
     s = p.add_argument_group("search")
-    s.add_argument("--strategies", default="colocated,disaggregated",
-                   help="which strategies to search (default both)")
+    s.add_argument("--strategies", default="colocated,disaggregated,partial",
+                   help="which strategies to search: colocated (NoDG), disaggregated (FuDG), "
+                        "partial (EcoServe PaDG) (default all three)")
+    s.add_argument("--macro-size", type=positive_int, default=2,
+                   help="temporal instances per PaDG macro instance (default 2, EcoServe's "
+                        "N_l)")
+    s.add_argument("--exhaustive", action="store_true",
+                   help="search every unit to convergence: no dominance pruning, no early "
+                        "stop against the best unit of its kind (full per-phase rankings)")
     s.add_argument("--joint", action="store_true",
                    help="also simulate the best Alg. 1 pairs whole at their replica counts")
     s.add_argument("--top-k", type=positive_int, default=2,
@@ -150,16 +157,18 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Any:
               engine=tuple(engine_kwargs_from_args(args).items()), lm=args.lm,
               precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
               max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
-              traces_dir=args.traces_dir)
+              traces_dir=args.traces_dir, macro_size=args.macro_size)
     kw.update(over)
     return Problem(**kw)
 
 
 def _strategies(text: str) -> list[str]:
+    from pdserve.planner.search import STRATEGIES
+
     out = [s.strip() for s in text.split(",") if s.strip()]
-    bad = set(out) - {"colocated", "disaggregated"}
+    bad = set(out) - set(STRATEGIES)
     if bad or not out:
-        raise ValueError(f"--strategies: expected colocated and/or disaggregated, got {text!r}")
+        raise ValueError(f"--strategies: expected some of {','.join(STRATEGIES)}, got {text!r}")
     return out
 
 
@@ -192,7 +201,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     p = problem_from_args(args)
     with _Bar(not args.no_progress and sys.stderr.isatty(), "simulating units") as bar:
-        result = plan(p, args.workers, bar, _strategies(args.strategies))
+        result = plan(p, args.workers, bar, _strategies(args.strategies),
+                      prune=not args.exhaustive)
     print(plan_markdown(result, args.top))
     spec = deployment_file(result)
     if args.out:
@@ -238,7 +248,13 @@ def plan_markdown(result: Any, top: int = 8) -> str:
         how = "simulated whole" if pl.simulated else "phase units"
         lines.append(f"| {i + 1} | {pl.name} | {pl.algorithm} | {pl.num_gpus} | "
                      f"{pl.goodput_rps:.3f} | {pl.per_gpu_rps:.3f} | {how} |")
-    lines += ["", f"**Chosen:** {result.best.name} — {result.best.per_gpu_rps:.3f} req/s per GPU."]
+    lines += ["", f"**Chosen:** {result.best.name} — {result.best.per_gpu_rps:.3f} req/s per GPU.",
+              "", "| strategy | best placement | per GPU | vs chosen |", "|---|---|---|---|"]
+    for strat in ("colocated", "disaggregated", "partial"):
+        b = result.best_of(strat)
+        if b is not None:
+            lines.append(f"| {strat} | {b.name} | {b.per_gpu_rps:.3f} | "
+                         f"{b.per_gpu_rps / result.best.per_gpu_rps:.2f}x |")
     if result.advantage is not None:
         lines.append(f"Best disaggregated / best colocated per-GPU goodput: "
                      f"{result.best_disaggregated.per_gpu_rps:.3f} / "
@@ -247,8 +263,10 @@ def plan_markdown(result: Any, top: int = 8) -> str:
     lines += ["", "Node layout:", *[f"- {x}" for x in result.best.layout], "",
               "| phase unit | goodput (req/s) | per GPU | probes | note |", "|---|---|---|---|---|"]
     for u in result.units:
-        lines.append(f"| {u.unit.label} | {u.goodput_rps:.3f} | {u.per_gpu_rps:.3f} | "
-                     f"{len(u.probes)} | {u.pruned or ''} |")
+        g = f"< {u.bound_rps:.3f}" if u.stopped else f"{u.goodput_rps:.3f}"
+        pg = f"< {u.bound_rps / u.unit.num_gpus:.3f}" if u.stopped else f"{u.per_gpu_rps:.3f}"
+        lines.append(f"| {u.unit.label} | {g} | {pg} | {len(u.probes)} | "
+                     f"{u.pruned or u.stopped or ''} |")
     lines += [f"- {n}" for n in result.notes]
     return "\n".join(lines)
 
@@ -261,15 +279,17 @@ def plot_plan(result: Any, folder: Path, top: int) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     pls = [result.best, *result.alternatives][:top]
-    for extra in (result.best_colocated, result.best_disaggregated):  # both strategies shown
+    for extra in (result.best_colocated, result.best_disaggregated, result.best_partial):
         if extra is not None and extra not in pls:
             pls.append(extra)
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(pls) + 1.5))
-    colors = ["tab:blue" if x.strategy == "colocated" else "tab:orange" for x in pls]
+    palette = {"colocated": "tab:blue", "disaggregated": "tab:orange", "partial": "tab:green"}
+    colors = [palette[x.strategy] for x in pls]
     ax.barh([x.name for x in pls][::-1], [x.per_gpu_rps for x in pls][::-1], color=colors[::-1])
     ax.set_xlabel("per-GPU goodput (req/s)")
     ax.set_title(f"{result.problem.model} · {result.problem.workload} · "
-                 f"{result.problem.rate:g} req/s (blue colocated, orange disaggregated)")
+                 f"{result.problem.rate:g} req/s\n(blue colocated, orange disaggregated, "
+                 "green partial)")
     fig.tight_layout()
     path = folder / "placements.png"
     fig.savefig(path, dpi=120)
@@ -294,7 +314,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     scales = _floats(args.slo_scales, "--slo-scales")
     outs = _floats(args.output_scales, "--output-scales")
     with _Bar(not args.no_progress and sys.stderr.isatty(), "advising") as bar:
-        grid = advise(base, scales, outs, args.workers, bar)
+        grid = advise(base, scales, outs, args.workers, bar, _strategies(args.strategies))
     print(advise_markdown(base, grid))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -29,10 +29,15 @@ Per-GPU goodput of a unit = its goodput / its GPUs. Then:
   with the intra-node link, the best few are simulated whole, the best is replicated.
 * **Colocated** units (TP × PP, prefill-first and chunked) are always searched, so that every
   plan says which strategy wins and by how much.
+* **Partial** units (EcoServe §4.2.1, PaDG): one macro instance of ``macro_size`` temporal
+  instances routed by ``macro_rolling``, replicated to the rate; no KV crosses a link.
 
 Pruning: a unit whose weights and KV do not fit (``kv_cache_blocks`` raises, or the KV cannot
 hold one longest request) and a unit that misses the SLO even at zero load (each request alone
-on the instance) are not simulated. Results are memoised per unit; units run on a process pool.
+on the instance) are not simulated; a unit whose capacity bound is dominated is not simulated,
+and a unit that fails at the rate tying the best per-GPU goodput of its kind so far stops after
+that probe (:meth:`UnitCache.get_bounded`). Results are memoised per unit; units run on a
+process pool.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, Link, ModelConfig
 from pdserve.sim.models import get_model_config
 
-KINDS = ("colocated", "prefill", "decode")
+KINDS = ("colocated", "prefill", "decode", "partial")
+STRATEGIES = ("colocated", "disaggregated", "partial")
 AFFINITIES = ("high", "low")
 DEFAULT_LM = 512  # DistServe §3.1: 512 tokens saturate an A100 for a 13B model
 
@@ -93,6 +99,7 @@ class Problem:
     traces_dir: str | None = None
     output_scale: float = 1.0  # every output length times this (the advisor's length ratio)
     horizon: float = 2.0  # a probe spans at least this many request lifetimes (probe_requests)
+    macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
 
     def __post_init__(self) -> None:
         if self.affinity not in AFFINITIES:
@@ -100,7 +107,8 @@ class Problem:
         for name in ("rate", "precision", "output_scale", "horizon"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("nodes", "gpus_per_node", "num_requests", "max_probes", "lm", "top_k"):
+        for name in ("nodes", "gpus_per_node", "num_requests", "max_probes", "lm", "top_k",
+                     "macro_size"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -188,21 +196,26 @@ def available_pps(p: Problem, model: ModelConfig, tp: int, span_nodes: bool) -> 
 @dataclass(frozen=True, order=True)
 class Unit:
     """One instance of one role alone: ``kind``, ``tp``, ``pp``; ``chunked`` (colocated);
-    ``link`` (decode: ``intra`` or ``inter``, the KV's way in)."""
+    ``link`` (decode: ``intra`` or ``inter``, the KV's way in). A ``partial`` unit (EcoServe
+    PaDG) is one macro instance of ``size`` temporal instances, PaDG's smallest serving unit
+    (rolling activation needs two instances or more)."""
 
     kind: str
     tp: int
     pp: int = 1
     chunked: bool = False
     link: str = "intra"
+    size: int = 1
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp
+        return self.size * self.tp * self.pp
 
     @property
     def label(self) -> str:
         s = f"{self.kind} TP{self.tp} PP{self.pp}"
+        if self.kind == "partial":
+            s = f"partial {self.size}x(TP{self.tp} PP{self.pp}) macro instance"
         if self.kind == "colocated":
             s += " chunked" if self.chunked else " prefill-first"
         if self.kind == "decode" and self.link == "inter":
@@ -219,6 +232,8 @@ class UnitResult:
     probes: list[dict[str, Any]] = field(default_factory=list)
     estimate_rps: float = 0.0
     wall_s: float = 0.0
+    bound_rps: float | None = None  # lowest failing rate probed: the goodput lies below it
+    stopped: str | None = None  # why the rate search stopped before converging
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -246,6 +261,9 @@ def unit_deployment(p: Problem, u: Unit, num_prefill_helpers: int = 1,
     if u.kind == "colocated":
         d["engine"] = {**engine, "enable_chunked_prefill": u.chunked}
         d.update(strategy="colocated", num_instances=1, tp=u.tp, pp=u.pp)
+    elif u.kind == "partial":  # one macro instance; no KV moves between its instances
+        d.update(strategy="partial", num_instances=u.size, macro_instance_size=u.size, tp=u.tp,
+                 pp=u.pp, slo_ttft=p.slo.ttft, slo_tpot=p.slo.tpot)
     elif u.kind == "prefill":
         d.update(strategy="disaggregated", num_prefill=1, prefill_tp=u.tp, prefill_pp=u.pp,
                  num_decode=1, decode_tp=u.tp, decode_pp=u.pp, prefill_token_target=p.lm)
@@ -333,7 +351,7 @@ def unit_model(p: Problem, u: Unit) -> UnitModel:
     model = _model(p.model)
     dep = unit_deployment(p, u, 1, available_tps(p, model)[-1])
     built = build_simulator(_sim(p, dep))
-    role = "colocated" if u.kind == "colocated" else u.kind
+    role = {"partial": "temporal"}.get(u.kind, u.kind)
     info = built.describe["roles"][role]
     block = dict(p.engine).get("block_size", 16)
     kv_tokens = info["num_kv_blocks"] * block // u.pp
@@ -348,8 +366,9 @@ def unit_model(p: Problem, u: Unit) -> UnitModel:
     ctx = int(mp + mo / 2)
     seqs = max(1, min(dict(p.engine).get("max_num_seqs", 256) // 1, kv_tokens // max(ctx, 1)))
     cap_d = u.pp * seqs / max(base.decode_time([ctx] * seqs), 1e-9) / max(mo, 1)
+    # colocated and temporal instances run both phases in series, a macro instance u.size times
     cap = cap_p if u.kind == "prefill" else cap_d if u.kind == "decode" else \
-        1 / (1 / cap_p + 1 / cap_d)
+        u.size / (1 / cap_p + 1 / cap_d)
     longest = max(a + b for a, b in zip(prompts, outputs))
     if kv_tokens < longest:
         raise ValueError(f"{u.label}: KV cache holds {kv_tokens} tokens, fewer than the longest "
@@ -371,8 +390,15 @@ def _helpers(p: Problem, rate: float) -> tuple[int, int]:
     return max(1, math.ceil(3 * rate / cap)), tp
 
 
-def evaluate_unit(p: Problem, u: Unit) -> UnitResult:
-    """The unit's goodput by expanding bisection around its capacity bound (pruned units: 0)."""
+def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
+    """The unit's goodput by expanding bisection around its capacity bound (pruned units: 0).
+
+    ``incumbent``: the best per-GPU goodput a unit of the same kind already reached. The unit
+    is first probed at the rate that ties it, ``incumbent × GPUs``; if it fails there, its
+    goodput is below that rate (attainment falls with the rate), it cannot beat the incumbent,
+    and its search stops after that one probe (``stopped``, goodput 0, ``bound_rps`` = the
+    failed rate). Otherwise the search runs exactly as without an incumbent, so the goodput of
+    every unit that is searched does not depend on which units ran before it."""
     from pdserve.sim.target import simulate
 
     t0 = time.perf_counter()
@@ -396,17 +422,29 @@ def evaluate_unit(p: Problem, u: Unit) -> UnitResult:
         a = _attained(recs, p.slo, u.kind)
         return AttainmentResult(rate, a, a >= p.target, {"num_requests": len(recs)})
 
+    def row(q: Any, phase: str) -> dict[str, Any]:
+        return {"rate": q.rate, "attainment": q.attainment, "passed": q.passed, "phase": phase,
+                **q.details}
+
+    if incumbent > 0:
+        tie = at_rate(incumbent * u.num_gpus)
+        res.probes.append(row(tie, "incumbent"))
+        if not tie.passed:
+            res.bound_rps = tie.rate
+            res.stopped = (f"cannot beat {incumbent:.3f} req/s per GPU: fails at "
+                           f"{tie.rate:.3f} req/s")
+            res.wall_s = time.perf_counter() - t0
+            return res
     hi = 0.7 * um.capacity_rps
     g = search_goodput(at_rate, hi=hi, precision=p.precision * hi, max_probes=p.max_probes,
                        growth=1.6, num_gpus=u.num_gpus)
-    res.goodput_rps, res.per_gpu_rps = g.goodput_rps, g.per_gpu_goodput_rps
-    res.probes = [{"rate": q.rate, "attainment": q.attainment, "passed": q.passed,
-                   **q.details} for q in g.probes]
+    res.goodput_rps, res.per_gpu_rps, res.bound_rps = g.goodput_rps, g.per_gpu_goodput_rps, g.hi
+    res.probes += [row(q, q.phase) for q in g.probes]
     res.wall_s = time.perf_counter() - t0
     return res
 
 
-def _evaluate(args: tuple[Problem, Unit]) -> UnitResult:
+def _evaluate(args: tuple[Problem, Unit, float]) -> UnitResult:
     return evaluate_unit(*args)
 
 
@@ -428,23 +466,31 @@ class UnitCache:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def get(self, units: Iterable[Unit]) -> list[UnitResult]:
+    def get(self, units: Iterable[Unit], incumbents: Mapping[Unit, float] | None = None
+            ) -> list[UnitResult]:
+        """Every unit's result, evaluated once (``incumbents``: per unit, the per-GPU goodput
+        to beat, :func:`evaluate_unit`)."""
         units = list(dict.fromkeys(units))
-        todo = [u for u in units if u not in self.results]
+        todo = [(self.p, u, (incumbents or {}).get(u, 0.0)) for u in units
+                if u not in self.results]
         if self._pool is not None and len(todo) > 1:
-            for r in self._pool.map(_evaluate, [(self.p, u) for u in todo]):
+            for r in self._pool.map(_evaluate, todo):
                 self._store(r)
         else:
-            for u in todo:
-                self._store(evaluate_unit(self.p, u))
+            for job in todo:
+                self._store(evaluate_unit(*job))
         return [self.results[u] for u in units]
 
-    def get_bounded(self, units: Iterable[Unit], slack: float = 1.3) -> list[UnitResult]:
+    def get_bounded(self, units: Iterable[Unit], slack: float = 1.3,
+                    early_stop: bool = True) -> list[UnitResult]:
         """Like :meth:`get`, branch and bound: units of one kind run best capacity bound per
         GPU first, in waves of ``workers`` (kinds taking turns), and a unit is not simulated
         (``pruned``: dominated) when a unit of its kind on no more GPUs already reached a
         per-GPU goodput above the unit's bound per GPU (× ``slack``, the bound being
-        approximate) — the smaller unit then beats it per GPU and replicates at a finer grain."""
+        approximate) — the smaller unit then beats it per GPU and replicates at a finer grain.
+        With ``early_stop`` the others' rate searches stop once they cannot beat the best of
+        their kind so far (:func:`evaluate_unit`'s ``incumbent``; a measured bound, no slack
+        needed)."""
         units = list(dict.fromkeys(units))
         queues: dict[tuple[str, str], list[tuple[float, Unit]]] = {}
         for u in units:
@@ -478,7 +524,9 @@ class UnitCache:
                             f"dominated: capacity bound {bound:.3f} req/s per GPU x {slack:g} "
                             f"< {d.per_gpu_rps:.3f} of {d.unit.label}"),
                             estimate_rps=bound * u.num_gpus))
-            for r in self.get(wave):
+            inc = {u: max((r.per_gpu_rps for r in done.get((u.kind, u.link), [])),
+                          default=0.0) if early_stop else 0.0 for u in wave}
+            for r in self.get(wave, inc):
                 done.setdefault((r.unit.kind, r.unit.link), []).append(r)
         return [self.results[u] for u in units]
 
@@ -566,6 +614,27 @@ def colocated_placements(p: Problem, results: Iterable[UnitResult]) -> list[Plac
                              f"{' chunked' if u.chunked else ''})", "colocated", "colocated",
                              dep, n * r.goodput_rps, n * u.num_gpus, layout,
                              estimate_rps=n * r.goodput_rps, fits=used <= p.nodes))
+    return out
+
+
+def partial_placements(p: Problem, results: Iterable[UnitResult]) -> list[Placement]:
+    """PaDG (EcoServe §4.2.1): ``n = ⌈R / g⌉`` macro instances of the unit's ``size`` temporal
+    instances, routed by ``macro_rolling`` against the problem's SLOs (``pdserve serve|simulate
+    --strategy partial``)."""
+    out = []
+    for r in results:
+        if r.goodput_rps <= 0:
+            continue
+        u = r.unit
+        n = math.ceil(p.rate / r.goodput_rps - 1e-9)
+        layout, used = node_layout([("temporal", n * u.size, u.tp, u.pp)], p.gpus_per_node)
+        dep = _deployment(p, {"strategy": "partial", "num_instances": n * u.size,
+                              "macro_instance_size": u.size, "tp": u.tp, "pp": u.pp,
+                              "slo_ttft": p.slo.ttft, "slo_tpot": p.slo.tpot},
+                          p.gpus_per_node)
+        out.append(Placement(f"partial {n}x[{u.size}x temporal (TP{u.tp} PP{u.pp})]",
+                             "partial", "partial", dep, n * r.goodput_rps, n * u.num_gpus,
+                             layout, estimate_rps=n * r.goodput_rps, fits=used <= p.nodes))
     return out
 
 
@@ -691,6 +760,12 @@ class Plan:
     units: list[UnitResult]
     wall_s: float
     notes: list[str] = field(default_factory=list)
+    best_partial: Placement | None = None
+
+    def best_of(self, strategy: str) -> Placement | None:
+        """The best fitting placement of ``strategy`` (None: none searched or none fits)."""
+        return {"colocated": self.best_colocated, "disaggregated": self.best_disaggregated,
+                "partial": self.best_partial}[strategy]
 
     @property
     def advantage(self) -> float | None:
@@ -709,6 +784,7 @@ class Plan:
                 "best_colocated": self.best_colocated.to_dict() if self.best_colocated else None,
                 "best_disaggregated": (self.best_disaggregated.to_dict()
                                        if self.best_disaggregated else None),
+                "best_partial": self.best_partial.to_dict() if self.best_partial else None,
                 "disaggregated_over_colocated": self.advantage,
                 "units": [u.to_dict() for u in self.units], "wall_s": self.wall_s,
                 "notes": self.notes}
@@ -720,35 +796,27 @@ def _rank(pls: Iterable[Placement]) -> list[Placement]:
 
 def plan(p: Problem, workers: int | None = None,
          on_unit: Callable[[UnitResult], None] | None = None,
-         strategies: Sequence[str] = ("colocated", "disaggregated"), prune: bool = True) -> Plan:
+         strategies: Sequence[str] = STRATEGIES, prune: bool = True,
+         early_stop: bool = True) -> Plan:
     """Search the placements for ``p`` (module docstring) and rank them by per-GPU goodput.
-    ``prune``: skip units whose capacity bound is dominated (:meth:`UnitCache.get_bounded`)."""
+    ``prune``: skip units whose capacity bound is dominated and stop rate searches that cannot
+    beat the best unit of their kind (:meth:`UnitCache.get_bounded`); ``prune=False`` searches
+    every unit to convergence (full per-phase rankings); ``early_stop=False`` keeps the
+    dominance pruning only (the search before early stops existed)."""
     t0 = time.perf_counter()
     workers = workers or min(2, os.cpu_count() or 1)
-    model = _model(p.model)
-    tps = available_tps(p, model)
+    tps = available_tps(p, _model(p.model))
     base_workload(p)  # a bad workload fails here, before any pool starts
     notes: list[str] = []
-    multi = p.nodes > 1
-    units: list[Unit] = []
-    if "colocated" in strategies:
-        units += [Unit("colocated", tp, pp, ch) for tp in tps
-                  for pp in available_pps(p, model, tp, False) for ch in (False, True)]
+    units = candidate_units(p, strategies)
     alg2 = "disaggregated" in strategies and p.affinity == "low"
     alg1 = "disaggregated" in strategies and p.affinity == "high"
-    if alg1:
-        link = "inter" if multi else "intra"
-        for tp in tps:
-            for pp in available_pps(p, model, tp, False):
-                units += [Unit("prefill", tp, pp), Unit("decode", tp, pp, link=link)]
-    if alg2:
-        pps = available_pps(p, model, 1, span_nodes=True)
-        units += [Unit(k, tp, pp) for tp in tps for pp in pps for k in ("prefill", "decode")]
     with UnitCache(p, workers, on_unit) as cache:
-        results = cache.get_bounded(units) if prune else cache.get(units)
+        results = cache.get_bounded(units, early_stop=early_stop) if prune else cache.get(units)
         by_unit = {r.unit: r for r in results}
         placements: list[Placement] = []
         placements += colocated_placements(p, [r for r in results if r.unit.kind == "colocated"])
+        placements += partial_placements(p, [r for r in results if r.unit.kind == "partial"])
         if alg1:
             pre = [r for r in results if r.unit.kind == "prefill"]
             dec = [r for r in results if r.unit.kind == "decode"]
@@ -793,8 +861,39 @@ def plan(p: Problem, workers: int | None = None,
     best = fitting[0]
     colo = next((x for x in fitting if x.strategy == "colocated"), None)
     dis = next((x for x in fitting if x.strategy == "disaggregated"), None)
+    part = next((x for x in fitting if x.strategy == "partial"), None)
     return Plan(p, best, fitting[1:], colo, dis, sorted(results, key=lambda r: r.unit),
-                time.perf_counter() - t0, notes)
+                time.perf_counter() - t0, notes, part)
+
+
+def candidate_units(p: Problem, strategies: Sequence[str] = STRATEGIES) -> list[Unit]:
+    """The units :func:`plan` searches. Colocated: every TP × PP within a node, prefill-first
+    and chunked. Disaggregated, high affinity (Alg. 1): prefill and decode at every TP × PP
+    within a node, decode receiving KV over the cross-node network when the cluster has
+    several nodes; low affinity (Alg. 2): PP spans up to the cluster's nodes (one stage per
+    node) and KV stays on the intra-node link. Partial (EcoServe): a macro instance of
+    ``p.macro_size`` temporal instances at every TP × PP within a node, as long as the macro
+    instance fits the cluster (its instances exchange no KV, so they may sit on any nodes)."""
+    bad = set(strategies) - set(STRATEGIES)
+    if bad or not strategies:
+        raise ValueError(f"strategies must be among {STRATEGIES}, got {list(strategies)}")
+    model = _model(p.model)
+    tps = available_tps(p, model)
+    within = [(tp, pp) for tp in tps for pp in available_pps(p, model, tp, False)]
+    units: list[Unit] = []
+    if "colocated" in strategies:
+        units += [Unit("colocated", tp, pp, ch) for tp, pp in within for ch in (False, True)]
+    if "partial" in strategies:
+        units += [Unit("partial", tp, pp, size=p.macro_size) for tp, pp in within
+                  if p.macro_size * tp * pp <= p.num_gpus]
+    if "disaggregated" in strategies and p.affinity == "high":
+        link = "inter" if p.nodes > 1 else "intra"
+        for tp, pp in within:
+            units += [Unit("prefill", tp, pp), Unit("decode", tp, pp, link=link)]
+    if "disaggregated" in strategies and p.affinity == "low":
+        pps = available_pps(p, model, 1, span_nodes=True)
+        units += [Unit(k, tp, pp) for tp in tps for pp in pps for k in ("prefill", "decode")]
+    return units
 
 
 def _map(cache: UnitCache, fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
