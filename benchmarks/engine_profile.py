@@ -159,14 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("executor rest (sample rows, ...)", w["execute"] - w["attention metadata"]
          - w["model forward"] - w["logits (lm_head)"] - w["sampling"]),
     ]
+    used = getattr(timers, "thread_steps", {}) or {threads: steps}
+    mean_threads = sum(t * n for t, n in used.items()) / sum(used.values())
     print(f"\n1) phases: {steps} steps, {wall:.2f} s wall ({wl.output_tokens / wall:.1f} tok/s), "
-          f"{cpu:.2f} s process CPU; thread waits ~ {threads} x wall - CPU = "
-          f"{max(threads * wall - cpu, 0):.2f} thread-seconds")
+          f"{cpu:.2f} s process CPU; steps per torch thread count {used}; thread waits ~ "
+          f"threads x wall - CPU = {max(mean_threads * wall - cpu, 0):.2f} thread-seconds")
     print("| phase | share of wall | ms per step |\n|---|---:|---:|")
     for name, s in phases:
         print(f"| {name} | {s / wall:.1%} | {1e3 * s / steps:.2f} |")
 
-    print(f"steps per torch thread count (executor): {getattr(timers, 'thread_steps', {})}")
     _, pwall, _, prof = run(args, path, wl, profile=True)
     cats = categorize(prof)
     total = sum(cats.values())

