@@ -176,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="conditions in which transformers runs (it is the slowest)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--first-repeat", type=int, default=0,
+                   help="index of the first repeat (rotates the order; to add repeats later)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--input-len-min", type=int, default=16)
     p.add_argument("--input-len-max", type=int, default=512)
@@ -219,10 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{wl.output_tokens} requested output tokens", flush=True)
         runs: list[dict[str, Any]] = []
         outputs: dict[str, list[list[int]]] = {}
-        for rep in range(args.repeats):
+        for rep in range(args.first_repeat, args.first_repeat + args.repeats):
             for cond in args.conditions:
                 order = [s for s in systems if s != "transformers"
-                         or (cond in args.hf_conditions and rep == 0)]
+                         or (cond in args.hf_conditions and rep == args.first_repeat)]
                 k = rep % len(order)
                 order = order[k:] + order[:k]
                 busy = (subprocess.Popen([sys.executable, "-c", BUSY_CODE])
