@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# pdserve-fixed: pdserve with torch's thread count on every step (PDSERVE_ADAPTIVE_THREADS=0)
-SYSTEMS = ("pdserve", "pdserve-fixed", "vllm", "transformers")
+# pdserve-adaptive: pdserve with the load-adaptive thread count (PDSERVE_ADAPTIVE_THREADS=1)
+SYSTEMS = ("pdserve", "pdserve-adaptive", "vllm", "transformers")
 CONDITIONS = ("quiet", "busy")
 BUSY_CODE = "while 1: pass"
 
@@ -134,8 +134,9 @@ def run_one(system: str, spec_path: str, args: argparse.Namespace) -> dict[str, 
                                                   and env.get("PYTHONPATH") else []))
     if system == "vllm":
         env.pop("OMP_WAIT_POLICY", None)  # vLLM's own defaults, not ours
-    if system == "pdserve-fixed":
-        env["PDSERVE_ADAPTIVE_THREADS"] = "0"
+    env.pop("PDSERVE_ADAPTIVE_THREADS", None)
+    if system == "pdserve-adaptive":
+        env["PDSERVE_ADAPTIVE_THREADS"] = "1"
     cmd = [py, os.path.abspath(__file__), "--worker", system, "--spec", spec_path,
            "--result", out]
     t0 = time.perf_counter()
@@ -269,7 +270,7 @@ def summarize(name: str, path: str, wl: Any, runs: list[dict[str, Any]],
             if xs:
                 out["tok_s"][f"{cond}/{system}"] = spread(xs)
         # per-repeat ratios: runs of the same repeat and condition were seconds apart
-        for other in ("vllm", "transformers", "pdserve-fixed"):
+        for other in ("vllm", "transformers", "pdserve-adaptive"):
             rs = []
             for rep in sorted({r["repeat"] for r in runs}):
                 a = [r["tok_s"] for r in runs if (r["repeat"], r["condition"], r["system"])
@@ -318,7 +319,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
     models = list(report["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
-    colors = {"pdserve": "tab:blue", "pdserve-fixed": "tab:cyan", "vllm": "tab:orange",
+    colors = {"pdserve": "tab:blue", "pdserve-adaptive": "tab:cyan", "vllm": "tab:orange",
               "transformers": "tab:gray"}
     for ax, name in zip(axes[0], models):
         m = report["models"][name]

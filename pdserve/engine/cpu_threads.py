@@ -1,14 +1,18 @@
 """How many torch threads a CPU step uses, chosen from the machine's load before each step.
 
 A CPU forward is hundreds of small parallel ops, each ending in a barrier: with ``T`` threads,
-every op waits for the slowest one. When another process wants a core, the OS gives our second
-thread half of a shared core in time slices, and every barrier waits for its next slice — two
-threads then run slower than one thread alone on the free core (docs/benchmarks.md, "pdserve
-vs vLLM CPU (issue 14)"). So the executor runs ``cores - others`` threads (at least 1, at most
-the configured count), where ``others`` is the number of runnable tasks that are not ours,
-read from ``/proc/loadavg`` between steps (when our OpenMP workers sleep) and smoothed as the
-median of the last :data:`WINDOW` samples. Threads are not pinned: a pinned thread whose core
-becomes busy cannot move to the free one.
+every op waits for the slowest one. The premise: when another process wants a core, our second
+thread gets half of a shared core in time slices and every barrier waits for its next slice, so
+one thread alone on the free core would be faster. Under that premise the executor runs
+``cores - others`` threads (at least 1, at most the configured count), where ``others`` is the
+number of runnable tasks that are not ours, read from ``/proc/loadavg`` between steps (when our
+OpenMP workers sleep) and smoothed as the median of the last :data:`WINDOW` samples. Threads
+are not pinned: a pinned thread whose core becomes busy cannot move to the free one.
+
+Opt-in (``PDSERVE_ADAPTIVE_THREADS=1``): on the shared 2-core machine where it was measured it
+was 1.25x faster than a fixed 2 threads under heavy load from other sessions, but slower at light
+load and much slower beside a single busy process (32.5 vs 104.5 tok/s: the premise did not hold
+with the passive OpenMP wait policy); docs/benchmarks.md, "pdserve vs vLLM CPU (issue 14)".
 """
 
 from __future__ import annotations

@@ -61,14 +61,15 @@ class ModelExecutor:
 
     def __init__(self, config: EngineConfig, num_threads: int | None = None) -> None:
         """``num_threads``: torch's CPU threads for this process, fixed (a Ray instance actor
-        uses 1). ``None`` on CPU: each step runs as many threads as there are idle cores, up to
-        torch's count at start (:class:`pdserve.engine.cpu_threads.ThreadGovernor`; set
-        ``PDSERVE_ADAPTIVE_THREADS=0`` to keep torch's count)."""
+        uses 1). ``None``: torch's count; with ``PDSERVE_ADAPTIVE_THREADS=1`` on CPU each step
+        runs as many threads as there are idle cores instead, up to torch's count at start
+        (:class:`pdserve.engine.cpu_threads.ThreadGovernor`; opt-in: measured faster under heavy
+        load from other sessions, slower beside a single busy process, docs/benchmarks.md)."""
         self.config = config
         self.governor: ThreadGovernor | None = None
         if num_threads is not None and config.device == "cpu":
             torch.set_num_threads(num_threads)
-        elif config.device == "cpu" and os.environ.get("PDSERVE_ADAPTIVE_THREADS", "1") != "0":
+        elif config.device == "cpu" and os.environ.get("PDSERVE_ADAPTIVE_THREADS") == "1":
             self.governor = ThreadGovernor(torch.get_num_threads())
         self.thread_steps: Counter[int] = Counter()  # steps run per thread count (CPU)
         self.device = torch.device(config.device)
