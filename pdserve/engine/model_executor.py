@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig, cdiv, kv_cache_blocks
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+from pdserve.engine.cpu_threads import ThreadGovernor
 from pdserve.model.layers import build_attention_metadata, gather_elements_per_block
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleRow
@@ -58,10 +60,18 @@ class ModelExecutor:
     """
 
     def __init__(self, config: EngineConfig, num_threads: int | None = None) -> None:
-        """``num_threads``: torch's CPU threads for this process (a Ray instance actor uses 1)."""
+        """``num_threads``: torch's CPU threads for this process, fixed (a Ray instance actor
+        uses 1). ``None``: torch's count; with ``PDSERVE_ADAPTIVE_THREADS=1`` on CPU each step
+        runs as many threads as there are idle cores instead, up to torch's count at start
+        (:class:`pdserve.engine.cpu_threads.ThreadGovernor`; opt-in: measured faster under heavy
+        load from other sessions, slower beside a single busy process, docs/benchmarks.md)."""
         self.config = config
+        self.governor: ThreadGovernor | None = None
         if num_threads is not None and config.device == "cpu":
             torch.set_num_threads(num_threads)
+        elif config.device == "cpu" and os.environ.get("PDSERVE_ADAPTIVE_THREADS") == "1":
+            self.governor = ThreadGovernor(torch.get_num_threads())
+        self.thread_steps: Counter[int] = Counter()  # steps run per thread count (CPU)
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -133,6 +143,11 @@ class ModelExecutor:
         if not batch.seqs:
             return ExecuteResult(sampled=[], elapsed=0.0)
         t0 = time.perf_counter()
+        if self.governor is not None:
+            n = self.governor.threads()
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
+            self.thread_steps[n] += 1
         with torch.inference_mode():
             meta = build_attention_metadata(batch.seqs, self.block_size, self.device,
                                             self.dtype, self.sliding_window)

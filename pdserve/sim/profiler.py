@@ -71,7 +71,11 @@ def _engine(model_dir: str, device: str, dtype: str, num_blocks: int, block_size
     cfg = EngineConfig.from_kwargs(model_dir, device=device, dtype=dtype, block_size=block_size,
                                    num_kv_blocks=num_blocks, max_model_len=max_len,
                                    enable_prefix_caching=False)
-    return Engine(cfg, ModelExecutor(cfg))
+    import torch
+
+    # a fixed thread count: the executor's load-adaptive one would change it between samples
+    fixed = torch.get_num_threads() if device == "cpu" else None
+    return Engine(cfg, ModelExecutor(cfg, num_threads=fixed))
 
 
 def measure(engine, sample: ProfileSample, repeats: int, stat: str = "median") -> float:
