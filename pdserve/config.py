@@ -384,7 +384,8 @@ class EngineConfig:
     seed: int = _help("random seed of the model's sampler", default=0)
     step_log: str | None = _help(
         "append one JSON line per engine step (instance, elapsed seconds, batch shape) to this "
-        "file; `pdserve calibrate --step-log FILE` fits a latency model to it", default=None)
+        "file; `pdserve calibrate --step-log FILE` fits a latency model to it (default: no log)",
+        default=None)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
