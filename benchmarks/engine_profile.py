@@ -29,12 +29,16 @@ import pdserve  # noqa: E402,F401 - first: sets OpenMP's wait policy before torc
 
 # isort: split
 import torch  # noqa: E402
-from offline_throughput import make_workload, model_dir, parse_args  # noqa: E402 - beside this file
+from offline_throughput import (  # noqa: E402 - beside this file
+    make_workload,
+    model_dir,
+    parse_args,
+    warm_llm,
+)
 
 from pdserve.config import ModelConfig  # noqa: E402
 from pdserve.engine import model_executor  # noqa: E402
 from pdserve.llm import LLM  # noqa: E402
-from pdserve.request import SamplingParams  # noqa: E402
 
 # aten op name -> category (first matching prefix wins; everything else is "other ops")
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
@@ -82,15 +86,7 @@ def instrument(llm: LLM, timers: Timers) -> None:
 
 
 def run(args: Any, path: str, wl: Any, profile: bool) -> tuple[Timers, float, float, Any]:
-    llm = LLM(path, dtype=args.dtype, seed=args.seed,
-              max_model_len=args.input_len_max + args.output_len_max + 1,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-              cpu_kv_gib=args.cpu_kv_gib)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in wl.output_lens]
-    llm.generate([p[:32] for p in wl.prompts[:4]],
-                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    llm, params = warm_llm(path, wl, args)
     timers = Timers()
     instrument(llm, timers)
     prof = None

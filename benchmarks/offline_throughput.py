@@ -104,7 +104,10 @@ def model_dir(args: argparse.Namespace) -> str:
     return path
 
 
-def run_pdserve(path: str, wl: Workload, args: argparse.Namespace) -> RunResult:
+def warm_llm(path: str, wl: Workload, args: argparse.Namespace) -> tuple[LLM, list]:
+    """pdserve's engine with this benchmark's settings, warmed up (allocator, kernels) on a
+    short slice of the workload, and the workload's sampling parameters (greedy, forced
+    lengths)."""
     llm = LLM(path, device=args.device, dtype=args.dtype, seed=args.seed,
               max_model_len=args.input_len_max + args.output_len_max + 1,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -112,9 +115,13 @@ def run_pdserve(path: str, wl: Workload, args: argparse.Namespace) -> RunResult:
               cpu_kv_gib=args.cpu_kv_gib)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in wl.output_lens]
-    # warm-up (allocator, kernels) on a short slice of the workload
     llm.generate([p[:32] for p in wl.prompts[:4]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    return llm, params
+
+
+def run_pdserve(path: str, wl: Workload, args: argparse.Namespace) -> RunResult:
+    llm, params = warm_llm(path, wl, args)
     _sync(args.device)
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(wl.prompts, params)
