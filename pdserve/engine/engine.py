@@ -192,7 +192,8 @@ class Engine:
         Line-buffered and opened for appending, so the instances of a deployment (threads or Ray
         actors on one machine) can share one file."""
         if self._step_log is None:
-            self._step_log = open(self.config.step_log, "a", buffering=1, encoding="utf-8")
+            self._step_log = open(  # noqa: SIM115 - open for the engine's life
+                self.config.step_log, "a", buffering=1, encoding="utf-8")
         prefills, decodes = batch.shape()
         self._step_log.write(json.dumps(
             {"instance_id": self.name, "now": round(now, 6), "elapsed": elapsed,

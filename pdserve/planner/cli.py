@@ -51,7 +51,8 @@ def register(subparsers: Any) -> None:
 
     a = one_line_errors(subparsers.add_parser(
         "advise", help="where does disaggregation pay? (SLO scale x output/input ratio)",
-        description="Plan colocated and disaggregated placements over a grid of SLO scales and "
+        description="Plan colocated, disaggregated and partial placements over a grid of SLO "
+                    "scales and "
                     "output-length scales and report (and plot) the best per-GPU goodput of "
                     "each strategy at every point."))
     add_problem_flags(a)

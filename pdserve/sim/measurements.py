@@ -275,7 +275,8 @@ def from_step_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: in
 
 
 def _records_lists(data: Any) -> list[list[dict[str, Any]]]:
-    """Every ``records`` list in a bench JSON (one run's, or a search's runs), each its own clock."""
+    """Every ``records`` list in a bench JSON (one run's, or a search's runs), each on its
+    own clock."""
     found: list[list[dict[str, Any]]] = []
     if isinstance(data, dict):
         recs = data.get("records")
@@ -340,12 +341,14 @@ def _steps_from_timelines(reqs: list[tuple[float, list[float], int]], cfg: Model
     """:func:`from_request_timelines` for one run: ``(arrival, token times, prompt length)``
     sorted by arrival."""
     out: list[Measurement] = []
-    arrivals = [a for a, _, _ in reqs]
-    firsts = [ts[0] for _, ts, _ in reqs]
     for i, (a, ts, plen) in enumerate(reqs):
+        # the requests in flight at some moment of i's life, in arrival order: only they can
+        # share a step with i (O(n) once per request, not per token gap)
+        near = [j for j, (a2, ts2, _) in enumerate(reqs)
+                if j != i and a2 < ts[-1] and ts2[-1] > a]
+        members = sorted((*near, i))  # the candidates of a step's batch, i included
         # prefill alone: nothing else in flight over [a, first token]
-        if all(j == i or ts2[-1] <= a or a2 >= ts[0]
-               for j, (a2, ts2, _) in enumerate(reqs)):
+        if all(reqs[j][1][-1] <= a or reqs[j][0] >= ts[0] for j in near):
             out.append(Measurement(ProfileSample(((0, plen),), (), ts[0] - a), cfg, tp, 1,
                                    dtype, group=group))
         for n in range(1, len(ts)):
@@ -353,13 +356,12 @@ def _steps_from_timelines(reqs: list[tuple[float, list[float], int]], cfg: Model
             if t1 <= t0:
                 continue  # tokens delivered together: the steps cannot be told apart
             # anyone waiting for a first token during the gap had a prefill in some step of it
-            hi = bisect.bisect_left(arrivals, t1)
-            if any(firsts[j] > t0 and j != i for j in range(hi)):
+            if any(reqs[j][0] < t1 and reqs[j][1][0] > t0 for j in near):
                 continue
             batch, leader = [], None
-            for j in range(hi):
-                _, ts2, p2 = reqs[j]
-                if ts2[0] <= t0 and ts2[-1] >= t1:  # streaming across the whole gap
+            for j in members:
+                a2, ts2, p2 = reqs[j]
+                if a2 < t1 and ts2[0] <= t0 and ts2[-1] >= t1:  # streaming across the gap
                     leader = j if leader is None else leader
                     batch.append(p2 + bisect.bisect_right(ts2, t0))
             if leader == i and batch:

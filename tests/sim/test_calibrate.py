@@ -249,7 +249,7 @@ def test_cli_from_client_timelines(tmp_path):
     model = get_model_config("llama-3-8b")
     truth = replace(dev, efficiency=TRUE)
     recs, t = [], 0.0
-    for k, (plen, n) in enumerate([(p, o) for p in (64, 256, 1024, 2048) for o in (4, 8)]):
+    for plen, n in [(p, o) for p in (64, 256, 1024, 2048) for o in (4, 8)]:
         steps = [Measurement(ProfileSample(((0, plen),), (), 0.0), model)]
         steps += [Measurement(ProfileSample((), (plen + i,), 0.0), model) for i in range(1, n)]
         times = list(t + np.cumsum(predict(truth, steps)))
