@@ -6,7 +6,11 @@ and KV bandwidth utilisation, collective efficiency and latency, per-step and pe
 overhead). :func:`calibrate` fits them by bounded nonlinear least squares on **relative** error
 (``scipy.optimize.least_squares``; fractions on a log scale) to :class:`Measurement` s, and
 reports the fit error and the leave-one-out error. Factors the measurements cannot see (no
-TP > 1 sample: ``comm``; no decode: ``mbu_kv`` …) keep the base device's values.
+TP > 1 sample: ``comm``; no decode: ``mbu_kv`` …) keep the base device's values. When every
+measurement has the same depth, the per-step and per-layer fixed costs cannot be told apart;
+the fit then puts the whole fixed cost on the layers (per-step cost 0): kernel launches, which
+scale with depth, are what a GPU engine's fixed cost mostly is, and a cost that scales with
+depth carries over to a model of another size, where a per-step constant would not.
 
 The measurements and their sources (our profiler's raw samples, our or DistServe's fitted
 profiles, SplitwiseSim's and Vidur's published profiles) are in
@@ -169,12 +173,31 @@ def identifiable(device: DeviceSpec, ms: Sequence[Measurement],
     return tuple(out)
 
 
+def _fixed_costs_collinear(device: DeviceSpec, ms: Sequence[Measurement],
+                           names: Sequence[str]) -> bool:
+    """Whether the per-step and per-layer fixed costs move every prediction of ``ms`` in the
+    same proportion (one depth in the data: the two cannot be told apart)."""
+    if not {"step_overhead_s", "layer_overhead_s"} <= set(names):
+        return False
+    pred = _Predictor(device, ms)
+    base = replace(device.efficiency, step_overhead_s=0.0, layer_overhead_s=0.0)
+    y0 = pred(base)
+    d_step = pred(replace(base, step_overhead_s=1e-3)) - y0
+    d_layer = pred(replace(base, layer_overhead_s=1e-3)) - y0
+    if not np.any(d_step) or not np.any(d_layer):
+        return False
+    ratio = d_layer / np.where(d_step == 0, np.nan, d_step)
+    return bool(np.all(np.isfinite(ratio)) and np.ptp(ratio) <= 1e-9 * np.abs(ratio).max())
+
+
 def fit_efficiency(device: DeviceSpec, ms: Sequence[Measurement],
                    names: Sequence[str] | None = None, starts: int = 6,
                    x0: np.ndarray | None = None, ridge: float = RIDGE
                    ) -> tuple[Efficiency, tuple[str, ...]]:
     """Least-squares factors for ``ms`` (relative residuals), starting from the device's own
     and ``starts − 1`` other points (the roofline's ``max`` makes the objective non-smooth).
+    With ``names`` left ``None`` the identifiable factors are fitted, and fixed costs that one
+    depth cannot separate go to the layers (module docstring).
     Returns the fitted :class:`Efficiency` and the names fitted."""
     from scipy.optimize import least_squares
 
@@ -182,8 +205,13 @@ def fit_efficiency(device: DeviceSpec, ms: Sequence[Measurement],
         raise ValueError("no measurements to calibrate on")
     if any(m.seconds <= 0 for m in ms):
         raise ValueError("measured times must be > 0")
-    names = tuple(names) if names is not None else identifiable(device, ms)
     base = device.efficiency
+    if names is None:
+        names = identifiable(device, ms)
+        if _fixed_costs_collinear(device, ms, names):
+            base = replace(base, step_overhead_s=0.0)
+            names = tuple(n for n in names if n != "step_overhead_s")
+    names = tuple(names)
     if not names:
         return base, ()
     pred = _Predictor(device, ms)
@@ -234,7 +262,7 @@ def calibrate(device: DeviceSpec, ms: Sequence[Measurement], names: Sequence[str
         errs = []
         for i in range(len(ms)):
             rest = [m for j, m in enumerate(ms) if j != i]
-            e_i, _ = fit_efficiency(device, rest, fitted, x0=x_full)
+            e_i, _ = fit_efficiency(replace(device, efficiency=eff), rest, fitted, x0=x_full)
             errs.append(relative_errors(replace(device, efficiency=e_i), [ms[i]])[0])
             if log and (i + 1) % 50 == 0:
                 log(f"leave-one-out {i + 1}/{len(ms)}")

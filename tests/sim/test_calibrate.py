@@ -61,6 +61,32 @@ def test_unconstrained_factors_keep_the_device_values():
     assert cal.device.efficiency.mbu_kv == pytest.approx(TRUE.mbu_kv, rel=1e-3)
 
 
+def test_one_depth_puts_the_fixed_cost_on_the_layers():
+    """One model: per-step and per-layer fixed costs are collinear, so the fit puts all of it
+    on the layers (step cost 0); the total fixed cost is still fitted exactly, and a model of
+    another depth gets it scaled by its layer count (hand-worked below)."""
+    dev = get_device("h100")
+    true = replace(TRUE, step_overhead_s=0.0, layer_overhead_s=50e-6)
+    ms = synthetic(dev, true, plan=(("llama-3-8b", (1, 2)),))  # 32 layers only
+    cal = calibrate(dev, ms)
+    eff = cal.device.efficiency
+    assert "step_overhead_s" not in cal.fitted and "layer_overhead_s" in cal.fitted
+    assert eff.step_overhead_s == 0.0
+    assert eff.layer_overhead_s == pytest.approx(50e-6, rel=1e-3)
+    # a device whose default step cost (3 ms here) would otherwise stay unfitted and add on
+    dev3 = replace(dev, efficiency=replace(dev.efficiency, step_overhead_s=3e-3))
+    eff3 = calibrate(dev3, ms).device.efficiency
+    assert eff3.step_overhead_s == 0.0
+    assert eff3.layer_overhead_s == pytest.approx(50e-6, rel=1e-3)
+    # 80-layer llama-2-70b: 80 × 50 µs of launches, nothing per step
+    deep = synthetic(dev, true, plan=(("llama-2-70b", (4,)),))
+    errs = predict(cal.device, deep) / np.array([m.seconds for m in deep]) - 1
+    assert np.abs(errs).max() < 1e-3
+    # two depths tell the two apart again
+    both = calibrate(dev, synthetic(dev, TRUE))
+    assert "step_overhead_s" in both.fitted
+
+
 def test_leave_one_out_on_noisy_data():
     dev = get_device("h100")
     ms = synthetic(dev, TRUE, plan=(("llama-3-8b", (1, 2)),))[::4]
