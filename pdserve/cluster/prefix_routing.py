@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixMatch, block_size_of
 from pdserve.cluster.routing import InstanceView, Router, register
 from pdserve.cluster.routing import require as _check
-from pdserve.engine.kv_cache import NO_PARENT, KVEvent, hash_block
+from pdserve.engine.kv_cache import KVEvent
+from pdserve.request import block_hashes
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
@@ -184,7 +185,8 @@ class E2Router(Router):
         if self._pending:
             self._observe_ttfts()
         bs = candidates[0].block_size
-        m = self._index(bs).match(request.prompt_token_ids)
+        hashes = block_hashes(request.prompt_token_ids, bs)
+        m = self._index(bs).match_hashes(hashes, len(request.prompt_token_ids))
         by_id = dict(zip(map(_ID, candidates), candidates))
         n = m.num_tokens
         lengths = m.lengths
@@ -198,9 +200,9 @@ class E2Router(Router):
                 self.decisions["exploit"] += 1
         if inst is None:
             inst = self._explore(m, n, by_id)
-            if key_hash is None and n >= bs:  # a new prefix (the whole prompt is Preble's
+            if key_hash is None and hashes:  # a new prefix (the whole prompt is Preble's
                 # new leaf node): its first block names it
-                key_hash = hash_block(NO_PARENT, tuple(request.prompt_token_ids[:bs]))
+                key_hash = hashes[0]
                 self.key_tokens.setdefault(key_hash, n - n % bs)
         self._record(request, inst.instance_id, m, key_hash, now)
         self._rebalance(by_id)

@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster.prefix_index import PrefixIndex, prompt_hashes
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored
+from pdserve.request import block_hashes
 
 BS = 2
 # prompts sharing prefixes: a small tree of token blocks
@@ -17,7 +18,7 @@ PROMPTS = [
     [2, 2, 3, 3],
     [1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 4],
 ]
-HASHES = [prompt_hashes(p, BS) for p in PROMPTS]
+HASHES = [block_hashes(p, BS) for p in PROMPTS]
 INSTANCES = ["a", "b", "c"]
 
 
@@ -113,13 +114,13 @@ op = st.one_of(
 )
 
 
-@pytest.mark.parametrize("stride, max_memo", [(1, 1), (2, 1 << 10), (3, 2)])
+@pytest.mark.parametrize("stride", [1, 2, 3])
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(op, max_size=40))
-def test_index_matches_brute_force(stride, max_memo, ops):
-    """Block-by-block lookups (stride 1) and stride lookups through the memo (a tiny memo is
-    cleared as it goes) agree with the reference after every event."""
-    index, ref = PrefixIndex(BS, stride=stride, max_memo=max_memo), {}
+def test_index_matches_brute_force(stride, ops):
+    """Block-by-block lookups (stride 1) and stride lookups agree with the reference after
+    every event."""
+    index, ref = PrefixIndex(BS, stride=stride), {}
     for op in ops:
         apply_op(index, ref, op, PROMPTS, HASHES)
         check(index, ref)
@@ -151,7 +152,7 @@ def long_prompts(draw_tree):
     prompts = []
     for path in draw_tree:
         prompts.append([t for b in path for t in (b, b)])
-    return prompts, [prompt_hashes(p, BS) for p in prompts]
+    return prompts, [block_hashes(p, BS) for p in prompts]
 
 
 @st.composite
@@ -230,7 +231,7 @@ def test_key_portion_and_segments():
     m = index.match(PROMPTS[0])
     assert m.segments == [(0, 2), (2, 3), (3, 4)]
     assert m.key_portion() == (0, 2)  # later radix nodes are not longer than their prefix
-    index.store("b", prompt_hashes([1, 1] + [9] * 20, BS), NO_PARENT)
+    index.store("b", block_hashes([1, 1] + [9] * 20, BS), NO_PARENT)
     m = index.match([1, 1] + [9] * 20)
     assert m.segments == [(0, 1), (1, 11)]
     assert m.key_portion() == (1, 11)  # 10 blocks after a 1-block shared root

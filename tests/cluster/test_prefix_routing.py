@@ -4,13 +4,12 @@ import pytest
 
 from pdserve.cluster.cache_routing import CacheAwareRouter, KVOverlapRouter
 from pdserve.cluster.controller import ClusterRequest, Controller, Send
-from pdserve.cluster.prefix_index import prompt_hashes
 from pdserve.cluster.prefix_routing import E2Router, LinearPrefillTime
 from pdserve.cluster.routing import InstanceView, make_router
 from pdserve.cluster.worker import AddRequest, StepReport, TokenDelta
 from pdserve.engine.engine import EngineStats
 from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored
-from pdserve.request import SamplingParams, Timeline
+from pdserve.request import SamplingParams, Timeline, block_hashes
 
 BS = 4
 P = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -29,7 +28,7 @@ def creq(rid, prompt, t=0.0, max_tokens=4):
 
 
 def stored(prompt, n_blocks=None):
-    hs = prompt_hashes(prompt, BS)[:n_blocks]
+    hs = block_hashes(prompt, BS)[:n_blocks]
     return [BlockStored(hs, NO_PARENT, list(prompt[:len(hs) * BS]), BS)]
 
 
@@ -267,7 +266,7 @@ def test_kv_overlap_router_cost():
     b.pending_tokens = 0
     a.stats = used(9)  # a: 1 + 9 = 10 > b: 9
     assert r.select(creq("y", S1 + [1] * 4), [a, b]) is b
-    r.on_kv_events("a", [BlockRemoved(prompt_hashes(S1, BS)[:1])])
+    r.on_kv_events("a", [BlockRemoved(block_hashes(S1, BS)[:1])])
     assert r.index.match(S1).lengths == {}
 
 
