@@ -16,8 +16,11 @@ times beside them (``time.thread_time_ns``, clock resolution permitting) do not.
 
 times the E2 router of another checkout (e.g. ``git archive <commit> | tar -x -C /tmp/old``)
 against this one in the same process: both routers get identical indexes and requests, and
-each request is routed by both (alternately first), so both see the same machine load (the decisions
-must agree). Reports thread CPU time median / P99 per repeat for both.
+each request is routed by both (alternately first), so both see the same machine load (every
+request must go to the same instance). Reports thread CPU time median / P99 per repeat for
+both, ours given each prompt's chained block hashes (made beforehand, as the controller's
+:class:`~pdserve.request.Prompt` does once per prompt for the router and the engines), and
+that one-time hashing per prompt apart.
 """
 
 from __future__ import annotations
@@ -203,19 +206,22 @@ def compare(baseline: type, n_inst: int, tokens: int, n_req: int, explore_share:
         setups.append((views, requests(corpus, n_req, rng, explore_share, prefix_len)))
     hashing = hash_once(setups[1][1])  # ours gets each prompt's chain made beforehand
     times: list[list[int]] = [[], []]
+    chosen: list[list[str]] = [[], []]
     gc.collect()
     gc.disable()
     try:
         for j, (a, b) in enumerate(zip(setups[0][1], setups[1][1])):
             for k, r in ((0, a), (1, b)) if j % 2 else ((1, b), (0, a)):
                 c0 = time.thread_time_ns()
-                routers[k].select(r, setups[k][0])
+                inst = routers[k].select(r, setups[k][0])
                 times[k].append(time.thread_time_ns() - c0)
+                chosen[k].append(inst.instance_id)
     finally:
         gc.enable()
-    if routers[0].decisions != routers[1].decisions:
-        raise AssertionError(f"the routers decided differently: {routers[0].decisions} vs "
-                             f"{routers[1].decisions}")
+    if routers[0].decisions != routers[1].decisions or chosen[0] != chosen[1]:
+        diff = sum(a != b for a, b in zip(*chosen))
+        raise AssertionError(f"the routers decided differently ({diff} requests elsewhere): "
+                             f"{routers[0].decisions} vs {routers[1].decisions}")
     out: dict[str, Any] = {"prompt_blocks": statistics.mean(
         len(r.prompt_token_ids) // BS for r in setups[1][1])}
     for name, t in zip(("baseline", "ours", "hashing"), (*times, hashing)):

@@ -346,11 +346,14 @@ class PrefixIndex:
                 end = nodes.get(hashes[i + sb - 1])
                 if end is not None and end.depth == i + sb - 1:
                     # the stride is one window: its summary says who holds all of it
-                    a = end.wand
                     # nobody's prefix ends inside the stride: at the start, every block has
-                    # the same holders; later, every block has all of the holders so far
-                    if a and (a == end.wor if i == 0 else live & a == live):
-                        live = a if i == 0 else live
+                    # the same holders; later, each of the holders so far holds every block
+                    # of it (kept) or none (its prefix ends where the stride starts)
+                    keep = end.wand & live
+                    if keep and end.wor & live == keep:
+                        if i and keep != live:
+                            _record(lengths, ids, live & ~keep, i)
+                        live = keep
                         if end.wbr:  # branch points inside: each ends a radix node; walk
                             # up only while some remain above (wbr counts down to the node)
                             node, k = end, i + sb

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_, truediv
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixMatch, block_size_of
@@ -150,6 +151,9 @@ class E2Router(Router):
         self.num_routed = 0
         self._now = float("-inf")
         self._pt_memo: dict[int, float] = {}
+        self._cands: list[InstanceView] = []
+        self._cands_by_id: dict[str, InstanceView] = {}
+        self._cand_ids: list[str] = []
         self.decisions: dict[str, int] = {"exploit": 0, "explore": 0, "pd_balance": 0,
                                           "rebalance": 0, "replicate": 0}
 
@@ -187,7 +191,7 @@ class E2Router(Router):
         bs = candidates[0].block_size
         hashes = block_hashes(request.prompt_token_ids, bs)
         m = self._index(bs).match_hashes(hashes, len(request.prompt_token_ids))
-        by_id = dict(zip(map(_ID, candidates), candidates))
+        by_id = self._by_id(candidates)
         n = m.num_tokens
         lengths = m.lengths
         cached = max((lengths[i] for i in lengths if i in by_id), default=0) * bs
@@ -207,6 +211,15 @@ class E2Router(Router):
         self._record(request, inst.instance_id, m, key_hash, now)
         self._rebalance(by_id)
         return inst
+
+    def _by_id(self, candidates: list[InstanceView]) -> dict[str, InstanceView]:
+        """``instance id -> view`` of the candidates, kept while the same views come."""
+        last = self._cands
+        if len(last) != len(candidates) or not all(map(is_, last, candidates)):
+            self._cands = list(candidates)
+            self._cands_by_id = dict(zip(map(_ID, candidates), candidates))
+            self._cand_ids = list(self._cands_by_id)
+        return self._cands_by_id
 
     def _pt(self, num_tokens: int) -> float:
         """``prefill_time(num_tokens)``, memoised (a regression: a pure function of the
@@ -250,9 +263,8 @@ class E2Router(Router):
 
     def _explore(self, m: PrefixMatch, n: int, by_id: dict[str, InstanceView]) -> InstanceView:
         missed = n - m.num_cached_tokens
-        ids = list(by_id)
-        get = self.load.get
-        loads = [get(i, 0.0) for i in ids]
+        ids = self._cand_ids if by_id is self._cands_by_id else list(by_id)
+        loads = list(map(self.load.get, ids, repeat(0.0)))
         if missed >= self.pd_tokens and len(ids) > 1:
             top = self._decode_heavy(ids, loads)
             if top is not None:
@@ -271,7 +283,8 @@ class E2Router(Router):
                     bounds[k] = loads[k] + self._pt(n - lengths[i] * bs)
         j = bounds.index(min(bounds))
         best, best_cost = j, bounds[j] + self._evict_cost(by_id[ids[j]], self._miss(m, ids[j]))
-        for k, bound in enumerate(bounds):
+        for k in [k for k, bound in enumerate(bounds) if bound < best_cost]:  # (a superset:
+            bound = bounds[k]  # best_cost only falls)
             if bound < best_cost and k != j:
                 cost = bound + self._evict_cost(by_id[ids[k]], self._miss(m, ids[k]))
                 if cost < best_cost or cost == best_cost and k < best:
@@ -291,7 +304,7 @@ class E2Router(Router):
         dec = self.decode_load
         if min(loads) <= 0:
             return None
-        shares = [dec.get(i, 0.0) / li for i, li in zip(ids, loads)]
+        shares = list(map(truediv, map(dec.get, ids, repeat(0.0)), loads))
         top = max(shares)
         k = shares.index(top)
         rest = (sum(shares) - top) / (len(shares) - 1)

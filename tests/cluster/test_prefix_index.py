@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.prefix_index import Node, PrefixIndex
 from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored
 from pdserve.request import block_hashes
 
@@ -182,8 +182,7 @@ def test_long_prompts_match_brute_force_through_window_summaries(stride, paths, 
         st.integers(0, len(prompts) - 1), st.integers(0, 23), st.integers(1, 24)), max_size=25))
     for op in ops:
         apply_op(index, ref, op, prompts, hashes)
-        for _ in range(2):  # the second lookup goes through the memo the first one filled
-            check(index, ref, prompts, hashes)
+        check(index, ref, prompts, hashes)
 
 
 def test_losing_an_instance_refreshes_summaries_below_a_former_branch():
@@ -237,9 +236,31 @@ def test_key_portion_and_segments():
     assert m.key_portion() == (1, 11)  # 10 blocks after a 1-block shared root
 
 
+def test_a_stride_where_some_holders_end_is_taken_whole():
+    """Stride 2: a holds blocks 0-3, b blocks 0-1, c blocks 0-2. The stride of blocks 2-3 is
+    held whole by a, not at all by b (b's prefix ends where it starts: one lookup takes it),
+    and in part by c (block by block)."""
+    prompt = list(range(1, 11))  # 5 blocks of 2
+    hs = block_hashes(prompt, BS)
+    index = PrefixIndex(BS, stride=2)
+    index.store("a", hs[:4], NO_PARENT)
+    index.store("b", hs[:2], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 4, "b": 2} and m.num_nodes == 4
+    assert all(isinstance(p, Node) for p in m._parts)  # two whole strides
+    assert [n.key for n in m.nodes] == hs[:4]
+    index.store("c", hs[:3], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 4, "b": 2, "c": 3}
+    assert isinstance(m._parts[0], Node) and isinstance(m._parts[1], list)
+    assert [n.key for n in m.nodes] == hs[:4]
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="block_size"):
         PrefixIndex(0)
+    with pytest.raises(ValueError, match="block hashes for a prompt of 5 tokens"):
+        PrefixIndex(BS).match_hashes([1], 5)
     with pytest.raises(ValueError, match="blocks of 4 tokens"):
         PrefixIndex(BS).apply("a", [BlockStored([1], NO_PARENT, [1, 2, 3, 4], 4)])
 

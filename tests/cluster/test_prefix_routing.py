@@ -286,13 +286,26 @@ def test_registry_and_bad_parameters():
 
 
 @pytest.mark.parametrize("router", ["preble", "kv_overlap"])
-def test_simulated_cluster_keeps_the_index_exact(router):
+def test_simulated_cluster_keeps_the_index_exact(router, monkeypatch):
     """End to end: real workers (simulated executor) forward their KV events through the
     controller; with small caches (evictions) every request finishes and the router's index
-    holds exactly the blocks each instance's pool caches."""
+    holds exactly the blocks each instance's pool caches. Each prompt is hashed once: the
+    engines take the chain the router made and hash only the blocks their outputs fill."""
+    import pdserve.engine.kv_manager as kv_manager
     from pdserve.config import ClusterConfig
+    from pdserve.engine.kv_cache import hash_blocks
     from pdserve.sim.simulator import SimRequest
     from pdserve.sim.target import SimulationConfig, build_simulator
+
+    engine_hashed = []
+
+    def counting(token_ids, block_size, hashes=None):
+        before = len(hashes) if hashes else 0
+        out = hash_blocks(token_ids, block_size, hashes)
+        engine_hashed.append(len(out) - before)
+        return out
+
+    monkeypatch.setattr(kv_manager, "hash_blocks", counting)
 
     sim = build_simulator(SimulationConfig(ClusterConfig.from_dict(
         {"model": "opt-13b", "num_instances": 2, "prefill_router": router,
@@ -310,6 +323,10 @@ def test_simulated_cluster_keeps_the_index_exact(router):
         assert r.index.num_blocks(iid) == len(pool.cached)
         for h in pool.cached:
             assert iid in r.index.holders(h)
+    bs = pool.block_size
+    by_output = sum((len(q.prompt_token_ids) + 7) // bs - len(q.prompt_token_ids) // bs
+                    for q in reqs)  # 8 output tokens, the last one never computed
+    assert sum(engine_hashed) == by_output
 
 
 # ------------------------------------------------------------------ the command line
