@@ -97,7 +97,9 @@ class E2Router(Router):
     at most once per ``rebalance_interval`` (1 s, ours: the load it balances spans a 3-minute
     window). A prefix is **replicated** on the least loaded non-holder when the average TTFT of
     its requests on an instance in the second half of the window is at least
-    ``replicate_factor`` (2×) that of the first half.
+    ``replicate_factor`` (2×) that of the first half. A moved prefix's holder is its target
+    (plus its replicas), so a hot prefix that a rebalance sent to one instance can still be
+    replicated (otherwise every request of it would go to that one instance for good).
 
     ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
     latency model when given, else :class:`LinearPrefillTime`; it must be a pure function of
@@ -236,14 +238,18 @@ class E2Router(Router):
         start, end = m.segments[j]
         key_hash = m.segment_ends[j].key
         self.key_tokens[key_hash] = (end - start) * m.block_size
+        holders = None
         if self.moved:
             # the deepest moved prefix on the path wins; a prefix first seen as new is keyed by
-            # its first block (see select), so that one is checked too
+            # its first block (see select), so that one is checked too. Its target is its one
+            # holder (with its replicas: a moved hot prefix can still be replicated)
             for node in [*reversed(m.segment_ends), m.first]:
                 target = self.moved.get(node.key)  # type: ignore[union-attr]
                 if target in by_id:
-                    return by_id[target]
-        holders = [iid for iid, k in m.lengths.items() if k >= end and iid in by_id]
+                    holders = [target]
+                    break
+        if holders is None:
+            holders = [iid for iid, k in m.lengths.items() if k >= end and iid in by_id]
         reps = self.replicas.get(key_hash)
         if reps:
             holders += [iid for iid in reps if iid in by_id and iid not in holders]

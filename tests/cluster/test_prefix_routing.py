@@ -183,6 +183,28 @@ def test_hot_prefix_is_replicated_when_its_queueing_delay_rises(late_ttft, want)
         assert r.select(creq("m", S1 + [4] * 4, t=151.0), cands).instance_id == "b"
 
 
+def test_a_moved_hot_prefix_is_replicated_too():
+    """Every instance holds S1 (one hot prefix) and a rebalance sent S1's requests to b. The
+    same trigger as above (TTFT 1 s, then 3 s on b) replicates it to the least loaded other
+    instance (a; c ties and comes later), which then shares S1's requests with b."""
+    r = e2()
+    cands = views("a", "b", "c")
+    for iid in "abc":
+        r.on_kv_events(iid, stored(S1))
+    r.moved[block_hashes(S1, BS)[-1]] = "b"  # S1 is one radix node: its last block keys it
+    early, late = creq("e", S1 + [1] * 4, t=10.0), creq("l", S1 + [2] * 4, t=100.0)
+    assert r.select(early, cands).instance_id == "b"
+    early.timeline.token_times.append(11.0)
+    assert r.select(late, cands).instance_id == "b"
+    late.timeline.token_times.append(103.0)
+    assert r.select(creq("n", S1 + [3] * 4, t=150.0), cands).instance_id == "a"
+    assert r.decisions["replicate"] == 1
+    r.load["b"] = 100.0
+    assert r.select(creq("m", S1 + [4] * 4, t=151.0), cands).instance_id == "a"
+    r.load["a"] = 200.0
+    assert r.select(creq("k", S1 + [5] * 4, t=152.0), cands).instance_id == "b"
+
+
 def test_window_expires_load():
     r = e2(window=180.0)
     cands = views("a")
