@@ -289,8 +289,9 @@ class E2Router(Router):
                     bounds[k] = loads[k] + self._pt(n - lengths[i] * bs)
         j = bounds.index(min(bounds))
         best, best_cost = j, bounds[j] + self._evict_cost(by_id[ids[j]], self._miss(m, ids[j]))
-        for k in [k for k, bound in enumerate(bounds) if bound < best_cost]:  # (a superset:
-            bound = bounds[k]  # best_cost only falls)
+        # only candidates under the first total can win; the check repeats as best_cost falls
+        for k in [k for k, bound in enumerate(bounds) if bound < best_cost]:
+            bound = bounds[k]
             if bound < best_cost and k != j:
                 cost = bound + self._evict_cost(by_id[ids[k]], self._miss(m, ids[k]))
                 if cost < best_cost or cost == best_cost and k < best:
