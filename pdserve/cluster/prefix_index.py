@@ -71,8 +71,9 @@ class PrefixMatch:
     ``num_tokens``: the prompt's length.
 
     A lookup does not list the matched nodes (that is per-block work a routing decision does not
-    need): ``nodes`` is built on first use from the stretches the lookup kept — a node ending a
-    whole stride of ``stride`` blocks, or a list of nodes.
+    need): ``nodes`` is built on first use from the stretches the lookup kept — a node standing
+    for the blocks of its window (``stride`` blocks from a multiple of ``stride``) down to it,
+    or a list of nodes.
     """
 
     __slots__ = ("lengths", "segments", "segment_ends", "num_tokens", "block_size",
@@ -92,16 +93,16 @@ class PrefixMatch:
         if not self.num_nodes:
             return None
         part = self._parts[0]
-        return part[0] if isinstance(part, list) else _up(part, self._stride - 1)
+        return part[0] if isinstance(part, list) else _up(part, part.depth % self._stride)
 
     @property
     def nodes(self) -> list[Node]:
         if self._nodes is None:
             out: list[Node] = []
             for part in self._parts:
-                if isinstance(part, Node):  # a whole stride: walk up from its last block
+                if isinstance(part, Node):  # a window's blocks down to it: walk up
                     chain, node = [part], part
-                    for _ in range(self._stride - 1):
+                    for _ in range(part.depth % self._stride):
                         node = node.parent  # type: ignore[assignment]
                         chain.append(node)
                     out += reversed(chain)
@@ -324,12 +325,13 @@ class PrefixIndex:
         instance's share of them, and the radix nodes along them. Costs O(matched strides +
         blocks near where an instance's prefix ends), not O(prompt).
 
-        Whole strides of ``stride`` blocks are looked up at once, by the hash of their last
-        block. When that node ends one of the index's windows (:class:`Node`) and its window AND
-        says that every instance that held the blocks before the stride holds all of it, the
-        stride is taken whole: in O(1), or, when the window has branch points (radix node ends),
-        a walk up it. Otherwise (and for the tail after the last whole stride) its blocks are
-        looked up one by one."""
+        The prompt is taken a window (``stride`` blocks, :class:`Node`) at a time: its deepest
+        block in the index is the window's last one or, where the match ends inside the window,
+        found by a binary search (O(log stride) look-ups). When that node's window AND says
+        that every instance that held the blocks before the window holds all of the window's
+        blocks down to it, or none of them, they are taken in O(1) (with a walk up them when
+        the window has branch points, which end radix nodes); otherwise they are looked up one
+        by one."""
         if len(hashes) != num_tokens // self.block_size:
             raise ValueError(f"{len(hashes)} block hashes for a prompt of {num_tokens} tokens "
                              f"in blocks of {self.block_size}")
@@ -342,13 +344,28 @@ class PrefixIndex:
         live = -1  # instances holding every block so far (-1: before the first block)
         i = start = 0  # blocks matched; where the current radix node starts
         while i < nb:
-            if sb > 1 and i + sb <= nb:
-                end = nodes.get(hashes[i + sb - 1])
-                if end is not None and end.depth == i + sb - 1:
-                    # the stride is one window: its summary says who holds all of it
-                    # nobody's prefix ends inside the stride: at the start, every block has
+            n_to = min(i + sb, nb)  # this window's blocks: [i, n_to)
+            stop = False
+            if sb > 1:
+                # the deepest block of the window on the prompt's path: the last one, or (the
+                # match ends inside) a binary search — a node at its depth has every block
+                # above it on the path in the index, so such blocks form a prefix
+                p = n_to - 1
+                end = nodes.get(hashes[p])
+                if end is None or end.depth != p:
+                    end, lo, hi = None, i, p
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        x = nodes.get(hashes[mid])
+                        if x is not None and x.depth == mid:
+                            end, p, lo = x, mid, mid + 1
+                        else:
+                            hi = mid
+                if end is not None:
+                    # its window summary says who holds every block from i to it
+                    # nobody's prefix ends inside [i, p]: at the start, every block has
                     # the same holders; later, each of the holders so far holds every block
-                    # of it (kept) or none (its prefix ends where the stride starts)
+                    # of it (kept) or none (its prefix ends at i)
                     keep = end.wand & live
                     if keep and end.wor & live == keep:
                         if i and keep != live:
@@ -356,7 +373,7 @@ class PrefixIndex:
                         live = keep
                         if end.wbr:  # branch points inside: each ends a radix node; walk
                             # up only while some remain above (wbr counts down to the node)
-                            node, k = end, i + sb
+                            node, k = end, p + 1
                             ends = []
                             while k > i and node.wbr:
                                 if node.nchild > 1:
@@ -367,11 +384,12 @@ class PrefixIndex:
                                 seg_ends.append(node)
                                 start = k
                         parts.append(end)
-                        i += sb
+                        i = p + 1
+                        if i < n_to:
+                            break  # the match ends inside the window
                         continue
-                n_to = i + sb
-            else:
-                n_to = nb
+                    if p + 1 < n_to:  # no block after p is on the path: the match ends
+                        n_to, stop = p + 1, True
             chain = []  # block by block
             for j in range(i, n_to):
                 node = nodes.get(hashes[j])
@@ -397,7 +415,7 @@ class PrefixIndex:
                 taken += 1
             if taken:
                 parts.append(chain[:taken])
-            if not whole or live == 0:
+            if not whole or live == 0 or stop:
                 break
         if i:
             _record(lengths, ids, live, i)

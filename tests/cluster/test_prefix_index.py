@@ -256,6 +256,26 @@ def test_a_stride_where_some_holders_end_is_taken_whole():
     assert [n.key for n in m.nodes] == hs[:4]
 
 
+def test_a_match_ending_inside_a_window_is_found_by_binary_search():
+    """Stride 4, a 10-block prompt; a holds blocks 0-5: the window of blocks 4-7 ends the
+    match at block 5, found without looking up every block, and taken whole (a Node part
+    standing for blocks 4-5). Then b holds blocks 0-4: b's prefix ends inside that window, so
+    its blocks are looked up one by one."""
+    prompt = list(range(1, 21))  # 10 blocks of 2
+    hs = block_hashes(prompt, BS)
+    index = PrefixIndex(BS, stride=4)
+    index.store("a", hs[:6], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 6} and m.num_nodes == 6 and m.segments == [(0, 6)]
+    assert [type(p) for p in m._parts] == [Node, Node]
+    assert [n.key for n in m.nodes] == hs[:6] and m.first.key == hs[0]
+    index.store("b", hs[:5], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 6, "b": 5}
+    assert [type(p) for p in m._parts] == [Node, list]
+    assert [n.key for n in m.nodes] == hs[:6]
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="block_size"):
         PrefixIndex(0)
