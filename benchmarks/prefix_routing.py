@@ -30,7 +30,9 @@ and ``preble+local`` (E2 plus Preble's local priority-group queue on every insta
 
 reports per run: mean / P99 end-to-end latency and TTFT, the prefix-cache hit rate (prompt
 tokens served from cache / prompt tokens) and the load imbalance (max / mean prompt tokens
-computed per instance).
+computed per instance); E2's decision counts (exploit, explore, rebalance, replicate, ...) go
+to stderr. ``--window H`` sets E2's window (Preble's 180 s by default; its replication trigger
+compares the two halves of it, so a run must last more than H / 2 for it to fire).
 
     python benchmarks/prefix_routing.py --goodput [--requests-per-instance 100]
 
