@@ -30,7 +30,9 @@ and ``preble+local`` (E2 plus Preble's local priority-group queue on every insta
 
 reports per run: mean / P99 end-to-end latency and TTFT, the prefix-cache hit rate (prompt
 tokens served from cache / prompt tokens) and the load imbalance (max / mean prompt tokens
-computed per instance).
+computed per instance); E2's decision counts (exploit, explore, rebalance, replicate, ...) go
+to stderr. ``--window H`` sets E2's window (Preble's 180 s by default; its replication trigger
+compares the two halves of it, so a run must last more than H / 2 for it to fire).
 
     python benchmarks/prefix_routing.py --goodput [--requests-per-instance 100]
 
@@ -92,15 +94,19 @@ WORKLOADS = {  # name -> (workload spec, starting rate per instance of the goodp
 }
 
 
-def build_deployment(num_instances: int, router: str) -> Any:
+def build_deployment(num_instances: int, router: str, window: float | None = None) -> Any:
     """The simulated deployment: ``num_instances`` colocated OPT-13B on A100s (DistServe's
     profile) with ``router`` in front (the simulator gives Preble's E2 the profile's prefill
-    time and turns on the instances' KV events); ``+local`` selects Preble's local policy."""
+    time and turns on the instances' KV events); ``+local`` selects Preble's local policy;
+    ``window``: E2's window H in seconds (default Preble's 180)."""
     name, _, local = router.partition("+")
     spec = ClusterConfig.from_dict({
         "model": "opt-13b", "num_instances": num_instances, "prefill_router": name,
         "engine": {"max_model_len": MAX_LEN, "policy": "preble" if local else "fcfs"}})
-    return build_simulator(SimulationConfig(spec, profile=PROFILE)).simulator
+    sim = build_simulator(SimulationConfig(spec, profile=PROFILE)).simulator
+    if window is not None and hasattr(sim.controller.prefill_router, "window"):
+        sim.controller.prefill_router.window = window
+    return sim
 
 
 def base_workload(name: str, n: int, seed: int, prefix_spec: str | None = None) -> Workload:
@@ -244,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate-per-instance", type=float, default=3.0)
     ap.add_argument("--mooncake-speedup", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window", type=float, help="E2's window H in seconds (default 180)")
     ap.add_argument("--plot", metavar="DIR", help="write prefix_routing_<workload>.png here")
     ap.add_argument("--goodput", action="store_true",
                     help="per-GPU goodput per router instead of the latency table")
@@ -257,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=1, help="--goodput: searches in parallel")
     ap.add_argument("--json", metavar="FILE", help="--goodput: write every search here")
     a = ap.parse_args(argv)
+    if a.window is not None and a.window <= 0:
+        ap.error(f"--window must be > 0 seconds, got {a.window}")
     a.workloads = a.workloads or ("prefix,agent,mooncake" if a.goodput else "prefix,mooncake")
     for name in a.workloads.split(","):
         if name not in WORKLOADS:
@@ -273,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         for n_inst in (int(x) for x in a.instances.split(",")):
             w = workload(wname, a.num_requests, n_inst, a)
             for router in a.routers.split(","):
-                sim = build_deployment(n_inst, router)
+                sim = build_deployment(n_inst, router, a.window)
                 t0 = time.perf_counter()
                 res = sim.run(to_sim_requests(w.requests, VOCAB))
                 s = summarize(sim, res)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pdserve.engine.kv_cache import hash_blocks
 
 
 def _bad(name: str, value: Any, rule: str) -> ValueError:
@@ -289,19 +292,52 @@ class Timeline:
         return cls(**{k: (list(v) if k == "token_times" else v) for k, v in d.items()})
 
 
+class Prompt(list):
+    """A prompt's token ids that remember their chained block hashes
+    (:func:`pdserve.engine.kv_cache.hash_blocks`), so that a prompt is hashed once in a cluster:
+    the controller makes each prompt one of these, the prefix-aware router's index lookup and
+    the engine's block pool (:class:`Request` keeps a reference) share the chain. A prompt is
+    not changed once made (the chain is computed for the first block size asked for and
+    extended, never recomputed); it pickles with its chain."""
+
+    __slots__ = ("_bs", "_chain")
+
+    def __init__(self, token_ids: Iterable[int] = ()) -> None:
+        super().__init__(token_ids)
+        self._bs = 0
+        self._chain: list[int] = []
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """The chained hashes of the prompt's full blocks (shared: do not change the list)."""
+        if block_size != self._bs:
+            if self._bs:  # another block size (rare): not kept
+                return hash_blocks(self, block_size)
+            self._bs = block_size
+        return hash_blocks(self, block_size, self._chain)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of the full blocks of ``token_ids``: a :class:`Prompt`'s own (do not
+    change the list), else computed now."""
+    if isinstance(token_ids, Prompt):
+        return token_ids.block_hashes(block_size)
+    return hash_blocks(token_ids, block_size)
+
+
 class Request:
     """One request inside an engine.
 
     ``num_computed_tokens`` chases ``num_tokens`` (prompt + generated so far): a prefill chunk and
     a decode step are both "compute these many tokens". ``block_ids`` is the request's block
-    table; ``block_hashes`` the chained hashes of its full blocks (filled lazily).
+    table; ``block_hashes`` the chained hashes of its full blocks (filled lazily, starting from
+    the prompt's own chain when it came as a :class:`Prompt`: ``shared_prompt``).
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "status", "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes",
         "timeline", "logprobs", "num_preemptions", "stop_reason", "detok", "grammar",
-        "predicted",
+        "predicted", "shared_prompt",
     )
 
     def __init__(
@@ -321,6 +357,7 @@ class Request:
         self.num_cached_tokens = -1  # set at first scheduling (prefix-cache hit length)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
+        self.shared_prompt = prompt_token_ids if isinstance(prompt_token_ids, Prompt) else None
         self.timeline = Timeline(arrival=arrival_time)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0

@@ -13,10 +13,11 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from pdserve.cluster.prefix_index import PrefixIndex, block_size_of, prompt_hashes
+from pdserve.cluster.prefix_index import PrefixIndex, block_size_of
 from pdserve.cluster.routing import InstanceView, Router, register
 from pdserve.cluster.routing import require as _check
 from pdserve.engine.kv_cache import NO_PARENT, KVEvent
+from pdserve.request import block_hashes
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
@@ -79,7 +80,7 @@ class CacheAwareRouter(Router):
 
     def _insert(self, iid: str, token_ids: Sequence[int]) -> None:
         assert self.tree is not None
-        hashes = prompt_hashes(token_ids, self.tree.block_size)
+        hashes = block_hashes(token_ids, self.tree.block_size)
         refs = self._refs.setdefault(iid, OrderedDict())
         new = [h for h in hashes if h not in refs]
         for h in hashes:

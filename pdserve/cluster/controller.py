@@ -34,7 +34,7 @@ from pdserve.cluster.worker import (
     TokenDelta,
 )
 from pdserve.engine.engine import EngineStats
-from pdserve.request import SamplingParams, Timeline
+from pdserve.request import Prompt, SamplingParams, Timeline
 
 
 @dataclass(slots=True)
@@ -69,7 +69,7 @@ MAX_DISPATCHES = 4  # a request re-dispatched after this many failed attempts fa
 @dataclass
 class ClusterRequest:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Prompt  # (a list is made one)
     params: SamplingParams
     timeline: Timeline
     output_token_ids: list[int] = field(default_factory=list)
@@ -84,6 +84,11 @@ class ClusterRequest:
     placed: dict[str, int] = field(default_factory=dict)
     predicted: Any = None  # LengthPrediction of the output (TetriInfer §3.3.2)
     counted_on: str | None = None  # the decode instance whose heavy/light counts include it
+
+    def __post_init__(self) -> None:
+        # the prompt carries its block hashes, computed once for the router and the engines
+        if not isinstance(self.prompt_token_ids, Prompt):
+            self.prompt_token_ids = Prompt(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -187,7 +192,7 @@ class Controller:
                    now: float) -> list[Action]:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        req = ClusterRequest(request_id, list(prompt_token_ids), params, Timeline(arrival=now))
+        req = ClusterRequest(request_id, Prompt(prompt_token_ids), params, Timeline(arrival=now))
         self.requests[request_id] = req
         if self.history is not None:
             self.history[request_id] = req

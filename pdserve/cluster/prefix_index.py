@@ -14,13 +14,14 @@ when prompts diverge. Each node carries a bitmask of the instances whose block p
 block: set by ``BlockStored`` events, cleared by ``BlockRemoved`` events and instance loss, so the
 index knows what is really cached rather than what was routed. A node lives while some instance
 holds it or a descendant needs it as a parent, so memory is bounded by the blocks cached across
-the cluster (:meth:`PrefixIndex.memory_bytes` reports it). A lookup hashes the prompt (whole
-strides of blocks at once where it can) and stops at the first block no instance holds. So that
-it need not visit every matched block, each node also keeps a summary of its stride-aligned
+the cluster (:meth:`PrefixIndex.memory_bytes` reports it). A lookup takes the prompt's chained
+block hashes (a :class:`~pdserve.request.Prompt` carries them, computed once for the router and
+the engines alike) and stops at the first block no instance holds. So that it need not visit
+every matched block, each node also keeps a summary of its stride-aligned
 window (the AND of the holder masks from the window's first block down to it, and whether one
 of them is a branch point), which the events keep current by touching at most one window below
 the changed node (children links); a matched stride whose summary shows no instance's prefix
-ending inside it costs O(1) beyond its hash (:meth:`PrefixIndex.match`).
+ending inside it costs O(1) (:meth:`PrefixIndex.match_hashes`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 
-from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent, hash_block
+from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent
+from pdserve.request import block_hashes
 
 
 class Node:
@@ -69,8 +71,9 @@ class PrefixMatch:
     ``num_tokens``: the prompt's length.
 
     A lookup does not list the matched nodes (that is per-block work a routing decision does not
-    need): ``nodes`` is built on first use from the stretches the lookup kept — a node ending a
-    whole stride of ``stride`` blocks, or a list of nodes.
+    need): ``nodes`` is built on first use from the stretches the lookup kept — a node standing
+    for the blocks of its window (``stride`` blocks from a multiple of ``stride``) down to it,
+    or a list of nodes.
     """
 
     __slots__ = ("lengths", "segments", "segment_ends", "num_tokens", "block_size",
@@ -90,16 +93,16 @@ class PrefixMatch:
         if not self.num_nodes:
             return None
         part = self._parts[0]
-        return part[0] if isinstance(part, list) else _up(part, self._stride - 1)
+        return part[0] if isinstance(part, list) else _up(part, part.depth % self._stride)
 
     @property
     def nodes(self) -> list[Node]:
         if self._nodes is None:
             out: list[Node] = []
             for part in self._parts:
-                if isinstance(part, Node):  # a whole stride: walk up from its last block
+                if isinstance(part, Node):  # a window's blocks down to it: walk up
                     chain, node = [part], part
-                    for _ in range(self._stride - 1):
+                    for _ in range(part.depth % self._stride):
                         node = node.parent  # type: ignore[assignment]
                         chain.append(node)
                     out += reversed(chain)
@@ -140,13 +143,12 @@ class PrefixMatch:
 class PrefixIndex:
     """Which instances cache which prompt blocks (see the module docstring)."""
 
-    def __init__(self, block_size: int, stride: int = 16, max_memo: int = 1 << 18) -> None:
+    def __init__(self, block_size: int, stride: int = 16) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if stride < 1 or max_memo < 1:
-            raise ValueError(f"stride and max_memo must be >= 1, got {stride}, {max_memo}")
-        self.block_size, self.stride, self.max_memo = block_size, stride, max_memo
-        self._memo: dict[int, int] = {}  # stride-chain hash of tokens -> engine block hash
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        self.block_size, self.stride = block_size, stride
         self.nodes: dict[int, Node] = {}
         self._bit: dict[str, int] = {}
         self._ids: list[str | None] = []  # bit -> instance id (None: a freed bit)
@@ -313,45 +315,65 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ lookups
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """Match a prompt: the leading blocks some instance holds, each instance's share of
-        them, and the radix nodes along them. Costs O(prompt tokens matched) for hashing them, and
-        O(matched strides + blocks near where an instance's prefix ends) otherwise.
+        """Match a prompt (:meth:`match_hashes` on its chained block hashes: a
+        :class:`~pdserve.request.Prompt`'s own, else computed now, O(prompt tokens))."""
+        return self.match_hashes(block_hashes(token_ids, self.block_size), len(token_ids))
 
-        Hashing block by block is the cost of a lookup, so whole strides of ``stride`` blocks
-        are looked up at once: a stride's tokens hash (chained over strides, in C) to a memo of
-        the engine's chained hash of its last block. When that node ends one of the index's
-        windows (:class:`Node`) and its window AND says that every instance that held the
-        blocks before the stride holds all of it, the stride is taken whole: in O(1), or, when
-        the window has branch points (radix node ends), a walk up it; otherwise its nodes (the
-        end node's parent links) are taken block by block. A stride seen for the first time, one
-        where the match ends, and the tail are hashed block by block (the memo then learns the
-        stride). The memo maps token content to
-        hashes, so it never goes stale; it is cleared when full."""
-        toks = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-        bs, sb, nodes, memo, ids = self.block_size, self.stride, self.nodes, self._memo, self._ids
-        nb = len(toks) // bs
+    def match_hashes(self, hashes: Sequence[int], num_tokens: int) -> PrefixMatch:
+        """Match a prompt of ``num_tokens`` tokens given the chained hashes of its full blocks
+        (:func:`~pdserve.request.block_hashes`): the leading blocks some instance holds, each
+        instance's share of them, and the radix nodes along them. Costs O(matched strides +
+        blocks near where an instance's prefix ends), not O(prompt).
+
+        The prompt is taken a window (``stride`` blocks, :class:`Node`) at a time: its deepest
+        block in the index is the window's last one or, where the match ends inside the window,
+        found by a binary search (O(log stride) look-ups). When that node's window AND says
+        that every instance that held the blocks before the window holds all of the window's
+        blocks down to it, or none of them, they are taken in O(1) (with a walk up them when
+        the window has branch points, which end radix nodes); otherwise they are looked up one
+        by one."""
+        if len(hashes) != num_tokens // self.block_size:
+            raise ValueError(f"{len(hashes)} block hashes for a prompt of {num_tokens} tokens "
+                             f"in blocks of {self.block_size}")
+        bs, sb, nodes, ids = self.block_size, self.stride, self.nodes, self._ids
+        nb = len(hashes)
         parts: list[Node | list[Node]] = []
         lengths: dict[str, int] = {}
         segments: list[tuple[int, int]] = []
         seg_ends: list[Node] = []
         live = -1  # instances holding every block so far (-1: before the first block)
         i = start = 0  # blocks matched; where the current radix node starts
-        last_key, sh = NO_PARENT, NO_PARENT
         while i < nb:
-            chain: list[Node] | None = None
-            if sb > 1 and i + sb <= nb:
-                sh = hash((sh, toks[i * bs:(i + sb) * bs]))
-                end = nodes.get(memo.get(sh, NO_PARENT))
-                if end is not None and end.depth == i + sb - 1:
-                    # the stride is one window: its summary says who holds all of it
-                    a = end.wand
-                    # nobody's prefix ends inside the stride: at the start, every block has
-                    # the same holders; later, every block has all of the holders so far
-                    if a and (a == end.wor if i == 0 else live & a == live):
-                        live = a if i == 0 else live
+            n_to = min(i + sb, nb)  # this window's blocks: [i, n_to)
+            stop = False
+            if sb > 1:
+                # the deepest block of the window on the prompt's path: the last one, or (the
+                # match ends inside) a binary search — a node at its depth has every block
+                # above it on the path in the index, so such blocks form a prefix
+                p = n_to - 1
+                end = nodes.get(hashes[p])
+                if end is None or end.depth != p:
+                    end, lo, hi = None, i, p
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        x = nodes.get(hashes[mid])
+                        if x is not None and x.depth == mid:
+                            end, p, lo = x, mid, mid + 1
+                        else:
+                            hi = mid
+                if end is not None:
+                    # its window summary says who holds every block from i to it
+                    # nobody's prefix ends inside [i, p]: at the start, every block has
+                    # the same holders; later, each of the holders so far holds every block
+                    # of it (kept) or none (its prefix ends at i)
+                    keep = end.wand & live
+                    if keep and end.wor & live == keep:
+                        if i and keep != live:
+                            _record(lengths, ids, live & ~keep, i)
+                        live = keep
                         if end.wbr:  # branch points inside: each ends a radix node; walk
                             # up only while some remain above (wbr counts down to the node)
-                            node, k = end, i + sb
+                            node, k = end, p + 1
                             ends = []
                             while k > i and node.wbr:
                                 if node.nchild > 1:
@@ -362,32 +384,18 @@ class PrefixIndex:
                                 seg_ends.append(node)
                                 start = k
                         parts.append(end)
-                        i += sb
-                        last_key = end.key
+                        i = p + 1
+                        if i < n_to:
+                            break  # the match ends inside the window
                         continue
-                if end is not None and _has_ancestors(end, sb - 1):  # block by block
-                    chain = [end]
-                    node = end
-                    for _ in range(sb - 1):
-                        node = node.parent  # type: ignore[assignment]
-                        chain.append(node)
-                    chain.reverse()
-                n_to = i + sb
-            else:
-                n_to = nb
-            if chain is None:
-                chain = []
-                parent = last_key
-                for j in range(i, n_to):
-                    parent = hash((parent, toks[j * bs:(j + 1) * bs]))  # = hash_block
-                    node = nodes.get(parent)
-                    if node is None:
-                        break
-                    chain.append(node)
-                if len(chain) == n_to - i == sb > 1:
-                    if len(memo) >= self.max_memo:
-                        memo.clear()
-                    memo[sh] = parent
+                    if p + 1 < n_to:  # no block after p is on the path: the match ends
+                        n_to, stop = p + 1, True
+            chain = []  # block by block
+            for j in range(i, n_to):
+                node = nodes.get(hashes[j])
+                if node is None:
+                    break
+                chain.append(node)
             whole = len(chain) == n_to - i
             taken = 0
             for node in chain:  # block by block: most blocks change nothing
@@ -407,15 +415,14 @@ class PrefixIndex:
                 taken += 1
             if taken:
                 parts.append(chain[:taken])
-                last_key = chain[taken - 1].key
-            if not whole or live == 0:
+            if not whole or live == 0 or stop:
                 break
         if i:
             _record(lengths, ids, live, i)
             if start < i:
                 segments.append((start, i))
                 seg_ends.append(_last(parts))
-        return PrefixMatch(parts, sb, i, lengths, segments, seg_ends, len(token_ids), bs)
+        return PrefixMatch(parts, sb, i, lengths, segments, seg_ends, num_tokens, bs)
 
     def holders(self, block_hash: int) -> list[str]:
         """Instances holding the block ``block_hash``."""
@@ -427,8 +434,7 @@ class PrefixIndex:
     # ------------------------------------------------------------------ size
     def memory_bytes(self) -> int:
         """Bytes held by the index's nodes and hash table (object sizes, shallow; an int shared
-        with another field or CPython's small-int cache counted once or not at all; the stride
-        memo, up to ``max_memo`` entries, not included)."""
+        with another field or CPython's small-int cache counted once or not at all)."""
         per_node = sys.getsizeof(Node(0, None, 0))
         size = sys.getsizeof
         total = sys.getsizeof(self.nodes) + per_node * len(self.nodes)
@@ -442,15 +448,6 @@ class PrefixIndex:
             if isinstance(n.kids, list):
                 total += size(n.kids)
         return total
-
-
-def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The engines' chained hashes of every full block of ``token_ids``."""
-    out, parent = [], NO_PARENT
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        out.append(parent)
-    return out
 
 
 def block_size_of(events: Sequence[KVEvent]) -> int | None:
@@ -468,14 +465,6 @@ def _disown(parent: Node, child: Node) -> None:
         if len(k) == 1:
             parent.kids = k[0]
     parent.nchild -= 1
-
-
-def _has_ancestors(node: Node, k: int) -> bool:
-    for _ in range(k):
-        node = node.parent  # type: ignore[assignment]
-        if node is None:
-            return False
-    return True
 
 
 def _up(node: Node, k: int) -> Node:

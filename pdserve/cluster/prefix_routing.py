@@ -15,13 +15,15 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_, truediv
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixMatch, block_size_of
 from pdserve.cluster.routing import InstanceView, Router, register
 from pdserve.cluster.routing import require as _check
-from pdserve.engine.kv_cache import NO_PARENT, KVEvent, hash_block
+from pdserve.engine.kv_cache import KVEvent
+from pdserve.request import block_hashes
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
@@ -95,7 +97,9 @@ class E2Router(Router):
     at most once per ``rebalance_interval`` (1 s, ours: the load it balances spans a 3-minute
     window). A prefix is **replicated** on the least loaded non-holder when the average TTFT of
     its requests on an instance in the second half of the window is at least
-    ``replicate_factor`` (2×) that of the first half.
+    ``replicate_factor`` (2×) that of the first half. A moved prefix's holder is its target
+    (plus its replicas), so a hot prefix that a rebalance sent to one instance can still be
+    replicated (otherwise every request of it would go to that one instance for good).
 
     ``prefill_time`` is the prefill-time regression (tokens → seconds): the deployment's
     latency model when given, else :class:`LinearPrefillTime`; it must be a pure function of
@@ -149,6 +153,9 @@ class E2Router(Router):
         self.num_routed = 0
         self._now = float("-inf")
         self._pt_memo: dict[int, float] = {}
+        self._cands: list[InstanceView] = []
+        self._cands_by_id: dict[str, InstanceView] = {}
+        self._cand_ids: list[str] = []
         self.decisions: dict[str, int] = {"exploit": 0, "explore": 0, "pd_balance": 0,
                                           "rebalance": 0, "replicate": 0}
 
@@ -184,8 +191,9 @@ class E2Router(Router):
         if self._pending:
             self._observe_ttfts()
         bs = candidates[0].block_size
-        m = self._index(bs).match(request.prompt_token_ids)
-        by_id = dict(zip(map(_ID, candidates), candidates))
+        hashes = block_hashes(request.prompt_token_ids, bs)
+        m = self._index(bs).match_hashes(hashes, len(request.prompt_token_ids))
+        by_id = self._by_id(candidates)
         n = m.num_tokens
         lengths = m.lengths
         cached = max((lengths[i] for i in lengths if i in by_id), default=0) * bs
@@ -198,13 +206,22 @@ class E2Router(Router):
                 self.decisions["exploit"] += 1
         if inst is None:
             inst = self._explore(m, n, by_id)
-            if key_hash is None and n >= bs:  # a new prefix (the whole prompt is Preble's
+            if key_hash is None and hashes:  # a new prefix (the whole prompt is Preble's
                 # new leaf node): its first block names it
-                key_hash = hash_block(NO_PARENT, tuple(request.prompt_token_ids[:bs]))
+                key_hash = hashes[0]
                 self.key_tokens.setdefault(key_hash, n - n % bs)
         self._record(request, inst.instance_id, m, key_hash, now)
         self._rebalance(by_id)
         return inst
+
+    def _by_id(self, candidates: list[InstanceView]) -> dict[str, InstanceView]:
+        """``instance id -> view`` of the candidates, kept while the same views come."""
+        last = self._cands
+        if len(last) != len(candidates) or not all(map(is_, last, candidates)):
+            self._cands = list(candidates)
+            self._cands_by_id = dict(zip(map(_ID, candidates), candidates))
+            self._cand_ids = list(self._cands_by_id)
+        return self._cands_by_id
 
     def _pt(self, num_tokens: int) -> float:
         """``prefill_time(num_tokens)``, memoised (a regression: a pure function of the
@@ -221,14 +238,18 @@ class E2Router(Router):
         start, end = m.segments[j]
         key_hash = m.segment_ends[j].key
         self.key_tokens[key_hash] = (end - start) * m.block_size
+        holders = None
         if self.moved:
             # the deepest moved prefix on the path wins; a prefix first seen as new is keyed by
-            # its first block (see select), so that one is checked too
+            # its first block (see select), so that one is checked too. Its target is its one
+            # holder (with its replicas: a moved hot prefix can still be replicated)
             for node in [*reversed(m.segment_ends), m.first]:
                 target = self.moved.get(node.key)  # type: ignore[union-attr]
                 if target in by_id:
-                    return by_id[target]
-        holders = [iid for iid, k in m.lengths.items() if k >= end and iid in by_id]
+                    holders = [target]
+                    break
+        if holders is None:
+            holders = [iid for iid, k in m.lengths.items() if k >= end and iid in by_id]
         reps = self.replicas.get(key_hash)
         if reps:
             holders += [iid for iid in reps if iid in by_id and iid not in holders]
@@ -248,9 +269,8 @@ class E2Router(Router):
 
     def _explore(self, m: PrefixMatch, n: int, by_id: dict[str, InstanceView]) -> InstanceView:
         missed = n - m.num_cached_tokens
-        ids = list(by_id)
-        get = self.load.get
-        loads = [get(i, 0.0) for i in ids]
+        ids = self._cand_ids if by_id is self._cands_by_id else list(by_id)
+        loads = list(map(self.load.get, ids, repeat(0.0)))
         if missed >= self.pd_tokens and len(ids) > 1:
             top = self._decode_heavy(ids, loads)
             if top is not None:
@@ -269,7 +289,9 @@ class E2Router(Router):
                     bounds[k] = loads[k] + self._pt(n - lengths[i] * bs)
         j = bounds.index(min(bounds))
         best, best_cost = j, bounds[j] + self._evict_cost(by_id[ids[j]], self._miss(m, ids[j]))
-        for k, bound in enumerate(bounds):
+        # only candidates under the first total can win; the check repeats as best_cost falls
+        for k in [k for k, bound in enumerate(bounds) if bound < best_cost]:
+            bound = bounds[k]
             if bound < best_cost and k != j:
                 cost = bound + self._evict_cost(by_id[ids[k]], self._miss(m, ids[k]))
                 if cost < best_cost or cost == best_cost and k < best:
@@ -289,7 +311,7 @@ class E2Router(Router):
         dec = self.decode_load
         if min(loads) <= 0:
             return None
-        shares = [dec.get(i, 0.0) / li for i, li in zip(ids, loads)]
+        shares = list(map(truediv, map(dec.get, ids, repeat(0.0)), loads))
         top = max(shares)
         k = shares.index(top)
         rest = (sum(shares) - top) / (len(shares) - 1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.config import cdiv
-from pdserve.engine.kv_cache import NO_PARENT, Block, BlockPool, hash_block
+from pdserve.engine.kv_cache import NO_PARENT, Block, BlockPool, hash_blocks
 from pdserve.request import Request
 
 
@@ -24,13 +24,12 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def _hashes(self, req: Request) -> list[int]:
-        """Chained hashes of every full block of ``req.all_token_ids`` (extended lazily)."""
-        bs, toks, hashes = self.block_size, req.all_token_ids, req.block_hashes
-        parent = hashes[-1] if hashes else NO_PARENT
-        for i in range(len(hashes), len(toks) // bs):
-            parent = hash_block(parent, tuple(toks[i * bs : (i + 1) * bs]))
-            hashes.append(parent)
-        return hashes
+        """Chained hashes of every full block of ``req.all_token_ids`` (extended lazily; a
+        :class:`~pdserve.request.Prompt`'s chain is taken, not recomputed)."""
+        hashes = req.block_hashes
+        if not hashes and req.shared_prompt is not None:
+            hashes += req.shared_prompt.block_hashes(self.block_size)
+        return hash_blocks(req.all_token_ids, self.block_size, hashes)
 
     def match_prefix(self, req: Request) -> list[Block]:
         """Longest run of cached blocks that prefixes ``req``'s tokens, leaving at least the last

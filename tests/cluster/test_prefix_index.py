@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster.prefix_index import PrefixIndex, prompt_hashes
+from pdserve.cluster.prefix_index import Node, PrefixIndex
 from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored
+from pdserve.request import block_hashes
 
 BS = 2
 # prompts sharing prefixes: a small tree of token blocks
@@ -17,7 +18,7 @@ PROMPTS = [
     [2, 2, 3, 3],
     [1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 4],
 ]
-HASHES = [prompt_hashes(p, BS) for p in PROMPTS]
+HASHES = [block_hashes(p, BS) for p in PROMPTS]
 INSTANCES = ["a", "b", "c"]
 
 
@@ -113,13 +114,13 @@ op = st.one_of(
 )
 
 
-@pytest.mark.parametrize("stride, max_memo", [(1, 1), (2, 1 << 10), (3, 2)])
+@pytest.mark.parametrize("stride", [1, 2, 3])
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(op, max_size=40))
-def test_index_matches_brute_force(stride, max_memo, ops):
-    """Block-by-block lookups (stride 1) and stride lookups through the memo (a tiny memo is
-    cleared as it goes) agree with the reference after every event."""
-    index, ref = PrefixIndex(BS, stride=stride, max_memo=max_memo), {}
+def test_index_matches_brute_force(stride, ops):
+    """Block-by-block lookups (stride 1) and stride lookups agree with the reference after
+    every event."""
+    index, ref = PrefixIndex(BS, stride=stride), {}
     for op in ops:
         apply_op(index, ref, op, PROMPTS, HASHES)
         check(index, ref)
@@ -151,7 +152,7 @@ def long_prompts(draw_tree):
     prompts = []
     for path in draw_tree:
         prompts.append([t for b in path for t in (b, b)])
-    return prompts, [prompt_hashes(p, BS) for p in prompts]
+    return prompts, [block_hashes(p, BS) for p in prompts]
 
 
 @st.composite
@@ -181,8 +182,7 @@ def test_long_prompts_match_brute_force_through_window_summaries(stride, paths, 
         st.integers(0, len(prompts) - 1), st.integers(0, 23), st.integers(1, 24)), max_size=25))
     for op in ops:
         apply_op(index, ref, op, prompts, hashes)
-        for _ in range(2):  # the second lookup goes through the memo the first one filled
-            check(index, ref, prompts, hashes)
+        check(index, ref, prompts, hashes)
 
 
 def test_losing_an_instance_refreshes_summaries_below_a_former_branch():
@@ -230,15 +230,57 @@ def test_key_portion_and_segments():
     m = index.match(PROMPTS[0])
     assert m.segments == [(0, 2), (2, 3), (3, 4)]
     assert m.key_portion() == (0, 2)  # later radix nodes are not longer than their prefix
-    index.store("b", prompt_hashes([1, 1] + [9] * 20, BS), NO_PARENT)
+    index.store("b", block_hashes([1, 1] + [9] * 20, BS), NO_PARENT)
     m = index.match([1, 1] + [9] * 20)
     assert m.segments == [(0, 1), (1, 11)]
     assert m.key_portion() == (1, 11)  # 10 blocks after a 1-block shared root
 
 
+def test_a_stride_where_some_holders_end_is_taken_whole():
+    """Stride 2: a holds blocks 0-3, b blocks 0-1, c blocks 0-2. The stride of blocks 2-3 is
+    held whole by a, not at all by b (b's prefix ends where it starts: one lookup takes it),
+    and in part by c (block by block)."""
+    prompt = list(range(1, 11))  # 5 blocks of 2
+    hs = block_hashes(prompt, BS)
+    index = PrefixIndex(BS, stride=2)
+    index.store("a", hs[:4], NO_PARENT)
+    index.store("b", hs[:2], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 4, "b": 2} and m.num_nodes == 4
+    assert all(isinstance(p, Node) for p in m._parts)  # two whole strides
+    assert [n.key for n in m.nodes] == hs[:4]
+    index.store("c", hs[:3], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 4, "b": 2, "c": 3}
+    assert isinstance(m._parts[0], Node) and isinstance(m._parts[1], list)
+    assert [n.key for n in m.nodes] == hs[:4]
+
+
+def test_a_match_ending_inside_a_window_is_found_by_binary_search():
+    """Stride 4, a 10-block prompt; a holds blocks 0-5: the window of blocks 4-7 ends the
+    match at block 5, found without looking up every block, and taken whole (a Node part
+    standing for blocks 4-5). Then b holds blocks 0-4: b's prefix ends inside that window, so
+    its blocks are looked up one by one."""
+    prompt = list(range(1, 21))  # 10 blocks of 2
+    hs = block_hashes(prompt, BS)
+    index = PrefixIndex(BS, stride=4)
+    index.store("a", hs[:6], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 6} and m.num_nodes == 6 and m.segments == [(0, 6)]
+    assert [type(p) for p in m._parts] == [Node, Node]
+    assert [n.key for n in m.nodes] == hs[:6] and m.first.key == hs[0]
+    index.store("b", hs[:5], NO_PARENT)
+    m = index.match(prompt)
+    assert m.lengths == {"a": 6, "b": 5}
+    assert [type(p) for p in m._parts] == [Node, list]
+    assert [n.key for n in m.nodes] == hs[:6]
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="block_size"):
         PrefixIndex(0)
+    with pytest.raises(ValueError, match="block hashes for a prompt of 5 tokens"):
+        PrefixIndex(BS).match_hashes([1], 5)
     with pytest.raises(ValueError, match="blocks of 4 tokens"):
         PrefixIndex(BS).apply("a", [BlockStored([1], NO_PARENT, [1, 2, 3, 4], 4)])
 

@@ -4,13 +4,12 @@ import pytest
 
 from pdserve.cluster.cache_routing import CacheAwareRouter, KVOverlapRouter
 from pdserve.cluster.controller import ClusterRequest, Controller, Send
-from pdserve.cluster.prefix_index import prompt_hashes
 from pdserve.cluster.prefix_routing import E2Router, LinearPrefillTime
 from pdserve.cluster.routing import InstanceView, make_router
 from pdserve.cluster.worker import AddRequest, StepReport, TokenDelta
 from pdserve.engine.engine import EngineStats
 from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored
-from pdserve.request import SamplingParams, Timeline
+from pdserve.request import SamplingParams, Timeline, block_hashes
 
 BS = 4
 P = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -29,7 +28,7 @@ def creq(rid, prompt, t=0.0, max_tokens=4):
 
 
 def stored(prompt, n_blocks=None):
-    hs = prompt_hashes(prompt, BS)[:n_blocks]
+    hs = block_hashes(prompt, BS)[:n_blocks]
     return [BlockStored(hs, NO_PARENT, list(prompt[:len(hs) * BS]), BS)]
 
 
@@ -184,6 +183,28 @@ def test_hot_prefix_is_replicated_when_its_queueing_delay_rises(late_ttft, want)
         assert r.select(creq("m", S1 + [4] * 4, t=151.0), cands).instance_id == "b"
 
 
+def test_a_moved_hot_prefix_is_replicated_too():
+    """Every instance holds S1 (one hot prefix) and a rebalance sent S1's requests to b. The
+    same trigger as above (TTFT 1 s, then 3 s on b) replicates it to the least loaded other
+    instance (a; c ties and comes later), which then shares S1's requests with b."""
+    r = e2()
+    cands = views("a", "b", "c")
+    for iid in "abc":
+        r.on_kv_events(iid, stored(S1))
+    r.moved[block_hashes(S1, BS)[-1]] = "b"  # S1 is one radix node: its last block keys it
+    early, late = creq("e", S1 + [1] * 4, t=10.0), creq("l", S1 + [2] * 4, t=100.0)
+    assert r.select(early, cands).instance_id == "b"
+    early.timeline.token_times.append(11.0)
+    assert r.select(late, cands).instance_id == "b"
+    late.timeline.token_times.append(103.0)
+    assert r.select(creq("n", S1 + [3] * 4, t=150.0), cands).instance_id == "a"
+    assert r.decisions["replicate"] == 1
+    r.load["b"] = 100.0
+    assert r.select(creq("m", S1 + [4] * 4, t=151.0), cands).instance_id == "a"
+    r.load["a"] = 200.0
+    assert r.select(creq("k", S1 + [5] * 4, t=152.0), cands).instance_id == "b"
+
+
 def test_window_expires_load():
     r = e2(window=180.0)
     cands = views("a")
@@ -267,7 +288,7 @@ def test_kv_overlap_router_cost():
     b.pending_tokens = 0
     a.stats = used(9)  # a: 1 + 9 = 10 > b: 9
     assert r.select(creq("y", S1 + [1] * 4), [a, b]) is b
-    r.on_kv_events("a", [BlockRemoved(prompt_hashes(S1, BS)[:1])])
+    r.on_kv_events("a", [BlockRemoved(block_hashes(S1, BS)[:1])])
     assert r.index.match(S1).lengths == {}
 
 
@@ -287,13 +308,26 @@ def test_registry_and_bad_parameters():
 
 
 @pytest.mark.parametrize("router", ["preble", "kv_overlap"])
-def test_simulated_cluster_keeps_the_index_exact(router):
+def test_simulated_cluster_keeps_the_index_exact(router, monkeypatch):
     """End to end: real workers (simulated executor) forward their KV events through the
     controller; with small caches (evictions) every request finishes and the router's index
-    holds exactly the blocks each instance's pool caches."""
+    holds exactly the blocks each instance's pool caches. Each prompt is hashed once: the
+    engines take the chain the router made and hash only the blocks their outputs fill."""
+    import pdserve.engine.kv_manager as kv_manager
     from pdserve.config import ClusterConfig
+    from pdserve.engine.kv_cache import hash_blocks
     from pdserve.sim.simulator import SimRequest
     from pdserve.sim.target import SimulationConfig, build_simulator
+
+    engine_hashed = []
+
+    def counting(token_ids, block_size, hashes=None):
+        before = len(hashes) if hashes else 0
+        out = hash_blocks(token_ids, block_size, hashes)
+        engine_hashed.append(len(out) - before)
+        return out
+
+    monkeypatch.setattr(kv_manager, "hash_blocks", counting)
 
     sim = build_simulator(SimulationConfig(ClusterConfig.from_dict(
         {"model": "opt-13b", "num_instances": 2, "prefill_router": router,
@@ -311,6 +345,10 @@ def test_simulated_cluster_keeps_the_index_exact(router):
         assert r.index.num_blocks(iid) == len(pool.cached)
         for h in pool.cached:
             assert iid in r.index.holders(h)
+    bs = pool.block_size
+    by_output = sum((len(q.prompt_token_ids) + 7) // bs - len(q.prompt_token_ids) // bs
+                    for q in reqs)  # 8 output tokens, the last one never computed
+    assert sum(engine_hashed) == by_output
 
 
 # ------------------------------------------------------------------ the command line
