@@ -78,7 +78,10 @@ def summary(name: str, res: Plan, wall: float, cpu: float) -> dict[str, Any]:
          "units_pruned": sum(1 for u in res.units if u.pruned),
          "probes": sum(len(u.probes) for u in res.units),
          "simulated_requests": sum(q.get("num_requests", 0) for u in res.units
-                                   for q in u.probes)}
+                                   for q in u.probes),
+         "units": {u.unit.label: (round(u.per_gpu_rps, 6) if u.goodput_rps > 0 else
+                                  "stopped" if u.stopped else "pruned" if u.pruned else 0.0)
+                   for u in res.units}}
     print(f"{name}: {wall:.1f} s wall, {cpu:.1f} s CPU (load {d['load_avg_1min']:.1f}); "
           f"{d['units_simulated']} units searched, {d['units_stopped']} stopped early, "
           f"{d['units_pruned']} pruned, {d['probes']} probes; best {d['best']} "

@@ -1,0 +1,95 @@
+"""Exact early decision of a planner probe (pdserve/planner/early.py): the verdict of a probe that
+stops as soon as it is certain equals the verdict of the full simulation (the brute-force
+reference), for every kind of unit, at rates that pass and rates that fail."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pdserve.bench.metrics import SLO
+from pdserve.planner.early import max_misses
+from pdserve.planner.search import (
+    Problem,
+    Unit,
+    _unit_workload,
+    evaluate_unit,
+    run_probe,
+    unit_deployment,
+)
+
+PROFILE = "distserve_profiler-a100-80g.distserve"
+
+
+@pytest.mark.parametrize(("n", "target", "expect"), [
+    (300, 0.9, 30),   # 270/300 = 0.9 passes, 269/300 does not
+    (10, 0.95, 0),    # 9/10 < 0.95: one miss fails
+    (10, 1.0, 0),
+    (7, 0.5, 3),      # 4/7 >= 0.5 > 3/7
+    (1, 0.9, 0),
+    (100, 0.01, 99),  # one request meeting the SLO is enough
+])
+def test_max_misses_by_hand(n, target, expect):
+    assert max_misses(n, target) == expect
+
+
+def test_max_misses_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least one request"):
+        max_misses(0, 0.9)
+    with pytest.raises(ValueError, match="target"):
+        max_misses(10, 1.5)
+
+
+def _problem(**kw) -> Problem:
+    base = dict(model="opt-13b", profile=PROFILE, slo=SLO(0.25, 0.1), rate=2.0, nodes=1,
+                gpus_per_node=2, num_requests=80, horizon=0.5, max_pp=1)
+    base.update(kw)
+    return Problem(**base)
+
+
+def _probe(p: Problem, u: Unit, rate: float, early: bool):
+    from pdserve.planner.search import _helpers
+
+    dep = unit_deployment(p, u, *_helpers(p, rate))
+    reqs = _unit_workload(p, u, rate).retimed(rate).requests
+    return run_probe(p, dep, reqs, rate, u.kind, early)
+
+
+@pytest.mark.parametrize(("unit", "rates"), [
+    (Unit("prefill", 1), (2.0, 8.0, 30.0)),
+    (Unit("decode", 1), (1.0, 4.0, 12.0)),
+    (Unit("colocated", 1), (0.5, 2.0, 6.0)),
+    (Unit("colocated", 1, chunked=True), (0.5, 2.0, 6.0)),
+])
+def test_early_verdict_equals_the_full_simulation(unit, rates):
+    p = _problem()
+    stopped = set()
+    for rate in rates:
+        full = _probe(p, unit, rate, early=False)
+        fast = _probe(p, unit, rate, early=True)
+        assert fast.passed == full.passed, (unit, rate, full, fast)
+        if "early" in fast.details:
+            stopped.add(fast.details["early"])
+            # the reported attainment is the bound the probe stopped on
+            if fast.passed:
+                assert fast.attainment <= full.attainment
+            else:
+                assert fast.attainment >= full.attainment
+        else:
+            assert fast.attainment == full.attainment
+    # the rates span both verdicts, and the failing probe did stop early
+    assert "fail" in stopped, stopped
+
+
+def test_early_stops_leave_every_goodput_unchanged():
+    """A whole rate search with and without early probes: same probes, same verdicts, same
+    goodput."""
+    p = _problem()
+    for u in (Unit("decode", 1), Unit("colocated", 1)):
+        a = evaluate_unit(p, u)
+        b = evaluate_unit(replace(p, early_probes=False), u)
+        assert a.goodput_rps == b.goodput_rps
+        assert [(q["rate"], q["passed"]) for q in a.probes] == \
+            [(q["rate"], q["passed"]) for q in b.probes]
+        assert any("early" in q for q in a.probes)
