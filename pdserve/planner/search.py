@@ -705,6 +705,60 @@ def alg1_placements(p: Problem, prefill: Sequence[UnitResult], decode: Sequence[
     return out
 
 
+def _replicas(p: Problem, r: UnitResult) -> list[tuple[int, float]]:
+    """``(instances, capacity)`` choices of unit ``r`` replicated to ``p.rate``: one for a
+    searched unit (``n = ⌈R/g⌉``, ``n·g``); for a unit whose search stopped at ``bound_rps``
+    (goodput ``g < x``), each count ``n`` some ``g < x`` needs, with the highest capacity it
+    can have (``n · sup g``: ``g < x`` and ``⌈R/g⌉ = n`` ⇔ ``R/n ≤ g < R/(n − 1)``)."""
+    if r.goodput_rps > 0:
+        n = math.ceil(p.rate / r.goodput_rps - 1e-9)
+        return [(n, n * r.goodput_rps)]
+    x = r.bound_rps
+    if not r.stopped or x is None or x <= 0:
+        return []
+    out, n = [], max(1, math.ceil(p.rate / x - 1e-9))
+    while n * r.unit.num_gpus <= p.num_gpus:
+        sup = x if n == 1 else min(x, p.rate / (n - 1))
+        if sup > p.rate / n - 1e-12:
+            out.append((n, n * sup))
+        n += 1
+    return out
+
+
+def _pair_ceiling(p: Problem, a: UnitResult, b: UnitResult) -> float:
+    """The highest per-GPU goodput an Alg. 1 pair of ``a`` (prefill) and ``b`` (decode) can
+    have given what is known of them (exact for searched units, bounds for stopped ones)."""
+    best = 0.0
+    for n, cap_p in _replicas(p, a):
+        for m, cap_d in _replicas(p, b):
+            best = max(best, min(cap_p, cap_d) / (n * a.unit.num_gpus + m * b.unit.num_gpus))
+    return best
+
+
+def _research_pairs(p: Problem, cache: UnitCache, results: list[UnitResult]
+                    ) -> list[UnitResult]:
+    """Make Alg. 1's best pair exact despite early stops. The incumbent stop ranks units per
+    GPU, but a pair is replicated to the rate with ``⌈R/g⌉`` rounding, so a unit below its
+    kind's best per GPU can still make the better pair (fewer GPUs after rounding). Every
+    stopped unit that appears in a pair whose ceiling (:func:`_pair_ceiling`) reaches the best
+    searched pair is searched in full, until no such pair is left — then no stopped unit can
+    beat the best pair, whatever order the units ran in."""
+    while True:
+        pre = [r for r in results if r.unit.kind == "prefill"]
+        dec = [r for r in results if r.unit.kind == "decode"]
+        exact = [pl.per_gpu_rps for pl in alg1_placements(p, pre, dec) if pl.fits]
+        floor = max(exact, default=0.0)
+        redo = {r.unit for a in pre for b in dec
+                if (a.stopped or b.stopped) and _pair_ceiling(p, a, b) >= floor
+                for r in (a, b) if r.stopped}
+        if not redo:
+            return results
+        for u in redo:
+            cache.results.pop(u, None)
+        fresh = {r.unit: r for r in cache.get(sorted(redo))}
+        results = [fresh.get(r.unit, r) for r in results]
+
+
 @dataclass(frozen=True)
 class NodeGroup:
     """Algorithm 2's unit: ``pp`` nodes, each holding one stage segment of ``n_p`` prefill
@@ -853,6 +907,9 @@ def plan(p: Problem, workers: int | None = None,
         placements += colocated_placements(p, [r for r in results if r.unit.kind == "colocated"])
         placements += partial_placements(p, [r for r in results if r.unit.kind == "partial"])
         if alg1:
+            if prune and early_stop:
+                results = _research_pairs(p, cache, results)
+                by_unit = {r.unit: r for r in results}
             pre = [r for r in results if r.unit.kind == "prefill"]
             dec = [r for r in results if r.unit.kind == "decode"]
             pairs = _rank(alg1_placements(p, pre, dec))

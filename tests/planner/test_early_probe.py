@@ -93,3 +93,24 @@ def test_early_stops_leave_every_goodput_unchanged():
         assert [(q["rate"], q["passed"]) for q in a.probes] == \
             [(q["rate"], q["passed"]) for q in b.probes]
         assert any("early" in q for q in a.probes)
+
+
+def test_pair_ceiling_accounts_for_rounding_by_hand():
+    """OPT-66B at 4 req/s (docs/benchmarks.md): prefill TP4 searched, 6.48 req/s on 4 GPUs;
+    decode TP3 PP2 (6 GPUs) stopped after failing at 6.36 req/s (the tie with a 1.06/GPU
+    incumbent). Below 6.36 it may still serve 4 req/s with one instance: the pair's ceiling is
+    min(6.48, 6.36) / (4 + 6) = 0.636 per GPU — above the incumbent pair's
+    min(6.48, 8.48) / (4 + 8) = 0.54 — so the stopped unit must be searched in full."""
+    from pdserve.planner.search import UnitResult, _pair_ceiling, _replicas
+
+    p = Problem(rate=4.0, nodes=4, gpus_per_node=8)
+    pre = UnitResult(Unit("prefill", 4), goodput_rps=6.48, per_gpu_rps=1.62)
+    stopped = UnitResult(Unit("decode", 3, 2), bound_rps=6.36, stopped="fails at 6.36")
+    inc = UnitResult(Unit("decode", 4, 2), goodput_rps=8.48, per_gpu_rps=1.06)
+    # one instance (g in [4, 6.36)), two (g in [2, 4)), three (g in [4/3, 2)), four, five
+    reps = _replicas(p, stopped)
+    assert reps[:3] == [(1, 6.36), (2, 8.0), (3, 6.0)]
+    assert [n for n, _ in reps] == [1, 2, 3, 4, 5]  # 5 x 6 GPUs <= 32
+    assert _pair_ceiling(p, pre, stopped) == pytest.approx(0.636)
+    assert _pair_ceiling(p, pre, inc) == pytest.approx(0.54)
+    assert _replicas(p, UnitResult(Unit("decode", 1), pruned="x")) == []
