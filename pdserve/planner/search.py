@@ -36,8 +36,11 @@ Pruning: a unit whose weights and KV do not fit (``kv_cache_blocks`` raises, or 
 hold one longest request) and a unit that misses the SLO even at zero load (each request alone
 on the instance) are not simulated; a unit whose capacity bound is dominated is not simulated,
 and a unit that fails at the rate tying the best per-GPU goodput of its kind so far stops after
-that probe (:meth:`UnitCache.get_bounded`). Results are memoised per unit; units run on a
-process pool.
+that probe (:meth:`UnitCache.get_bounded`); stopped units that could still make a better Alg. 1
+pair after ``⌈R/g⌉`` rounding are then searched in full (:func:`_research_pairs`). Each probe's
+simulation ends as soon as its verdict is certain (:func:`run_probe`,
+:mod:`pdserve.planner.early`). Results are memoised per unit; units run on a process pool, each
+started when a worker is free.
 """
 
 from __future__ import annotations
