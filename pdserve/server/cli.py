@@ -152,9 +152,10 @@ def _serve(args: argparse.Namespace) -> int:
         pair_log = PairLog(args.log_length_pairs)  # a bad path fails before the model loads
     try:
         with contextlib.suppress(KeyboardInterrupt):
+            extra = {"replan": replan} if replan is not None else {}
             asyncio.run(serve(config, args.host, args.port, args.served_model_name,
                               args.api_key, args.log_level, args.max_request_bytes, pair_log,
-                              replan))
+                              **extra))
     finally:
         if pair_log is not None:
             pair_log.close()

@@ -111,3 +111,25 @@ async def test_serve_replan_resizes_a_live_runtime(const_profile):
         await pools_clean(rt)
     finally:
         await rt.shutdown()
+
+
+def test_serve_hands_the_replanner_to_the_server(monkeypatch):
+    """``pdserve serve --replan``: the server loop gets the attach function (and none without
+    the flag); attaching it to a runtime registers the monitor on the runtime's arrivals."""
+    import pdserve.server.cli as serve_cli
+    from pdserve.cli import main
+
+    calls = []
+
+    async def fake_serve(config, *args, **kw):  # noqa: ANN001, ANN202
+        calls.append(kw)
+
+    monkeypatch.setattr(serve_cli, "serve", fake_serve)
+    assert main(["serve", "--demo", "--backend", "inproc", "--replan", "--replan-model",
+                 "opt-13b", "--replan-profile", "distserve_profiler-a100-80g.distserve"]) == 0
+    assert main(["serve", "--demo", "--backend", "inproc"]) == 0
+    attach = calls[0]["replan"]
+    assert "replan" not in calls[1]
+    rt = runtime("colocated", n=1)
+    rp = attach(rt)
+    assert rt.arrival_hooks == [rp.observe] and rp.detector.window_s == 60.0
