@@ -114,3 +114,38 @@ def test_pair_ceiling_accounts_for_rounding_by_hand():
     assert _pair_ceiling(p, pre, stopped) == pytest.approx(0.636)
     assert _pair_ceiling(p, pre, inc) == pytest.approx(0.54)
     assert _replicas(p, UnitResult(Unit("decode", 1), pruned="x")) == []
+
+
+def test_research_pairs_searches_exactly_the_stopped_units_that_could_win():
+    """The loop of ``_research_pairs`` with a stand-in cache: of two stopped decode units, the
+    one whose pair ceiling reaches the best searched pair (TP3 PP2, ceiling 0.636 > 0.54) is
+    searched in full; the other (TP2 PP1 failing at 1.0 req/s: >= 4 instances of 2 GPUs, best
+    with 5 at up to 1.0 each, min(6.48, 5) / (4 + 10) = 0.357) is not. (Failing at 2.12 it
+    would have to be searched: 3 instances at up to 2 req/s make min(6.48, 6) / 10 = 0.6.)"""
+    from pdserve.planner.search import UnitResult, _pair_ceiling, _research_pairs
+
+    p = Problem(rate=4.0, nodes=4, gpus_per_node=8)
+    pre = UnitResult(Unit("prefill", 4), goodput_rps=6.48, per_gpu_rps=1.62)
+    inc = UnitResult(Unit("decode", 4, 2), goodput_rps=8.48, per_gpu_rps=1.06)
+    win = UnitResult(Unit("decode", 3, 2), bound_rps=6.36, stopped="fails at 6.36")
+    lose = UnitResult(Unit("decode", 2, 1), bound_rps=1.0, stopped="fails at 1.0")
+
+    class Cache:
+        def __init__(self):
+            self.results = {r.unit: r for r in (pre, inc, win, lose)}
+            self.asked = []
+
+        def get(self, units):
+            self.asked += list(units)
+            out = [UnitResult(u, goodput_rps=5.75, per_gpu_rps=5.75 / u.num_gpus)
+                   for u in units]
+            self.results.update((r.unit, r) for r in out)
+            return out
+
+    cache = Cache()
+    res = _research_pairs(p, cache, [pre, inc, win, lose])
+    assert cache.asked == [win.unit]
+    got = {r.unit: r for r in res}
+    assert got[win.unit].goodput_rps == 5.75 and got[lose.unit].stopped
+    assert _pair_ceiling(p, pre, lose) == pytest.approx(5 / 14)
+    assert _pair_ceiling(p, pre, replace(lose, bound_rps=2.12)) == pytest.approx(0.6)
