@@ -78,7 +78,10 @@ def summary(name: str, res: Plan, wall: float, cpu: float) -> dict[str, Any]:
          "units_pruned": sum(1 for u in res.units if u.pruned),
          "probes": sum(len(u.probes) for u in res.units),
          "simulated_requests": sum(q.get("num_requests", 0) for u in res.units
-                                   for q in u.probes)}
+                                   for q in u.probes),
+         "units": {u.unit.label: (round(u.per_gpu_rps, 6) if u.goodput_rps > 0 else
+                                  "stopped" if u.stopped else "pruned" if u.pruned else 0.0)
+                   for u in res.units}}
     print(f"{name}: {wall:.1f} s wall, {cpu:.1f} s CPU (load {d['load_avg_1min']:.1f}); "
           f"{d['units_simulated']} units searched, {d['units_stopped']} stopped early, "
           f"{d['units_pruned']} pruned, {d['probes']} probes; best {d['best']} "
@@ -97,7 +100,8 @@ def cmd_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     nodes=4, gpus_per_node=8, affinity="low",
                                     num_requests=args.num_requests)),
     ]
-    return [summary(n, *timed_plan(p, args.workers, _strats(args), not args.exhaustive,
+    return [summary(n, *timed_plan(replace(p, early_probes=not args.no_early_probes),
+                                   args.workers, _strats(args), not args.exhaustive,
                                    not args.no_early_stop))
             for n, p in cases if not args.only or args.only in n]
 
@@ -114,6 +118,8 @@ TABLE3 = [("opt-13b", "distserve-chatbot", SLO_13B, (2, 1), (1, 1)),
 
 
 def cmd_table3(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pdserve.planner import search
+
     """Every prefill and decode unit searched to convergence (no pruning, no early stop) on
     one node of 8 A100 (Alg. 1's per-phase search; KV over NVLink): each phase's ranking by
     per-GPU goodput, and where the paper's choice stands in it."""
@@ -124,11 +130,20 @@ def cmd_table3(args: argparse.Namespace) -> list[dict[str, Any]]:
             continue
         p = Problem(model=model, profile=PROFILE, workload=workload, slo=slo, rate=4.0,
                     nodes=1, gpus_per_node=8, num_requests=args.num_requests)
-        res, wall, cpu = timed_plan(p, args.workers, ("disaggregated",), prune=False)
+        # the units alone (what `plan --exhaustive` searches first): the rankings do not need
+        # a placement, and a workload whose best pair needs more than one node would make
+        # plan() refuse the cluster before the rankings are out
+        p = replace(p, early_probes=not args.no_early_probes)
+        search.unit_model.cache_clear()
+        search.base_workload.cache_clear()
+        c0, t0 = _cpu(), time.perf_counter()
+        with search.UnitCache(p, args.workers) as cache:
+            results = cache.get(search.candidate_units(p, ("disaggregated",)))
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
         row: dict[str, Any] = {"case": name, "wall_s": wall, "cpu_s": cpu,
                                "paper_prefill": pre, "paper_decode": dec}
         for kind, paper in (("prefill", pre), ("decode", dec)):
-            units = sorted((u for u in res.units if u.unit.kind == kind),
+            units = sorted((u for u in results if u.unit.kind == kind),
                            key=lambda u: -u.per_gpu_rps)
             best = units[0].per_gpu_rps if units else 0.0
             ranking = [{"tp": u.unit.tp, "pp": u.unit.pp, "per_gpu_rps": u.per_gpu_rps,
@@ -264,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="scaling: req/s to serve (units do not depend on it; 1 fits 1x4)")
     ap.add_argument("--no-early-stop", action="store_true",
                     help="timing: dominance pruning only (the search before early stops)")
+    ap.add_argument("--no-early-probes", action="store_true",
+                    help="timing/table3: simulate every probe to the end (no exact early "
+                         "verdict, Problem.early_probes)")
     ap.add_argument("--rate", type=float, default=2.0, help="replan: req/s")
     ap.add_argument("--window-s", type=float, default=60.0)
     ap.add_argument("--reload-s", type=float, default=30.0)

@@ -97,13 +97,14 @@ class ScheduledBatch:
         prefills: list[tuple[int, int]] = []
         decodes: list[int] = []
         n = 0
-        for s in self.seqs:
+        for s in self.seqs:  # is_decode inlined: one pass per sequence per simulated step
             if s.sample:
                 n += 1
-            if s.is_decode:
-                decodes.append(s.start + 1)
+            start, k = s.start, s.num_tokens
+            if k == 1 and start >= len(s.request.prompt_token_ids):
+                decodes.append(start + 1)
             else:
-                prefills.append((s.start, s.num_tokens))
+                prefills.append((start, k))
         if self.num_pad_tokens:
             prefills.append((0, self.num_pad_tokens))
         return prefills, decodes, n

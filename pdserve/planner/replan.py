@@ -21,6 +21,7 @@ instance drains first) — no blue-green switch, no reload of the instances that
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -224,6 +225,42 @@ def search_planner(problem: Any, strategy: str) -> Callable[[WindowStats], dict[
     def planner(window: WindowStats) -> dict[str, int]:
         p = replace(problem, rate=max(window.rate, 1e-3))
         return placement_counts(plan(p, strategies=(strategy,)).best.deployment)
+
+    return planner
+
+
+def deployed_planner(problem: Any, config: Any) -> Callable[[WindowStats], dict[str, int]]:
+    """A live replanner's planner for a running deployment ``config`` (a
+    :class:`~pdserve.config.ClusterConfig`): the TP × PP of its instances stays what runs (a
+    live runtime adds instances of the roles it has), so the search is Algorithm 1's last step
+    at those units — each role's unit (colocated, or prefill and decode) is searched for its
+    goodput (:func:`pdserve.planner.search.evaluate_unit`) on the window's pattern (its mean
+    prompt and output lengths as a fixed-length workload, ``problem``'s SLOs and latency
+    source) and replicated to the window's rate, ``n = ⌈R / g⌉``. The units take the
+    deployment's TP, PP and chunked prefill; its other engine settings are ``problem``'s (the
+    search prices the latency source's device, not the live instances'). A role whose unit
+    reaches no goodput keeps one instance."""
+    from dataclasses import replace
+
+    from pdserve.planner.search import Unit, evaluate_unit
+
+    if config.strategy not in ("colocated", "disaggregated"):
+        raise ValueError(f"live replanning supports colocated and disaggregated deployments, "
+                         f"not {config.strategy!r}")
+    units = {r.role: Unit(r.role, r.tp, r.pp, chunked=r.role == "colocated" and bool(
+                 config.engine_config(r, model_max_len=2048).scheduler.enable_chunked_prefill))
+             for r in config.roles}
+
+    def planner(window: WindowStats) -> dict[str, int]:
+        rate = max(window.rate, 1e-3)
+        wl = (f"fixed:input={max(1, round(window.mean_prompt))},"
+              f"output={max(1, round(window.mean_output))}")
+        p = replace(problem, rate=rate, workload=wl)
+        out = {}
+        for role, u in units.items():
+            g = evaluate_unit(p, u).goodput_rps
+            out[role] = max(1, math.ceil(rate / g - 1e-9)) if g > 0 else 1
+        return out
 
     return planner
 

@@ -36,8 +36,11 @@ Pruning: a unit whose weights and KV do not fit (``kv_cache_blocks`` raises, or 
 hold one longest request) and a unit that misses the SLO even at zero load (each request alone
 on the instance) are not simulated; a unit whose capacity bound is dominated is not simulated,
 and a unit that fails at the rate tying the best per-GPU goodput of its kind so far stops after
-that probe (:meth:`UnitCache.get_bounded`). Results are memoised per unit; units run on a
-process pool.
+that probe (:meth:`UnitCache.get_bounded`); stopped units that could still make a better Alg. 1
+pair after ``⌈R/g⌉`` rounding are then searched in full (:func:`_research_pairs`). Each probe's
+simulation ends as soon as its verdict is certain (:func:`run_probe`,
+:mod:`pdserve.planner.early`). Results are memoised per unit; units run on a process pool, each
+started when a worker is free.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -100,6 +103,7 @@ class Problem:
     output_scale: float = 1.0  # every output length times this (the advisor's length ratio)
     horizon: float = 2.0  # a probe spans at least this many request lifetimes (probe_requests)
     macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
+    early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
 
     def __post_init__(self) -> None:
         if self.affinity not in AFFINITIES:
@@ -390,6 +394,32 @@ def _helpers(p: Problem, rate: float) -> tuple[int, int]:
     return max(1, math.ceil(3 * rate / cap)), tp
 
 
+def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate: float,
+              kind: str, early: bool = True) -> AttainmentResult:
+    """One probe: simulate ``requests`` (timed) on deployment ``dep`` and compare the
+    attainment (``kind``: prefill = TTFT, decode = TPOT, else both SLOs) with the target.
+    ``early``: stop the simulation as soon as the verdict is certain
+    (:class:`pdserve.planner.early.AttainmentWatch`; same verdict, the attainment reported is
+    then the bound it stopped on and ``details["early"]`` says which)."""
+    from pdserve.planner.early import AttainmentWatch
+    from pdserve.sim.target import build_simulator, to_records, to_sim_requests
+
+    built = build_simulator(_sim(p, dict(dep)))
+    sreqs = to_sim_requests(requests, _model(p.model).vocab_size)
+    watch = None
+    if early:
+        watch = AttainmentWatch(built.simulator, sreqs, p.slo,
+                                kind if kind in ("prefill", "decode") else "both", p.target)
+    result = built.simulator.run(sreqs, None, watch)
+    details: dict[str, Any] = {"num_requests": len(sreqs)}
+    if result.stopped:
+        assert watch is not None and watch.verdict is not None
+        details.update(early="pass" if watch.verdict else "fail", stopped_at_s=watch.at)
+        return AttainmentResult(rate, watch.attainment_bound, watch.verdict, details)
+    a = _attained(to_records(requests, result), p.slo, kind)
+    return AttainmentResult(rate, a, a >= p.target, details)
+
+
 def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
     """The unit's goodput by expanding bisection around its capacity bound (pruned units: 0).
 
@@ -399,8 +429,6 @@ def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
     and its search stops after that one probe (``stopped``, goodput 0, ``bound_rps`` = the
     failed rate). Otherwise the search runs exactly as without an incumbent, so the goodput of
     every unit that is searched does not depend on which units ran before it."""
-    from pdserve.sim.target import simulate
-
     t0 = time.perf_counter()
     res = UnitResult(u)
     try:
@@ -413,14 +441,11 @@ def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
         res.pruned = (f"misses the SLO even at zero load (attainment "
                       f"{um.zero_load_attainment:.1%} < {p.target:.0%})")
         return res
-    vocab = _model(p.model).vocab_size
 
     def at_rate(rate: float) -> AttainmentResult:
         dep = unit_deployment(p, u, *_helpers(p, rate))
         w = _unit_workload(p, u, rate)
-        recs, _, _ = simulate(_sim(p, dep), w.retimed(rate).requests, None, vocab)
-        a = _attained(recs, p.slo, u.kind)
-        return AttainmentResult(rate, a, a >= p.target, {"num_requests": len(recs)})
+        return run_probe(p, dep, w.retimed(rate).requests, rate, u.kind, p.early_probes)
 
     def row(q: Any, phase: str) -> dict[str, Any]:
         return {"rate": q.rate, "attainment": q.attainment, "passed": q.passed, "phase": phase,
@@ -484,13 +509,14 @@ class UnitCache:
     def get_bounded(self, units: Iterable[Unit], slack: float = 1.3,
                     early_stop: bool = True) -> list[UnitResult]:
         """Like :meth:`get`, branch and bound: units of one kind run best capacity bound per
-        GPU first, in waves of ``workers`` (kinds taking turns), and a unit is not simulated
-        (``pruned``: dominated) when a unit of its kind on no more GPUs already reached a
-        per-GPU goodput above the unit's bound per GPU (× ``slack``, the bound being
-        approximate) — the smaller unit then beats it per GPU and replicates at a finer grain.
-        With ``early_stop`` the others' rate searches stop once they cannot beat the best of
-        their kind so far (:func:`evaluate_unit`'s ``incumbent``; a measured bound, no slack
-        needed)."""
+        GPU first (kinds taking turns), each started as soon as a worker is free, and a unit
+        is not simulated (``pruned``: dominated) when a unit of its kind on no more GPUs
+        already reached a per-GPU goodput above the unit's bound per GPU (× ``slack``, the
+        bound being approximate) — the smaller unit then beats it per GPU and replicates at a
+        finer grain. With ``early_stop`` the others' rate searches stop once they cannot beat
+        the best of their kind finished so far (:func:`evaluate_unit`'s ``incumbent``; a
+        measured bound, no slack needed). On a pool, which units stop early depends on which
+        finished first; every searched unit's goodput, and so each kind's best, does not."""
         units = list(dict.fromkeys(units))
         queues: dict[tuple[str, str], list[tuple[float, Unit]]] = {}
         for u in units:
@@ -504,30 +530,49 @@ class UnitCache:
         for q in queues.values():
             q.sort(key=lambda x: (-x[0], x[1]))
         done: dict[tuple[str, str], list[UnitResult]] = {}
+        turn = list(queues)  # kinds take turns
+        nxt = 0
 
         def dominator(key: tuple[str, str], bound: float, u: Unit) -> UnitResult | None:
             return next((r for r in done.get(key, []) if r.unit.num_gpus <= u.num_gpus
                          and r.per_gpu_rps > bound * slack), None)
 
-        while any(queues.values()):
-            wave: list[Unit] = []
-            while len(wave) < self.workers and any(queues.values()):
-                for key, q in queues.items():
-                    if not q or len(wave) >= self.workers:
-                        continue
-                    bound, u = q.pop(0)
-                    d = dominator(key, bound, u)
-                    if d is None:
-                        wave.append(u)
-                    else:
-                        self._store(UnitResult(u, pruned=(
-                            f"dominated: capacity bound {bound:.3f} req/s per GPU x {slack:g} "
-                            f"< {d.per_gpu_rps:.3f} of {d.unit.label}"),
-                            estimate_rps=bound * u.num_gpus))
-            inc = {u: max((r.per_gpu_rps for r in done.get((u.kind, u.link), [])),
-                          default=0.0) if early_stop else 0.0 for u in wave}
-            for r in self.get(wave, inc):
-                done.setdefault((r.unit.kind, r.unit.link), []).append(r)
+        def next_job() -> tuple[Problem, Unit, float] | None:
+            nonlocal nxt
+            while any(queues.values()):
+                key = turn[nxt % len(turn)]
+                nxt += 1
+                if not queues[key]:
+                    continue
+                bound, u = queues[key].pop(0)
+                d = dominator(key, bound, u)
+                if d is not None:
+                    self._store(UnitResult(u, pruned=(
+                        f"dominated: capacity bound {bound:.3f} req/s per GPU x {slack:g} "
+                        f"< {d.per_gpu_rps:.3f} of {d.unit.label}"),
+                        estimate_rps=bound * u.num_gpus))
+                    continue
+                inc = max((r.per_gpu_rps for r in done.get(key, [])), default=0.0)
+                return self.p, u, inc if early_stop else 0.0
+            return None
+
+        def finish(r: UnitResult) -> None:
+            self._store(r)
+            done.setdefault((r.unit.kind, r.unit.link), []).append(r)
+
+        if self._pool is None:
+            while (job := next_job()) is not None:
+                finish(evaluate_unit(*job))
+        else:
+            running: set[Future[UnitResult]] = set()
+            while True:
+                while len(running) < self.workers and (job := next_job()) is not None:
+                    running.add(self._pool.submit(_evaluate, job))
+                if not running:
+                    break
+                fin, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in sorted(fin, key=lambda f: f.result().unit):
+                    finish(f.result())
         return [self.results[u] for u in units]
 
     def _store(self, r: UnitResult) -> None:
@@ -663,6 +708,60 @@ def alg1_placements(p: Problem, prefill: Sequence[UnitResult], decode: Sequence[
     return out
 
 
+def _replicas(p: Problem, r: UnitResult) -> list[tuple[int, float]]:
+    """``(instances, capacity)`` choices of unit ``r`` replicated to ``p.rate``: one for a
+    searched unit (``n = ⌈R/g⌉``, ``n·g``); for a unit whose search stopped at ``bound_rps``
+    (goodput ``g < x``), each count ``n`` some ``g < x`` needs, with the highest capacity it
+    can have (``n · sup g``: ``g < x`` and ``⌈R/g⌉ = n`` ⇔ ``R/n ≤ g < R/(n − 1)``)."""
+    if r.goodput_rps > 0:
+        n = math.ceil(p.rate / r.goodput_rps - 1e-9)
+        return [(n, n * r.goodput_rps)]
+    x = r.bound_rps
+    if not r.stopped or x is None or x <= 0:
+        return []
+    out, n = [], max(1, math.ceil(p.rate / x - 1e-9))
+    while n * r.unit.num_gpus <= p.num_gpus:
+        sup = x if n == 1 else min(x, p.rate / (n - 1))
+        if sup > p.rate / n - 1e-12:
+            out.append((n, n * sup))
+        n += 1
+    return out
+
+
+def _pair_ceiling(p: Problem, a: UnitResult, b: UnitResult) -> float:
+    """The highest per-GPU goodput an Alg. 1 pair of ``a`` (prefill) and ``b`` (decode) can
+    have given what is known of them (exact for searched units, bounds for stopped ones)."""
+    best = 0.0
+    for n, cap_p in _replicas(p, a):
+        for m, cap_d in _replicas(p, b):
+            best = max(best, min(cap_p, cap_d) / (n * a.unit.num_gpus + m * b.unit.num_gpus))
+    return best
+
+
+def _research_pairs(p: Problem, cache: UnitCache, results: list[UnitResult]
+                    ) -> list[UnitResult]:
+    """Make Alg. 1's best pair exact despite early stops. The incumbent stop ranks units per
+    GPU, but a pair is replicated to the rate with ``⌈R/g⌉`` rounding, so a unit below its
+    kind's best per GPU can still make the better pair (fewer GPUs after rounding). Every
+    stopped unit that appears in a pair whose ceiling (:func:`_pair_ceiling`) reaches the best
+    searched pair is searched in full, until no such pair is left — then no stopped unit can
+    beat the best pair, whatever order the units ran in."""
+    while True:
+        pre = [r for r in results if r.unit.kind == "prefill"]
+        dec = [r for r in results if r.unit.kind == "decode"]
+        exact = [pl.per_gpu_rps for pl in alg1_placements(p, pre, dec) if pl.fits]
+        floor = max(exact, default=0.0)
+        redo = {r.unit for a in pre for b in dec
+                if (a.stopped or b.stopped) and _pair_ceiling(p, a, b) >= floor
+                for r in (a, b) if r.stopped}
+        if not redo:
+            return results
+        for u in redo:
+            cache.results.pop(u, None)
+        fresh = {r.unit: r for r in cache.get(sorted(redo))}
+        results = [fresh.get(r.unit, r) for r in results]
+
+
 @dataclass(frozen=True)
 class NodeGroup:
     """Algorithm 2's unit: ``pp`` nodes, each holding one stage segment of ``n_p`` prefill
@@ -720,16 +819,9 @@ def alg2_placement(p: Problem, g: NodeGroup, goodput: float, simulated: bool,
 
 def simulate_goodput(p: Problem, dep: Mapping[str, Any], hi: float) -> tuple[float, list[Any]]:
     """Goodput (both SLOs per request) of a whole deployment, by the rate search."""
-    from pdserve.sim.target import simulate
-
-    sim = _sim(p, dict(dep))
-    vocab = _model(p.model).vocab_size
-
     def at_rate(rate: float) -> AttainmentResult:
         w = base_workload(p, probe_requests(p, rate))
-        recs, _, _ = simulate(sim, w.retimed(rate).requests, None, vocab)
-        a = _attained(recs, p.slo, "both")
-        return AttainmentResult(rate, a, a >= p.target)
+        return run_probe(p, dep, w.retimed(rate).requests, rate, "both", p.early_probes)
 
     g = search_goodput(at_rate, hi=hi, precision=p.precision * hi, max_probes=p.max_probes,
                        growth=1.6, num_gpus=ClusterConfig.from_dict(dep).num_gpus)
@@ -818,6 +910,9 @@ def plan(p: Problem, workers: int | None = None,
         placements += colocated_placements(p, [r for r in results if r.unit.kind == "colocated"])
         placements += partial_placements(p, [r for r in results if r.unit.kind == "partial"])
         if alg1:
+            if prune and early_stop:
+                results = _research_pairs(p, cache, results)
+                by_unit = {r.unit: r for r in results}
             pre = [r for r in results if r.unit.kind == "prefill"]
             dec = [r for r in results if r.unit.kind == "decode"]
             pairs = _rank(alg1_placements(p, pre, dec))

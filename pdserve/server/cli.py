@@ -12,15 +12,18 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import ClusterConfig
 from pdserve.flags import (
     add_deployment_flags,
+    add_replan_flags,
     deployment_from_args,
     guarded,
     one_line_errors,
     positive_int,
+    replanner_from_args,
 )
 from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
 
@@ -51,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "training data for `pdserve predictor train` (TetriInfer section "
                         "3.3.2) (default: off)")
     add_deployment_flags(p, model_help="Hugging Face model directory")
+    add_replan_flags(p)
     one_line_errors(p)
     p.set_defaults(func=run)
     return p
@@ -89,9 +93,12 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
                 served_model_name: str | None = None, api_key: str | None = None,
                 log_level: str = "info",
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                pair_log: PairLog | None = None) -> None:
+                pair_log: PairLog | None = None,
+                replan: Callable[[Any], Any] | None = None) -> None:
     """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down. With
-    ``pair_log``, every finished request is logged as a (prompt, output length) pair."""
+    ``pair_log``, every finished request is logged as a (prompt, output length) pair; with
+    ``replan`` (:func:`pdserve.flags.replanner_from_args`), a live replanner watches the
+    runtime."""
     import uvicorn
 
     from pdserve.cluster.runtime import build_runtime
@@ -103,6 +110,8 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     print(f"pdserve: loading {config.model!r} on {n} instance(s) in {where}...",
           file=sys.stderr, flush=True)
     runtime = await build_runtime(config)
+    if replan is not None:
+        replan(runtime)
     loop = asyncio.get_running_loop()
     main_thread = threading.current_thread() is threading.main_thread()
     handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
@@ -135,6 +144,7 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
 
 def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    replan = replanner_from_args(args, config)  # bad replanning settings fail before the load
     pair_log = None
     if args.log_length_pairs:
         from pdserve.predict.train import PairLog
@@ -142,8 +152,10 @@ def _serve(args: argparse.Namespace) -> int:
         pair_log = PairLog(args.log_length_pairs)  # a bad path fails before the model loads
     try:
         with contextlib.suppress(KeyboardInterrupt):
+            extra = {"replan": replan} if replan is not None else {}
             asyncio.run(serve(config, args.host, args.port, args.served_model_name,
-                              args.api_key, args.log_level, args.max_request_bytes, pair_log))
+                              args.api_key, args.log_level, args.max_request_bytes, pair_log,
+                              **extra))
     finally:
         if pair_log is not None:
             pair_log.close()

@@ -179,6 +179,7 @@ class SimResult:
     num_events: int
     instance_stats: dict[str, Any] = field(default_factory=dict)
     batch_log: list[tuple[str, float, list[tuple[str, int, int]]]] | None = None
+    stopped: bool = False  # ended early by ``run``'s ``stop`` (records hold the state then)
 
 
 @dataclass
@@ -276,12 +277,18 @@ class Simulator:
         heapq.heappush(self._heap, (t, prio, next(self._seq), data))
 
     def run(self, requests: Sequence[SimRequest],
-            progress: Callable[[int], None] | None = None) -> SimResult:
-        """Simulate ``requests`` to completion. ``progress(n)`` is called as requests finish."""
+            progress: Callable[[int], None] | None = None,
+            stop: Callable[[float], bool] | None = None) -> SimResult:
+        """Simulate ``requests`` to completion. ``progress(n)`` is called as requests finish.
+        ``stop(now)`` is called after every event; when it returns true the run ends there
+        (``SimResult.stopped``; unfinished requests keep their state, no error is recorded) —
+        a caller that can already decide what it measures (the planner's probes,
+        :class:`pdserve.planner.early.AttainmentWatch`) saves the rest of the run."""
         for r in requests:
             self._push(r.arrival, ARRIVAL, r)
         now, n_events, done = 0.0, 0, 0
         core = self.core
+        stopped = False
         while self._heap:
             now, prio, _, data = heapq.heappop(self._heap)
             n_events += 1
@@ -304,7 +311,10 @@ class Simulator:
                 if finished != done:
                     progress(finished - done)
                     done = finished
-        for rid, req in self.controller.requests.items():
+            if stop is not None and stop(now):
+                stopped = True
+                break
+        for rid, req in ({} if stopped else self.controller.requests).items():
             # the event queue ran dry with the request unfinished: the cluster deadlocked
             self._errors.setdefault(rid, f"simulation stalled with the request in stage "
                                          f"{req.stage!r} on {req.instance}")
@@ -315,7 +325,7 @@ class Simulator:
         ]
         stats = {iid: i.worker.stats() for iid, i in self.insts.items()}
         return SimResult(records, now, n_events, stats,
-                         self._batch_log if self.record_batches else None)
+                         self._batch_log if self.record_batches else None, stopped)
 
     def _run(self, effects: list[Effect], now: float) -> None:
         """Carry out the driver core's effects at virtual time ``now``."""

@@ -136,3 +136,24 @@ def test_driver_overhead_adds_to_every_step_and_nothing_to_idle():
     res = sim.run([SimRequest("a", 0.0, prompt(1, 100), 3)])
     # prefill 0.01 + 0.1 + 0.0025, then two decode steps of 0.005 + 0.0025
     assert res.records[0].timeline.token_times == pytest.approx([0.1125, 0.12, 0.1275])
+
+
+def test_stop_ends_the_run_where_it_returns_true():
+    """``run(stop=...)``: the callback sees every event's time in order; the run ends at the
+    first true, with the state of that moment (no stall errors for unfinished requests), and
+    the events before it are exactly those of the full run."""
+    reqs = [SimRequest(f"r{i}", 0.05 * i, prompt(i, 32), 4) for i in range(20)]
+
+    def sim():
+        return Simulator([SimInstance("c0", engine(seqs=2), Const(0.1), 4096)], MODEL)
+
+    full_times: list[float] = []
+    full = sim().run(reqs, stop=lambda now: full_times.append(now) or False)
+    assert not full.stopped and len(full_times) == full.num_events
+    assert full_times == sorted(full_times)
+    seen: list[float] = []
+    part = sim().run(reqs, stop=lambda now: seen.append(now) or len(seen) == 30)
+    assert part.stopped and part.num_events == 30 and seen == full_times[:30]
+    assert part.duration == full_times[29] < full.duration
+    assert all(r.error is None for r in part.records)
+    assert sum(r.finish_reason is None for r in part.records) > 0  # some were mid-flight

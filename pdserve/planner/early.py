@@ -1,0 +1,126 @@
+"""Exact early decision of a planner probe (a simulation at one rate: does attainment meet the
+target?).
+
+A probe of ``n`` requests passes when ``ok / n >= target``, ``ok`` counting the requests that
+meet the SLO (:func:`pdserve.planner.search._attained`: every request of the probe counts; the
+planner has no warm-up or horizon exclusion). Let ``max_miss`` be the largest ``m`` with
+``(n - m) / n >= target`` (the same floating-point expression). Then:
+
+* the probe **fails** as soon as more than ``max_miss`` requests are known to miss, and
+* it **passes** as soon as ``n - max_miss`` requests are known to meet the SLO,
+
+whatever the rest of the run does, so the simulation can stop there with the same verdict
+(:meth:`pdserve.sim.simulator.Simulator.run`'s ``stop``). A request's fate is known
+
+* when it has finished: its record is final (same ``ok`` and ``meets`` as the full run's
+  record, :func:`pdserve.sim.target.to_records`);
+* for the TTFT (``prefill`` and ``both`` probes), once ``now - arrival > TTFT SLO`` with no token
+  yet: every later token is stamped at a virtual time ``>= now`` (events run in time order), so
+  its TTFT will exceed the SLO.
+
+The attainment a stopped probe reports is the bound it stopped on (an upper bound for a fail, a
+lower bound for a pass), marked ``early`` in the probe's details.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.bench.metrics import SLO, RequestRecord, meets
+from pdserve.sim.simulator import SimRequest, Simulator
+
+
+def max_misses(n: int, target: float) -> int:
+    """The largest ``m`` in ``[0, n]`` with ``(n - m) / n >= target`` (``n >= 1``)."""
+    if n < 1:
+        raise ValueError(f"a probe needs at least one request, got {n}")
+    if not 0 < target <= 1:
+        raise ValueError(f"attainment target must be in (0, 1], got {target!r}")
+    m = 0
+    while m < n and (n - m - 1) / n >= target:
+        m += 1
+    return m
+
+
+class AttainmentWatch:
+    """``stop`` callback for :meth:`Simulator.run` (module docstring). ``kind``: which SLO a
+    request must meet, ``prefill`` (TTFT), ``decode`` (TPOT) or ``both``."""
+
+    def __init__(self, sim: Simulator, requests: Sequence[SimRequest], slo: SLO, kind: str,
+                 target: float) -> None:
+        if kind not in ("prefill", "decode", "both"):
+            raise ValueError(f"kind must be prefill, decode or both, got {kind!r}")
+        self.sim, self.slo, self.kind = sim, slo, kind
+        self.n = len(requests)
+        self.max_miss = max_misses(self.n, target)
+        self.need_ok = self.n - self.max_miss
+        order = sorted(range(self.n), key=lambda i: requests[i].arrival)  # = event order
+        self.order = [requests[i] for i in order]
+        self.undecided: dict[str, SimRequest] = {r.request_id: r for r in self.order}
+        self.ttft_ptr = 0
+        self.finished_seen = 0
+        self.misses = 0
+        self.oks = 0
+        self.verdict: bool | None = None
+        self.at: float | None = None
+
+    def __call__(self, now: float) -> bool:
+        ctl = self.sim.controller
+        hist = ctl.history
+        assert hist is not None
+        finished = len(hist) - len(ctl.requests)
+        if finished > self.finished_seen:
+            new, found = finished - self.finished_seen, []
+            for rid in self.undecided:
+                creq = hist.get(rid)
+                if creq is None:  # not arrived yet, nor anything after it
+                    break
+                if creq.stage == "done":
+                    found.append((rid, creq))
+                    if len(found) == new:
+                        break
+            self.finished_seen = finished
+            for rid, creq in found:
+                del self.undecided[rid]
+                self._count(self._meets(rid, creq))
+        if self.kind != "decode":
+            limit = self.slo.ttft
+            order, ptr = self.order, self.ttft_ptr
+            while ptr < self.n and now - order[ptr].arrival > limit:
+                rid = order[ptr].request_id
+                ptr += 1
+                if rid in self.undecided:
+                    tl = hist[rid].timeline
+                    if not tl.token_times or tl.token_times[0] - tl.arrival > limit:
+                        del self.undecided[rid]
+                        self._count(False)
+            self.ttft_ptr = ptr
+        if self.misses > self.max_miss:
+            self.verdict = False
+        elif self.oks >= self.need_ok:
+            self.verdict = True
+        else:
+            return False
+        self.at = now
+        return True
+
+    def _count(self, ok: bool) -> None:
+        if ok:
+            self.oks += 1
+        else:
+            self.misses += 1
+
+    def _meets(self, rid: str, creq: Any) -> bool:
+        err = self.sim._errors.get(rid)
+        ok = err is None and creq.finish_reason in ("length", "stop")
+        rec = RequestRecord(rid, len(creq.prompt_token_ids), len(creq.output_token_ids),
+                            creq.timeline, ok, err)
+        t_ok, p_ok = meets(rec, self.slo)
+        return t_ok if self.kind == "prefill" else p_ok if self.kind == "decode" else \
+            t_ok and p_ok
+
+    @property
+    def attainment_bound(self) -> float:
+        """After a stop: the upper bound (fail) or lower bound (pass) on the attainment."""
+        return (self.n - self.misses) / self.n if self.verdict is False else self.oks / self.n

@@ -1,0 +1,135 @@
+"""``pdserve serve --replan``: the flags build a live replanner (DistServe §4.4) that searches each
+role's goodput at the deployed TP × PP for the window's pattern and resizes the running
+deployment; bad settings fail before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+
+import pytest
+
+from pdserve.bench.metrics import SLO
+from pdserve.config import ClusterConfig
+from pdserve.flags import replanner_from_args
+from pdserve.planner.replan import WindowStats, deployed_planner
+from pdserve.planner.search import Problem, Unit, evaluate_unit
+from pdserve.server.cli import register
+from tests.cluster.test_live_scaling import pools_clean, prompt, run, runtime
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_no_replanner_without_the_flag():
+    args = _args("--model", "opt-13b")
+    assert replanner_from_args(args, ClusterConfig.from_dict({"model": "opt-13b"})) is None
+
+
+@pytest.mark.parametrize(("argv", "spec", "needle"), [
+    (["--replan-profile", "no-such-profile"], {}, "no-such-profile"),
+    (["--replan-model", "gpt-nonexistent"], {}, "gpt-nonexistent"),
+    (["--replan-profile", "p", "--replan-hardware", "A100-80GB"], {}, "not both"),
+    ([], {"strategy": "partial", "num_instances": 2}, "'partial'"),
+])
+def test_bad_replanning_settings_fail_before_the_model_loads(argv, spec, needle):
+    args = _args("--model", "opt-13b", "--replan", *argv)
+    cfg = ClusterConfig.from_dict({"model": "opt-13b", **spec})
+    with pytest.raises((ValueError, FileNotFoundError), match=needle):
+        replanner_from_args(args, cfg)
+
+
+def test_the_serve_flag_rejects_a_bad_window(capsys):
+    from pdserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--demo", "--replan", "--replan-window", "-1"])
+    assert e.value.code == 2
+    assert "--replan-window: must be > 0" in capsys.readouterr().err
+
+
+def test_deployed_planner_replicates_each_role_at_its_tp_pp(const_profile):
+    """Alg. 1's last step at the deployed units: ``n = ⌈R / g⌉`` per role, each ``g`` the
+    unit's goodput on the window's lengths."""
+    prof = const_profile({1: 20.0, 2: 12.0}, decode_ms=10.0)
+    p = Problem(model="opt-13b", profile=prof, slo=SLO(0.2, 0.05), num_requests=300,
+                horizon=0.5)
+    cfg = ClusterConfig.from_dict({"model": "opt-13b", "strategy": "disaggregated",
+                                   "num_prefill": 1, "num_decode": 1, "prefill_tp": 2})
+    w = WindowStats(rate=200.0, mean_prompt=600.0, mean_output=6.0, num_requests=600)
+    got = deployed_planner(p, cfg)(w)
+    fixed = Problem(model="opt-13b", profile=prof, slo=SLO(0.2, 0.05), num_requests=300,
+                    horizon=0.5, rate=200.0, workload="fixed:input=600,output=6")
+    g_p = evaluate_unit(fixed, Unit("prefill", 2)).goodput_rps
+    g_d = evaluate_unit(fixed, Unit("decode", 1)).goodput_rps
+    assert g_p > 0 and g_d > 0
+    assert got == {"prefill": math.ceil(200 / g_p), "decode": math.ceil(200 / g_d)}
+    assert got["prefill"] > 1  # 200 req/s of 600-token prompts is beyond one prefill instance
+
+
+async def test_serve_replan_resizes_a_live_runtime(const_profile):
+    """The replanner the flags build, on an in-process runtime with a virtual clock: a rate
+    step up and down again is detected, the planned counts are ⌈R / g⌉ of the colocated TP1
+    unit on each window's lengths, and every request is served while instances come and go."""
+    prof = const_profile({1: 100.0}, decode_ms=40.0)  # one chunked TP1 unit: ~20 req/s here
+    now = [0.0]
+    rt = runtime("colocated", n=1, router="round_robin", clock=lambda: now[0])
+    args = _args("--replan", "--replan-window", "2", "--replan-min-requests", "5",
+                 "--replan-model", "opt-13b", "--replan-profile", prof,
+                 "--replan-slo-ttft", "0.3", "--replan-slo-tpot", "0.1",
+                 "--replan-num-requests", "40")
+    rp = replanner_from_args(args, rt.config)(rt)
+    await rt.start()
+    try:
+        tasks, k = [], 0
+        for rate, seconds in ((5, 4.0), (40, 3.0), (5, 6.0)):
+            for _ in range(int(rate * seconds)):
+                now[0] += 1 / rate
+                tasks.append(asyncio.create_task(run(rt, f"r{k}", prompt(k), 8)))
+                k += 1
+                await asyncio.sleep(0.001)
+                if rp.replans and rp.replans[-1].applied is None:
+                    await rp.wait()
+        res = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        await rp.wait()
+        assert len(res) == k and all(len(toks) == 8 for toks, _ in res)
+        assert len(rp.replans) >= 2
+        for r in rp.replans:  # each plan is ⌈R / g⌉ for the window it saw
+            w = r.shift.after
+            p = Problem(model="opt-13b", profile=prof, slo=SLO(0.3, 0.1), num_requests=40,
+                        rate=w.rate, nodes=1, gpus_per_node=1,
+                        workload=f"fixed:input={round(w.mean_prompt)},"
+                                 f"output={round(w.mean_output)}")
+            g = evaluate_unit(p, Unit("colocated", 1, chunked=True)).goodput_rps  # as deployed
+            assert r.planned == {"colocated": max(1, math.ceil(w.rate / g - 1e-9))}, (w, g)
+        assert max(r.planned["colocated"] for r in rp.replans) > 1  # it grew...
+        assert rp.counts() == rp.replans[-1].planned  # ...and ends at the last plan
+        await pools_clean(rt)
+    finally:
+        await rt.shutdown()
+
+
+def test_serve_hands_the_replanner_to_the_server(monkeypatch):
+    """``pdserve serve --replan``: the server loop gets the attach function (and none without
+    the flag); attaching it to a runtime registers the monitor on the runtime's arrivals."""
+    import pdserve.server.cli as serve_cli
+    from pdserve.cli import main
+
+    calls = []
+
+    async def fake_serve(config, *args, **kw):  # noqa: ANN001, ANN202
+        calls.append(kw)
+
+    monkeypatch.setattr(serve_cli, "serve", fake_serve)
+    assert main(["serve", "--demo", "--backend", "inproc", "--replan", "--replan-model",
+                 "opt-13b", "--replan-profile", "distserve_profiler-a100-80g.distserve"]) == 0
+    assert main(["serve", "--demo", "--backend", "inproc"]) == 0
+    attach = calls[0]["replan"]
+    assert "replan" not in calls[1]
+    rt = runtime("colocated", n=1)
+    rp = attach(rt)
+    assert rt.arrival_hooks == [rp.observe] and rp.detector.window_s == 60.0
