@@ -70,7 +70,7 @@ def measure(target: HttpTarget, s: Settings, log: Path, k: int, rounds: int) -> 
         for rec in recs:
             gaps += list(np.diff(rec.timeline.token_times))
         time.sleep(0.3)  # the log is line-buffered; let the last lines land
-        st = steps_between(log, t0 - 1.0, t1)
+        st = steps_between(log, t0, t1)
         steps += st
         if st:
             span = st[-1]["now"] + st[-1]["elapsed"] - st[0]["now"]
