@@ -13,6 +13,10 @@ forced output tokens) for each ``K`` in ``--streams``, ``--rounds`` times, and r
 - ``busy``: the executor's share of the wall time from the first step's start to the last
   step's end (Σ elapsed / span).
 
+With ``--poisson RATE`` it also serves requests with Poisson arrivals and compares the TPOT of
+requests that ran alone with that of requests that overlapped another one, against the decode
+steps of one and of several sequences (``--streams ''`` skips the streams part).
+
     python benchmarks/step_period.py --work-dir out/period --output-json out/period/after.json
 """
 
@@ -89,11 +93,50 @@ def measure(target: HttpTarget, s: Settings, log: Path, k: int, rounds: int) -> 
             "busy": float(np.mean(busy)) if busy else None}
 
 
+def poisson(target: HttpTarget, s: Settings, log: Path, rate: float, n: int) -> dict[str, Any]:
+    """``n`` requests (64 prompt tokens, 48 forced output tokens) with Poisson arrivals at
+    ``rate``: the TPOT of requests that ran alone vs those that overlapped another one, against
+    the executor's decode steps of one and of several sequences in the same run."""
+    w = build_workload(target, replace(s, workload="fixed:input=64,output=48", length_scale=1.0,
+                                       num_requests=n, seed=77), rate)
+    t0 = time.time()
+    recs = asyncio.run(target.run(list(w.requests)))
+    t1 = time.time()
+    assert all(rec.ok for rec in recs), [rec.error for rec in recs if not rec.ok]
+    spans = [(r.timeline.arrival, r.timeline.token_times[-1]) for r in recs]
+    lone, overlapped = [], []
+    for i, r in enumerate(recs):
+        a, b = r.timeline.token_times[0], spans[i][1]
+        other = any(s0 < b and s1 > a for j, (s0, s1) in enumerate(spans) if j != i)
+        (overlapped if other else lone).append(r.tpot)
+    time.sleep(0.3)
+    st = steps_between(log, t0, t1)
+    one = [x["elapsed"] for x in st if not x["prefill_chunks"]
+           and len(x["decode_context_lens"]) == 1]
+    many = [x["elapsed"] for x in st if not x["prefill_chunks"]
+            and len(x["decode_context_lens"]) >= 2]
+    pairs = [(a, b) for a, b in zip(st, st[1:]) if b["now"] - a["now"] < 1.0]
+    period_many = [b["now"] - a["now"] for a, b in pairs
+                   if len(a["decode_context_lens"]) + len(a["prefill_chunks"]) >= 2]
+
+    def med(xs: list[float]) -> float | None:
+        return 1000 * float(np.median(xs)) if xs else None
+
+    return {"rate": rate, "requests": n, "lone": len(lone), "overlapped": len(overlapped),
+            "tpot_lone_ms": med(lone), "tpot_overlapped_ms": med(overlapped),
+            "step_1_ms": med(one), "step_many_ms": med(many),
+            "period_after_many_ms": med(period_many)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", default="out/period")
     ap.add_argument("--streams", default="1,4")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--poisson", type=float, default=None, metavar="RATE",
+                    help="also serve --poisson-requests requests with Poisson arrivals at RATE "
+                         "and compare lone and overlapping requests' TPOT")
+    ap.add_argument("--poisson-requests", type=int, default=60)
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     fid = _fidelity()
@@ -120,10 +163,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         target = HttpTarget(server.url, progress=False)
         asyncio.run(target.prepare())
         fid.warm_up(target, s)
-        for k in (int(x) for x in args.streams.split(",")):
+        for k in (int(x) for x in args.streams.split(",") if x):
             row = measure(target, s, log, k, args.rounds)
             rows.append(row)
             print(json.dumps(row))
+        if args.poisson:
+            prow = poisson(target, s, log, args.poisson, args.poisson_requests)
+            rows.append(prow)
+            print(json.dumps(prow))
     finally:
         server.stop()
     import pdserve
