@@ -167,6 +167,45 @@ def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
             f"profile_decode_{batch}_s": predb, "step_s": per_step, "seq_s": per_seq}
 
 
+def overhead_from_step_log(path: Path, max_gap_s: float = 0.25) -> dict[str, float]:
+    """The serving path's own cost, from the same step log the step model is fitted on: each
+    instance's loop starts a step as soon as the previous one leaves it with work
+    (:class:`~pdserve.cluster.instances.StepLoop`), and the log dates every step's start
+    (``now``) and times its executor (``elapsed``), so the gap from one step's end to the next
+    one's start is what a step costs besides the executor (scheduling, detokenizing and
+    reporting the tokens, taking the commands). Per number of sequences ``n`` of the earlier
+    step (whose tokens the gap reports), the median gap — robust to the few gaps where the
+    instance waited for work; gaps over ``max_gap_s`` are idle time, not cost — then a
+    least-squares line ``a + b·n`` through those medians weighted by their counts; both
+    clipped at 0 (:class:`~pdserve.sim.latency.DriverOverhead`)."""
+    by_inst: dict[str, list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            by_inst.setdefault(str(r.get("instance_id", "log")), []).append(r)
+    gaps: dict[int, list[float]] = {}
+    for steps in by_inst.values():
+        steps.sort(key=lambda r: r["now"])
+        for a, b in zip(steps, steps[1:]):
+            gap = b["now"] - (a["now"] + a["elapsed"])
+            if 0.0 <= gap <= max_gap_s:
+                n = len(a["prefill_chunks"]) + len(a["decode_context_lens"])
+                gaps.setdefault(n, []).append(gap)
+    pts = [(n, float(np.median(g)), len(g)) for n, g in sorted(gaps.items()) if len(g) >= 5]
+    if not pts:
+        raise ValueError(f"{path}: too few consecutive steps to measure the serving overhead")
+    ns, meds, counts = (np.array(x, dtype=float) for x in zip(*pts))
+    if len(pts) == 1:
+        step, seq = float(meds[0]), 0.0
+    else:
+        w = np.sqrt(counts)
+        seq, step = np.polyfit(ns, meds, 1, w=w)
+        seq = max(float(seq), 0.0)
+        step = max(float(np.average(meds - seq * ns, weights=counts)), 0.0)
+    return {"step_s": step, "seq_s": seq, "gaps": int(counts.sum()),
+            "median_gap_by_seqs_ms": {int(n): 1000 * m for n, m, _ in pts}}
+
+
 def latency_of(setup: SimulationConfig, model: str) -> Any:
     """The simulator's executor-only step-time model of a TP-1 instance of ``setup``."""
     from pdserve.config import ModelConfig
@@ -198,7 +237,7 @@ def calibrate_from_run(target: HttpTarget, s: Settings, rate: float, model: str,
     ms = from_step_log(snapshot, model, 1, "float32")
     cal = calibrate(get_device("cpu"), ms)
     save_hardware(out, cal.device, header=f"calibrated by benchmarks/fidelity.py on {snapshot}")
-    fit = {**cal.summary(), "steps": len(ms), "file": str(out)}
+    fit = {**cal.summary(), "steps": len(ms), "file": str(out), "step_log": str(snapshot)}
     con.print(f"  calibrated the cpu device on {len(ms)} logged steps: fit mean "
               f"{fit['fit']['mean']:.1%}, P90 {fit['fit']['p90']:.1%}")
     return str(out), fit
@@ -313,6 +352,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-overhead-ms", type=float, default=None,
                     help="per-step serving overhead given to the simulator (default: measure "
                          "it from lone requests against each live server; 0 = executor only)")
+    ap.add_argument("--overhead", choices=("steplog", "probe"), default=None,
+                    help="how to measure the serving overhead when --step-overhead-ms is not "
+                         "given: steplog (with --latency calibrated, the default: the gaps "
+                         "between consecutive steps in the calibration run's step log, fitted "
+                         "with the step model from the same log) or probe (the default "
+                         "otherwise: lone and 8-together requests' token gaps minus the model's "
+                         "decode step)")
     ap.add_argument("--output-json")
     ap.add_argument("--output-md")
     ap.add_argument("--plot", metavar="DIR")
@@ -371,7 +417,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 fits[strategy] = fit
                 setup = replace(setup, hardware=hw)
             if args.step_overhead_ms is None:
-                cal = calibrate_overhead(live, s, latency_of(setup, model))
+                how = args.overhead or ("steplog" if calibrated else "probe")
+                if how == "steplog":
+                    if not calibrated:
+                        raise SystemExit("--overhead steplog needs --latency calibrated")
+                    cal = overhead_from_step_log(Path(fits[strategy]["step_log"]))
+                else:
+                    cal = calibrate_overhead(live, s, latency_of(setup, model))
+                cal["method"] = how
                 overheads[strategy] = cal
                 con.print(f"  serving overhead: {1000 * cal['step_s']:.2f} ms per step + "
                           f"{1000 * cal['seq_s']:.2f} ms per sequence ({cal})")

@@ -5,7 +5,8 @@ and the simulator (:mod:`pdserve.sim.simulator`).
 A driver feeds it events (a step's report came back, an instance failed, a KV transfer ended,
 controller actions) and carries out the effects it returns:
 
-- :class:`StartStep` — send these commands to the instance and run one step there;
+- :class:`StartStep` — send these commands to the instance (and, for the simulator, run one step
+  there now);
 - :class:`~pdserve.cluster.controller.Transfer` — move a request's KV between two instances;
 - :class:`~pdserve.cluster.controller.Fail` — end a request with an error;
 - :class:`Deliver` — the token deltas the controller accepted from a report (streams).
@@ -14,6 +15,17 @@ controller actions) and carries out the effects it returns:
 at once with the commands queued so far, *before* the report is processed; commands that
 processing the report produces for the same instance go with the step after. So an instance
 never idles while the driver runs the controller, streams tokens or writes SSE.
+
+**Instance loops** (``loop=True``, the live runtime). A live instance runs this same rule itself
+(:class:`pdserve.cluster.instances.StepLoop`): it steps again as soon as a step leaves it with
+work, applying the commands that reached it during the step, and otherwise waits for commands.
+The core then sends commands as soon as the controller produces them (a :class:`StartStep`
+whether or not a step is in flight) and starts no step itself. What an instance applies with
+each step is what the simulator's pipelining gives it: commands sent while step k runs go with
+step k+1, and those produced by processing report k go with step k+2, because step k+1 was
+under way before report k reached the driver. The core still keeps the accounting: an instance
+is busy while its last report said it has more work or it has not yet applied every batch of
+commands sent to it (each report counts the batches it has applied).
 
 **Scaling** (live add/remove, replanning, DistServe §4.4): :meth:`DriverCore.add_instance`
 registers a started instance with the core and the controller; :meth:`DriverCore.remove_instance`
@@ -51,10 +63,17 @@ Effect = StartStep | Transfer | Fail | Deliver
 class DriverCore:
     """At most one step in flight per instance; commands queue while it runs."""
 
-    def __init__(self, controller: Controller, instance_ids: Iterable[str]) -> None:
+    def __init__(self, controller: Controller, instance_ids: Iterable[str],
+                 loop: bool = False) -> None:
         self.controller = controller
+        self.loop = loop  # the instances run their own loops (module docstring)
         self.queues: dict[str, list[Command]] = {iid: [] for iid in instance_ids}
         self.busy: dict[str, bool] = dict.fromkeys(self.queues, False)
+        # loop mode: command batches sent to each instance, and how many its last report had
+        # applied, and whether that report said it steps again
+        self.sent: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.applied: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.more: dict[str, bool] = dict.fromkeys(self.queues, False)
 
     def idle(self, instance_id: str) -> bool:
         """No step in flight and no command waiting."""
@@ -75,8 +94,9 @@ class DriverCore:
         return out
 
     def kick(self, instance_id: str) -> list[Effect]:
-        """Start a step on ``instance_id`` if it is idle and has commands."""
-        if self.busy[instance_id] or not self.queues[instance_id]:
+        """Start a step on ``instance_id`` if it is idle and has commands (loop mode: send the
+        commands now, busy or not)."""
+        if not self.queues[instance_id] or (self.busy[instance_id] and not self.loop):
             return []
         return [self._start(instance_id)]
 
@@ -87,6 +107,7 @@ class DriverCore:
 
     def _start(self, instance_id: str) -> StartStep:
         self.busy[instance_id] = True
+        self.sent[instance_id] += 1
         cmds, self.queues[instance_id] = self.queues[instance_id], []
         return StartStep(instance_id, cmds)
 
@@ -94,10 +115,17 @@ class DriverCore:
                   run: Callable[[list[Effect]], None]) -> None:
         """A step's report came back (module docstring: pipelining). ``run`` carries out
         effects; it is called first with the next step (if the instance has more work), so that
-        the step is under way before the report is processed, then with the report's effects."""
-        self.busy[instance_id] = False
-        if report.stepped and report.has_work:
-            run([self._start(instance_id)])
+        the step is under way before the report is processed, then with the report's effects.
+        Loop mode: the instance started that step itself."""
+        more = report.stepped and report.has_work
+        if self.loop:
+            self.applied[instance_id] = report.applied
+            self.more[instance_id] = more
+            self.busy[instance_id] = more or self.sent[instance_id] > report.applied
+        else:
+            self.busy[instance_id] = False
+            if more:
+                run([self._start(instance_id)])
         actions, accepted = self.controller.on_report(report)
         out: list[Effect] = [Deliver(report, accepted)]
         out += self.dispatch(actions)
@@ -123,6 +151,8 @@ class DriverCore:
         actions = self.controller.add_instance(view, now)
         self.queues[view.instance_id] = []
         self.busy[view.instance_id] = False
+        self.sent[view.instance_id] = self.applied[view.instance_id] = 0
+        self.more[view.instance_id] = False
         return self.dispatch(actions)
 
     def remove_instance(self, instance_id: str, now: float) -> list[Effect]:
@@ -140,7 +170,8 @@ class DriverCore:
         if not self.drained(instance_id):
             raise ValueError(f"instance {instance_id!r} has not drained")
         self.controller.forget(instance_id)
-        del self.queues[instance_id], self.busy[instance_id]
+        del self.queues[instance_id], self.busy[instance_id], self.sent[instance_id]
+        del self.applied[instance_id], self.more[instance_id]
 
     def instance_failed(self, instance_id: str, now: float) -> list[Effect]:
         """The instance is gone: its requests are recomputed elsewhere (or fail)."""

@@ -1,8 +1,11 @@
 """Instance clients: how the runtime reaches an instance (in-process thread or Ray actor).
 
-Both implement :class:`InstanceClient`; the runtime does not know which it holds. Calls to one
-instance are serialized (one thread per in-process instance; Ray actors run one method at a time),
-so a step and the commands applied around it never race.
+Both run the instance's own loop (:class:`StepLoop`): it steps while the engine has work and
+applies, at the start of each step, the commands that arrived since the previous one. The driver
+sends commands without waiting for a step (:meth:`InstanceClient.submit`) and receives the
+reports as a stream (:meth:`InstanceClient.reports`, a long poll), so no step waits for a round
+trip to the driver. Both clients implement :class:`InstanceClient`; the runtime does not know
+which it holds.
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pdserve.cluster.worker import Command, ImportKV, InstanceWorker, PullFailed, StepReport
 from pdserve.config import EngineConfig
+
+# how long one reports() poll waits for a report before it returns an empty list (so a poll
+# left behind by a driver that went away frees its thread)
+POLL_S = 1.0
 
 
 def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
@@ -37,18 +45,154 @@ class InstanceDeadError(RuntimeError):
     """The instance stopped answering (its actor or thread died)."""
 
 
+class StepLoop:
+    """The instance's own loop, on a thread beside the engine (in the driver's process or in a
+    Ray actor), so that consecutive steps never wait for the driver.
+
+    - :meth:`submit` queues a batch of commands numbered by the driver (0, 1, ... per session:
+      Ray may run a threaded actor's calls out of order; the numbers restore it). The loop
+      applies every batch that arrived, in order, at the start of its next step.
+    - The loop steps again at once when the last step computed a batch and the engine has more
+      work — the rule the driver core's pipelining applies (:mod:`pdserve.cluster.driver`) —
+      and otherwise waits for commands.
+    - :meth:`next_reports` returns every report produced since the previous call (waiting up to
+      ``timeout`` for one). Each report's ``applied`` counts the batches applied so far, so the
+      driver knows which of its commands the instance has seen.
+    - :meth:`open` starts a session (a driver attaches): numbering restarts and reports nobody
+      collected are dropped; a poll of an earlier session returns empty.
+
+    ``step_time`` is a step's date: the clock, but never before the previous step's end (an
+    executor may report modelled, not measured, step times). ``resolve`` turns commands into
+    what the worker takes (the Ray actor pulls KV payloads by reference).
+    """
+
+    def __init__(self, worker: InstanceWorker, clock: Callable[[], float] = time.time,
+                 resolve: Callable[[list[Command]], list[Command]] | None = None) -> None:
+        self.worker = worker
+        self.clock = clock
+        self.resolve = resolve
+        self._cv = threading.Condition()
+        # held while the worker runs: calls that need the engine at rest take it
+        self.step_lock = threading.Lock()
+        self._epoch = 0
+        self._inbox: dict[int, list[Command]] = {}
+        self._applied = 0
+        self._out: list[StepReport] = []
+        self._more = False
+        self._end = 0.0
+        self._error: BaseException | None = None
+        self._stopped = False
+        # busy time and steps since the session began (measurements: the actor's busy fraction)
+        self.busy_s = 0.0
+        self.steps = 0
+        self.opened = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"pdserve-{worker.instance_id}-loop")
+        self._thread.start()
+
+    def open(self) -> int:
+        with self._cv:
+            self._epoch += 1
+            self._inbox.clear()
+            self._applied = 0
+            self._out.clear()
+            self.busy_s, self.steps, self.opened = 0.0, 0, time.perf_counter()
+            self._cv.notify_all()
+            return self._epoch
+
+    def submit(self, epoch: int, seq: int, commands: list[Command]) -> None:
+        with self._cv:
+            if epoch == self._epoch and seq >= self._applied:
+                self._inbox[seq] = commands
+                self._cv.notify_all()
+
+    def next_reports(self, epoch: int, timeout: float = POLL_S) -> list[StepReport]:
+        with self._cv:
+            self._cv.wait_for(lambda: self._out or self._error is not None or self._stopped
+                              or epoch != self._epoch, timeout)
+            if self._error is not None:
+                raise self._error
+            if self._stopped:
+                raise InstanceDeadError(f"instance {self.worker.instance_id} was shut down")
+            if epoch != self._epoch:
+                return []
+            out, self._out = self._out, []
+            return out
+
+    def stats(self) -> dict[str, float]:
+        """Steps, busy seconds and wall seconds since the session began."""
+        with self._cv:
+            return {"steps": self.steps, "busy_s": self.busy_s,
+                    "wall_s": time.perf_counter() - self.opened}
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """End the loop (after the step in flight); pollers get ``error`` or
+        :class:`InstanceDeadError`."""
+        with self._cv:
+            self._stopped = True
+            if error is not None and self._error is None:
+                self._error = error
+            self._cv.notify_all()
+
+    def _ready(self) -> bool:
+        return self._stopped or self._more or self._applied in self._inbox
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(self._ready)
+                if self._stopped:
+                    return
+                cmds: list[Command] = []
+                while self._applied in self._inbox:
+                    cmds += self._inbox.pop(self._applied)
+                    self._applied += 1
+                epoch, applied = self._epoch, self._applied
+            try:
+                if self.resolve is not None and cmds:
+                    cmds = self.resolve(cmds)
+                t0 = time.perf_counter()
+                with self.step_lock:
+                    now = max(self.clock(), self._end)
+                    rep = self.worker.handle(cmds, now)
+                busy = time.perf_counter() - t0
+            except BaseException as e:  # the instance is broken: the driver recovers
+                with self._cv:
+                    self._error = e
+                    self._cv.notify_all()
+                return
+            rep.applied = applied
+            self._end = now + rep.elapsed
+            with self._cv:
+                self._more = rep.stepped and rep.has_work
+                self.busy_s += busy
+                self.steps += rep.stepped
+                if epoch == self._epoch:
+                    self._out.append(rep)
+                    self._cv.notify_all()
+
+
 class InstanceClient:
+    """How the driver reaches one instance's :class:`StepLoop`: after :meth:`open`, commands go
+    out with :meth:`submit` and reports come back from :meth:`reports`."""
+
     instance_id: str
     role: str
     num_kv_blocks: int
     block_size: int
 
-    def start_step(self, commands: list[Command], now: float) -> Awaitable[StepReport]:
-        """Submit ``handle(commands, now)`` now (before returning) and return an awaitable of its
-        report, so that a driver can start a step and then do other work while it runs."""
-        return asyncio.ensure_future(self.handle(commands, now))
+    async def open(self, clock: Callable[[], float] = time.time) -> None:
+        """Attach a driver (a new session of the instance's loop). ``clock`` dates the steps of
+        an in-process instance; a Ray actor uses its own machine's clock."""
+        raise NotImplementedError
 
-    async def handle(self, commands: list[Command], now: float) -> StepReport:
+    def submit(self, commands: list[Command]) -> None:
+        """Send commands now, without waiting; they are applied in the order sent."""
+        raise NotImplementedError
+
+    async def reports(self) -> list[StepReport]:
+        """The reports produced since the last call (empty after a while without one); raises
+        :class:`InstanceDeadError` (or the worker's error) once the instance is gone."""
         raise NotImplementedError
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
@@ -62,6 +206,10 @@ class InstanceClient:
         return await self.export_kv(request_id, first_block), None
 
     async def check_integrity(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def loop_stats(self) -> dict[str, float]:
+        """:meth:`StepLoop.stats` of the instance's loop."""
         raise NotImplementedError
 
     def portable_handle(self) -> Any:
@@ -78,7 +226,7 @@ class InstanceClient:
 
 
 class InProcessInstance(InstanceClient):
-    """An :class:`InstanceWorker` in this process, stepped on its own thread."""
+    """An :class:`InstanceWorker` in this process, stepped by its loop's thread."""
 
     def __init__(self, worker: InstanceWorker) -> None:
         self.worker = worker
@@ -86,79 +234,131 @@ class InProcessInstance(InstanceClient):
         self.role = worker.role
         self.num_kv_blocks = worker.num_kv_blocks
         self.block_size = worker.engine.config.cache.block_size
+        self.loop: StepLoop | None = None
         name = f"pdserve-{self.instance_id}"
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._poll_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-poll")
         # Exports read only held blocks, which no step touches, so they need not wait for the
         # step in flight (DistServe §4.3: the prefill instance keeps working while pulled from).
         self._export_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-kv")
+        self._epoch = 0
+        self._seq = 0
         self.dead = False
 
-    async def _call(self, fn: Any, *args: Any, pool: ThreadPoolExecutor | None = None) -> Any:
+    def _check(self) -> None:
         if self.dead:
             raise InstanceDeadError(f"instance {self.instance_id} is dead")
-        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
 
-    def start_step(self, commands: list[Command], now: float) -> Awaitable[StepReport]:
-        if self.dead:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(InstanceDeadError(f"instance {self.instance_id} is dead"))
-            return fut
-        return asyncio.get_running_loop().run_in_executor(self._pool, self.worker.handle,
-                                                          commands, now)
+    async def open(self, clock: Callable[[], float] = time.time) -> None:
+        self._check()
+        if self.loop is None:
+            self.loop = StepLoop(self.worker, clock)
+        self.loop.clock = clock
+        self._epoch, self._seq = self.loop.open(), 0
 
-    async def handle(self, commands: list[Command], now: float) -> StepReport:
-        return await self.start_step(commands, now)
+    def submit(self, commands: list[Command]) -> None:
+        if self.dead or self.loop is None:
+            return  # its failure reaches the driver through reports()
+        self.loop.submit(self._epoch, self._seq, commands)
+        self._seq += 1
+
+    async def reports(self) -> list[StepReport]:
+        self._check()
+        assert self.loop is not None, "open() first"
+        return await asyncio.get_running_loop().run_in_executor(
+            self._poll_pool, self.loop.next_reports, self._epoch)
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
-        return await self._call(self.worker.export_kv, request_id, first_block,
-                                pool=self._export_pool)
+        self._check()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._export_pool, self.worker.export_kv, request_id, first_block)
 
     async def check_integrity(self) -> dict[str, int]:
-        return await self._call(self.worker.check_integrity)
+        self._check()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._export_pool, self._locked, self.worker.check_integrity)
+
+    def _locked(self, fn: Callable[[], Any]) -> Any:
+        if self.loop is None:
+            return fn()
+        with self.loop.step_lock:
+            return fn()
+
+    async def loop_stats(self) -> dict[str, float]:
+        assert self.loop is not None, "open() first"
+        return self.loop.stats()
 
     def kill(self) -> None:
         """Simulate a crash (tests)."""
         self.dead = True
+        if self.loop is not None:
+            self.loop.stop(InstanceDeadError(f"instance {self.instance_id} is dead"))
 
     async def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.loop is not None:
+            self.loop.stop()
+        self._poll_pool.shutdown(wait=False, cancel_futures=True)
         self._export_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _RayWorker:
-    """The actor body: one instance per actor process, one torch thread on CPU. KV pulls happen
-    here (``ray.get`` of the source's export), before the sans-IO worker sees the command."""
+    """The actor body: one instance per actor process, one torch thread on CPU, stepped by its
+    :class:`StepLoop`'s thread. KV pulls happen in the loop (``ray.get`` of the source's
+    export), before the sans-IO worker sees the command."""
 
     def __init__(self, instance_id: str, config: EngineConfig,
                  record_events: bool = False) -> None:
         self.worker = load_worker(instance_id, config, num_threads=1,
                                   record_events=record_events)
+        self.loop = StepLoop(self.worker, resolve=_pull)
 
     def info(self) -> tuple[str, int, int]:
         w = self.worker
         return w.role, w.num_kv_blocks, w.engine.config.cache.block_size
 
-    def handle(self, commands: list[Command], now: float) -> StepReport:
-        import ray
+    def open(self) -> int:
+        return self.loop.open()
 
-        for i, cmd in enumerate(commands):
-            if isinstance(cmd, ImportKV) and isinstance(cmd.payload, ray.ObjectRef):
-                try:
-                    commands[i] = ImportKV(cmd.request_id, ray.get(cmd.payload))
-                except Exception as e:  # the source died or no longer holds the request
-                    commands[i] = ImportKV(cmd.request_id, PullFailed(str(e)))
-        return self.worker.handle(commands, now)
+    def submit(self, epoch: int, seq: int, commands: list[Command]) -> None:
+        self.loop.submit(epoch, seq, commands)
+
+    def next_reports(self, epoch: int) -> list[StepReport]:
+        return self.loop.next_reports(epoch)
+
+    def loop_stats(self) -> dict[str, float]:
+        return self.loop.stats()
 
     def export_kv(self, request_id: str, first_block: int) -> Any:
         return self.worker.export_kv(request_id, first_block)
 
     def check_integrity(self) -> dict[str, int]:
-        return self.worker.check_integrity()
+        with self.loop.step_lock:
+            return self.worker.check_integrity()
 
     def export_kv_ref(self, request_id: str, first_block: int) -> tuple[bool, Any]:
         """Called with ``num_returns=2``: a small acknowledgement the driver awaits, and the
         payload, which stays in the object store until the decode actor pulls it."""
         return True, self.export_kv(request_id, first_block)
+
+
+def _pull(commands: list[Command]) -> list[Command]:
+    """Resolve the KV payloads passed by reference (in the destination actor's loop)."""
+    import ray
+
+    out = list(commands)
+    for i, cmd in enumerate(out):
+        if isinstance(cmd, ImportKV) and isinstance(cmd.payload, ray.ObjectRef):
+            try:
+                out[i] = ImportKV(cmd.request_id, ray.get(cmd.payload))
+            except Exception as e:  # the source died or no longer holds the request
+                out[i] = ImportKV(cmd.request_id, PullFailed(str(e)))
+    return out
+
+
+def _observe(fut: Any) -> None:
+    """Retrieve a fire-and-forget call's outcome (a dead actor's error is reported through
+    reports(), not as an unhandled Ray error)."""
+    with contextlib.suppress(BaseException):
+        fut.exception()
 
 
 class RayInstance(InstanceClient):
@@ -169,17 +369,19 @@ class RayInstance(InstanceClient):
         self.actor = actor
         self.instance_id = instance_id
         self.role, self.num_kv_blocks, self.block_size = info
+        self._epoch = 0
+        self._seq = 0
 
     @staticmethod
     def start_actor(instance_id: str, config: EngineConfig, record_events: bool = False) -> Any:
         """Start the actor (it loads the model in the background); returns its handle."""
         import ray
 
-        # max_concurrency=2: a KV export may run beside the step in flight (see
-        # InProcessInstance); the runtime never issues two handle() calls at once. Ray sets
-        # OMP_NUM_THREADS to the actor's num_cpus (1), and the actor pins torch to one thread;
-        # no runtime_env, so that Ray can reuse its prestarted worker processes.
-        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 2}
+        # max_concurrency=4: the loop's thread steps on its own; the actor's threads serve a
+        # report poll, command submissions and KV exports beside it (see InProcessInstance).
+        # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), and the actor pins torch to one
+        # thread; no runtime_env, so that Ray can reuse its prestarted worker processes.
+        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 4}
         if config.device.startswith("cuda"):
             opts["num_gpus"] = 1
         return ray.remote(_RayWorker).options(**opts).remote(instance_id, config, record_events)
@@ -191,11 +393,19 @@ class RayInstance(InstanceClient):
         info = await _await(actor.info.remote())
         return cls(actor, instance_id, info)
 
-    def start_step(self, commands: list[Command], now: float) -> Awaitable[StepReport]:
-        return asyncio.ensure_future(_await(self.actor.handle.remote(commands, now)))
+    async def open(self, clock: Callable[[], float] = time.time) -> None:
+        self._epoch, self._seq = await _await(self.actor.open.remote()), 0
 
-    async def handle(self, commands: list[Command], now: float) -> StepReport:
-        return await self.start_step(commands, now)
+    def submit(self, commands: list[Command]) -> None:
+        ref = self.actor.submit.remote(self._epoch, self._seq, commands)
+        self._seq += 1
+        ref.future().add_done_callback(_observe)
+
+    async def reports(self) -> list[StepReport]:
+        return await _await(self.actor.next_reports.remote(self._epoch))
+
+    async def loop_stats(self) -> dict[str, float]:
+        return await _await(self.actor.loop_stats.remote())
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
         return (await self.send_kv(request_id, first_block))[0]

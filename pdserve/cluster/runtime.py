@@ -1,10 +1,11 @@
 """The live driver: a sans-IO :class:`Controller` plus instance clients, on asyncio.
 
-The driver core (:mod:`pdserve.cluster.driver`) decides when each instance steps (at most one
-step in flight, the next one pipelined with report processing) and what the controller's
-actions become; this module carries it out on asyncio: a step is a thread or Ray task whose
-report feeds the core, a KV transfer a task. Each request's tokens stream to its caller through
-a queue.
+Each instance runs its own loop (:class:`pdserve.cluster.instances.StepLoop`, a thread here or
+in its Ray actor): it steps while it has work. The driver core (:mod:`pdserve.cluster.driver`,
+loop mode) turns the controller's actions into commands, which this module sends at once
+without waiting for a step; one task per instance receives the stream of its reports and feeds
+them to the core; a KV transfer is a task. Each request's tokens stream to its caller through a
+queue.
 
 Instances come and go while serving (:meth:`ClusterRuntime.add_instance`,
 :meth:`ClusterRuntime.remove_instance`: live scaling and replanning, DistServe §4.4): a new one
@@ -51,6 +52,7 @@ class _Instance:
     # end of the last step the instance reported; its time never runs backwards, even with an
     # executor that reports modelled (not measured) step times
     step_end: float = 0.0
+    pump: asyncio.Task | None = None  # receives the instance's reports
 
 
 @dataclass
@@ -105,7 +107,7 @@ class ClusterRuntime:
                                          **config.router_options())),
                                      **controller_extras(config,
                                                          model_config.max_position_embeddings))
-        self.core = DriverCore(self.controller, self.instances)
+        self.core = DriverCore(self.controller, self.instances, loop=True)
         # starts the client of a new instance (add_instance); build_runtime sets it
         self.make_client: Callable[[InstanceSpec], Awaitable[InstanceClient]] | None = None
         self.removals: list[Removal] = []
@@ -122,9 +124,18 @@ class ClusterRuntime:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        for inst in self.instances.values():
+            await self._open(inst)
         self._running = True
         for iid in self.instances:
             self._run(self.core.kick(iid))  # commands queued before the start
+
+    async def _open(self, inst: _Instance) -> None:
+        """Attach to the instance's loop and start receiving its reports."""
+        await inst.client.open(self.clock)
+        inst.pump = asyncio.create_task(self._pump(inst))
+        self._bg.add(inst.pump)
+        inst.pump.add_done_callback(self._bg.discard)
 
     async def shutdown(self) -> None:
         self._running = False
@@ -167,11 +178,14 @@ class ClusterRuntime:
                 client = await self.make_client(spec)
             view = InstanceView(instance_id, client.role, client.num_kv_blocks,
                                 client.block_size)
-            self.instances[instance_id] = _Instance(client, view)
+            inst = self.instances[instance_id] = _Instance(client, view)
             try:
+                await self._open(inst)
                 effects = self.core.add_instance(view, self.clock())
             except Exception:
                 del self.instances[instance_id]
+                if inst.pump is not None:
+                    inst.pump.cancel()
                 await client.close()
                 raise
         finally:
@@ -197,6 +211,8 @@ class ClusterRuntime:
         was_alive = inst.view.alive
         self.core.forget(instance_id)
         drained = self.clock()
+        if inst.pump is not None:
+            inst.pump.cancel()
         pool = None
         if was_alive:
             with contextlib.suppress(InstanceDeadError):
@@ -327,26 +343,29 @@ class ClusterRuntime:
     def _start(self, e: StartStep) -> None:
         if not self._running:
             return  # not started yet, or shutting down
-        inst = self.instances[e.instance_id]
-        # the step is submitted now (a thread or a Ray task), before anything else runs
-        step = inst.client.start_step(e.commands, self._now(inst))
-        self._spawn(self._finish_step(inst, step))
+        # sent now, without waiting; the instance's loop applies them with its next step
+        self.instances[e.instance_id].client.submit(e.commands)
 
-    async def _finish_step(self, inst: _Instance, step: Any) -> None:
+    async def _pump(self, inst: _Instance) -> None:
+        """Feed the instance's reports to the core as they come, until it fails."""
         iid = inst.view.instance_id
-        try:
-            rep = await step
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the instance is gone: recompute its requests elsewhere
-            log.error("instance %s failed: %s", iid, e)
-            self._run(self.core.instance_failed(iid, self.clock()))
-            return
-        inst.step_end = rep.now + rep.elapsed
-        try:
-            self.core.step_done(iid, rep, self._run)
-        except Exception:  # a bug in the driver must not silently stall the instance
-            log.exception("processing a report from %s failed", iid)
+        while True:
+            try:
+                reports = await inst.client.reports()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the instance is gone: recompute its requests elsewhere
+                if self.instances.get(iid) is not inst:
+                    return  # removed (and shut down) meanwhile
+                log.error("instance %s failed: %s", iid, e)
+                self._run(self.core.instance_failed(iid, self.clock()))
+                return
+            for rep in reports:
+                inst.step_end = rep.now + rep.elapsed
+                try:
+                    self.core.step_done(iid, rep, self._run)
+                except Exception:  # a bug in the driver must not silently stall the instance
+                    log.exception("processing a report from %s failed", iid)
 
     def _now(self, inst: _Instance) -> float:
         """The time for an event on ``inst``: the clock, but never before its last step's end

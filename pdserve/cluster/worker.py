@@ -2,8 +2,9 @@
 
 Every driver talks to an instance the same way: ``handle(commands, now)`` applies the commands
 (add, transfer, import, release, abort), reserves KV pulls on a decode instance, runs at most one
-engine step and returns a :class:`StepReport`. The live runtime calls it in a thread (in-process)
-or as a Ray actor method; the simulator calls it directly at virtual times. Messages are small
+engine step and returns a :class:`StepReport`. Live, the instance's own loop calls it
+(:class:`pdserve.cluster.instances.StepLoop`, in a thread of the driver's process or inside a Ray
+actor); the simulator calls it directly at virtual times. Messages are small
 serializable dataclasses.
 """
 
@@ -127,6 +128,9 @@ class StepReport:
     phase: str = ""
     phase_switch_time: float = 0.0
     progress: list[tuple[str, float, int]] = field(default_factory=list)
+    # the instance's own loop (:class:`pdserve.cluster.instances.StepLoop`): how many command
+    # batches it had applied, counting from its session's start, when this step began
+    applied: int = 0
 
 
 class InstanceWorker:

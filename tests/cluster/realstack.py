@@ -4,6 +4,7 @@ uvicorn server in the test's own event loop."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from pdserve.cluster.instances import InstanceClient
@@ -37,11 +38,17 @@ class Borrowed(InstanceClient):
         self.instance_id, self.role = inner.instance_id, inner.role
         self.num_kv_blocks, self.block_size = inner.num_kv_blocks, inner.block_size
 
-    def start_step(self, commands: Any, now: float) -> Any:
-        return self.inner.start_step(commands, now)
+    async def open(self, clock: Any = time.time) -> None:
+        await self.inner.open(clock)
 
-    async def handle(self, commands: Any, now: float) -> Any:
-        return await self.inner.handle(commands, now)
+    def submit(self, commands: Any) -> None:
+        self.inner.submit(commands)
+
+    async def reports(self) -> Any:
+        return await self.inner.reports()
+
+    async def loop_stats(self) -> dict[str, float]:
+        return await self.inner.loop_stats()
 
     async def export_kv(self, request_id: str, first_block: int) -> Any:
         return await self.inner.export_kv(request_id, first_block)

@@ -1,8 +1,11 @@
 """The driver core's pipelining, in the core itself and in both drivers that use it: a step's
 report is processed only after the instance's next step has started (with the commands queued
-before), so commands produced by the report go with the step after."""
+before), so commands produced by the report go with the step after. Live, the instance runs
+that rule in its own loop (the core's loop mode)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -90,25 +93,65 @@ def test_simulator_pipelines() -> None:
 
 
 @pytest.mark.asyncio
-async def test_live_runtime_pipelines() -> None:
+async def test_live_instance_steps_without_the_driver() -> None:
+    """The live instance runs its own loop: while the driver is stuck in processing the first
+    report (its event loop blocked), the instance goes on stepping (a driver that starts each
+    step itself could start only one more)."""
     rt = cluster()
-    log: list[str] = []
-    _order_probe(rt.controller, log)
     client = rt.instances["colocated-0"].client
-    start_step = client.start_step
+    worker = client.worker  # type: ignore[attr-defined]
+    handle = worker.handle
+    starts: list[int] = []
+    three_more = threading.Event()
 
-    def traced(cmds, now):
-        log.append(f"start {len([e for e in log if e.startswith('start')])}")
-        return start_step(cmds, now)
+    def traced(cmds, now, step=True):
+        starts.append(len(starts))
+        if len(starts) == 4:  # steps 1, 2 and 3 began after step 0's report was out
+            three_more.set()
+        return handle(cmds, now, step)
 
-    client.start_step = traced  # type: ignore[method-assign]
+    worker.handle = traced  # type: ignore[method-assign]
+    on_report = rt.controller.on_report
+    seen: list[bool] = []
+
+    def blocking(rep: StepReport):
+        if not seen:  # blocks the event loop, hence the whole driver
+            seen.append(three_more.wait(timeout=20))
+        return on_report(rep)
+
+    rt.controller.on_report = blocking  # type: ignore[method-assign]
     await rt.start()
     try:
         outs = [o async for o in rt.generate("a", list(range(5, 25)),
                                              SamplingParams(max_tokens=6, ignore_eos=True))]
-        assert outs[-1].finished
+        assert outs[-1].finished and len(outs[-1].token_ids) == 6
     finally:
         await rt.shutdown()
-    # after the first step: 'start 1' comes before the report of step 0
-    first_report = next(i for i, e in enumerate(log) if e.startswith("report"))
-    assert log[first_report - 1] == "start 1", log[:6]
+    assert seen == [True]
+
+
+def test_core_loop_mode_sends_at_once_and_tracks_what_was_applied() -> None:
+    ctrl = Controller([InstanceView("colocated-0", "colocated", 64, 4)])
+    core = DriverCore(ctrl, ["colocated-0"], loop=True)
+    add = AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=4), 0.0)
+    assert core.dispatch([Send("colocated-0", add)]) == [StartStep("colocated-0", [add])]
+    # a second batch goes at once too, though the instance is busy
+    late = Abort("z")
+    assert core.dispatch([Send("colocated-0", late)]) == [StartStep("colocated-0", [late])]
+    assert core.sent["colocated-0"] == 2 and not core.idle("colocated-0")
+
+    def report(applied: int, stepped: bool, more: bool) -> list:
+        effects: list = []
+        rep = StepReport("colocated-0", "colocated", 0.0, 0.01, stepped=stepped,
+                         has_work=more, applied=applied)
+        core.step_done("colocated-0", rep, effects.extend)
+        return effects
+
+    # the instance starts its next step itself: the core starts none
+    effects = report(1, stepped=True, more=True)
+    assert [type(e) for e in effects] == [Deliver] and core.busy["colocated-0"]
+    # no more work, but the second batch has not been applied yet: still busy
+    report(1, stepped=True, more=False)
+    assert not core.idle("colocated-0")
+    report(2, stepped=False, more=False)
+    assert core.idle("colocated-0")

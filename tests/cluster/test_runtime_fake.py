@@ -1,6 +1,7 @@
 """The asyncio runtime and controller driven with the deterministic fake executor (no torch)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -79,8 +80,22 @@ async def test_cancel_mid_stream_frees_everything():
         await rt.shutdown()
 
 
+def slow_down(rt, iid: str, seconds: float = 0.005) -> None:
+    """Make an instance's steps take ``seconds``: its loop steps on its own, and the fake
+    executor alone takes microseconds, so a request could finish before a test kills it."""
+    ex = rt.instances[iid].client.worker.engine.executor
+    execute = ex.execute
+
+    def slow(batch):
+        time.sleep(seconds)
+        return execute(batch)
+
+    ex.execute = slow
+
+
 async def test_dead_decode_instance_recomputes_elsewhere():
     rt = cluster("disaggregated", p=1, d=2)
+    slow_down(rt, "decode-0")
     await rt.start()
     try:
         tasks = [asyncio.create_task(collect(rt, f"r{i}", pr, 60)) for i, pr in enumerate(PROMPTS)]
@@ -102,12 +117,15 @@ async def test_dead_decode_instance_recomputes_elsewhere():
 
 async def test_last_instance_dead_ends_requests_with_error():
     rt = cluster("disaggregated", p=1, d=1)
+    slow_down(rt, "decode-0")
     await rt.start()
     try:
-        task = asyncio.create_task(collect(rt, "r", [1, 2, 3], 200))
-        await asyncio.sleep(0.02)
-        rt.instances["decode-0"].client.kill()
-        outs = await asyncio.wait_for(task, 10)
+        outs = []
+        async for o in rt.generate("r", [1, 2, 3], SamplingParams(max_tokens=200, temperature=0,
+                                                                  ignore_eos=True)):
+            outs.append(o)
+            if o.instance_id == "decode-0" and rt.instances["decode-0"].view.alive:
+                rt.instances["decode-0"].client.kill()  # at its first token: mid-decode
         assert outs[-1].finish_reason == "error" and "decode" in outs[-1].error
         # a new request is refused at once (HTTP 503) instead of being prefilled for nothing
         with pytest.raises(RequestFailedError, match="no live decode instance"):
