@@ -1,20 +1,24 @@
 """Online serving: ``pdserve serve`` versus ``vllm serve`` (vLLM's CPU build) under the same
 ``pdserve bench`` workload (issue 14): TTFT, ITL, TPOT and throughput.
 
-For every repeat and machine condition (``quiet``; ``busy`` = one ``python -c 'while 1: pass'``
-started by this script beside the servers) each system in turn, in an order rotated per repeat:
+For every repeat, each system in turn (the order rotated per repeat):
 
-1. starts its OpenAI-compatible server as a subprocess (its own session) on the same model
-   directory, under the same served model name, and waits until ``/v1/models`` answers;
-2. warms up with a few requests of another seed (not measured);
-3. runs the same workload at every ``--rates`` value through :mod:`pdserve.bench`'s runner (the
-   code behind ``pdserve bench``): open-loop arrivals, the same seeded prompt token ids,
-   ``max_tokens`` = the requested length with ``ignore_eos`` (both servers honour it, so both
-   produce the same token counts; the script checks), greedy, streamed. Each rate gets its own
-   workload seed (``--seed + index``), so no prompt is served twice by one server and prefix
-   caching (on by default in both) never hits;
-4. stops the server (SIGINT, then SIGKILL of its whole process tree; the script checks that no
-   process of it is left).
+1. its OpenAI-compatible server starts as a subprocess (its own session) on the same model
+   directory, under the same served model name; the script waits until ``/v1/models`` answers;
+2. a few requests of another seed warm it up (not measured);
+3. for each machine condition (``quiet``; then ``busy``: one ``python -c 'while 1: pass'``
+   started by this script beside the server) and each of ``--rates``, the same workload runs
+   through :mod:`pdserve.bench`'s runner (the code behind ``pdserve bench``): open-loop Poisson
+   arrivals, the same seeded prompt token ids, ``max_tokens`` = the requested length with
+   ``ignore_eos`` (both servers honour it, so both produce the same token counts; the script
+   counts mismatches), greedy, streamed. Run ``k`` of a server (conditions × rates) uses
+   workload seed ``--seed + k``: the same prompts for every system, none served twice by one
+   server, so prefix caching (on by default in both) never hits;
+4. the server stops (SIGINT, then SIGKILL of its session and every descendant seen; the script
+   fails if any process of it is left).
+
+A server serves both conditions (vLLM compiles its model at start-up, minutes on a loaded
+2-core machine); so the systems' runs of one condition are one server's lifetime apart at most.
 
 Systems: ``pdserve`` is ``pdserve serve`` as it starts by default (``--backend ray``: one Ray
 actor per instance with one torch thread); ``pdserve-inproc`` is ``--backend inproc`` (the
@@ -95,6 +99,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="PNG: TTFT and ITL distributions")
     p.add_argument("--save-records", action="store_true",
                    help="every request's timeline in the JSON")
+    p.add_argument("--combine", nargs="+", metavar="JSON",
+                   help="measure nothing: aggregate, tabulate and plot the rows (and saved "
+                        "records) of earlier runs' --output-json files, e.g. separate repeats")
     args = p.parse_args(argv)
     bad = [s for s in args.systems if s not in SYSTEMS]
     bad += [c for c in args.conditions if c not in CONDITIONS]
@@ -305,14 +312,13 @@ def bench_settings(args: argparse.Namespace, vocab_size: int) -> Any:
                     vocab_size=vocab_size, max_model_len=args.max_model_len, prompt_mode="ids")
 
 
-def workloads(target: Any, plan: BenchPlan) -> list[Any]:
-    """One workload per rate, seed ``seed + i``: same prompts for every system, none repeated
-    within a server."""
+def workload(target: Any, plan: BenchPlan, index: int, rate: float) -> Any:
+    """The ``index``-th run's requests at ``rate``, seed ``seed + index``: the same prompts for
+    every system, none served twice by one server (so prefix caching never hits)."""
     from pdserve.bench.runner import build_workload
 
     s = plan.settings
-    return [build_workload(target, replace(s, seed=s.seed + i), rate)
-            for i, rate in enumerate(plan.rates)]
+    return build_workload(target, replace(s, seed=s.seed + index), rate)
 
 
 def warm_up(target: Any, plan: BenchPlan) -> None:
@@ -356,8 +362,10 @@ def read_lines(path: str | None) -> list[str]:
 
 
 def bench_server(server: ServerProcess, plan: BenchPlan, step_log: str | None,
-                 request_timeout: float) -> list[dict[str, Any]]:
-    """Warm up, then every rate; one result per rate (summary, records, steps, load, CPU)."""
+                 request_timeout: float, conditions: Sequence[str],
+                 busy_cmd: list[str]) -> list[dict[str, Any]]:
+    """Warm up, then every condition (``busy``: ``busy_cmd`` runs beside the server) and every
+    rate; one result per (condition, rate): summary, records, engine steps, load, server CPU."""
     from pdserve.bench.runner import run_workload
     from pdserve.bench.targets import HttpTarget
 
@@ -366,15 +374,26 @@ def bench_server(server: ServerProcess, plan: BenchPlan, step_log: str | None,
     asyncio.run(target.prepare())
     warm_up(target, plan)
     out = []
-    for rate, w in zip(plan.rates, workloads(target, plan)):
-        before = len(read_lines(step_log))
-        pids = server.tree()
-        cpu0 = cpu_seconds(pids)
-        with LoadSampler() as load:
-            run = run_workload(target, w, plan.settings)
-        cpu = cpu_seconds(pids) - cpu0
-        out.append({"rate": rate, "run": run, "load": load.samples, "server_cpu_s": cpu,
-                    "steps": step_stats(read_lines(step_log)[before:])})
+    for ci, cond in enumerate(conditions):
+        busy = subprocess.Popen(busy_cmd) if cond == "busy" else None
+        try:
+            if busy is not None:
+                time.sleep(2.0)  # let the scheduler spread the newcomer
+            for i, rate in enumerate(plan.rates):
+                w = workload(target, plan, ci * len(plan.rates) + i, rate)
+                before = len(read_lines(step_log))
+                pids = server.tree()
+                cpu0 = cpu_seconds(pids)
+                with LoadSampler() as load:
+                    run = run_workload(target, w, plan.settings)
+                cpu = cpu_seconds(pids) - cpu0
+                out.append({"condition": cond, "rate": rate, "run": run, "load": load.samples,
+                            "server_cpu_s": cpu,
+                            "steps": step_stats(read_lines(step_log)[before:])})
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
     return out
 
 
@@ -567,12 +586,55 @@ def plot(records: dict[tuple[str, str, float, str], list[Any]], path: str) -> No
 
 
 # ---------------------------------------------------------------------------- driver
+def combine(args: argparse.Namespace) -> int:
+    """``--combine``: the report of several earlier runs' JSON files together."""
+    from pdserve.bench.metrics import RequestRecord
+
+    rows: list[dict[str, Any]] = []
+    saved: list[dict[str, Any]] = []
+    records: dict[tuple[str, str, float, str], list[Any]] = {}
+    for path in args.combine:
+        rep = json.loads(Path(path).read_text())
+        rows += rep["rows"]
+        for e in rep.get("records", []):
+            saved.append(e)
+            records.setdefault((e["model"], e["condition"], e["rate"], e["system"]), []).extend(
+                RequestRecord.from_dict(r) for r in e["records"])
+    agg = write_report(args, None, rows, saved, time.time())
+    print_rich(agg)
+    if args.output_md:
+        Path(args.output_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_md).write_text(markdown(agg))
+    if args.plot and records:
+        plot(records, args.plot)
+    return 0
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        return combine(args)
+    if threading.current_thread() is not threading.main_thread():
+        return measure(args, argv)
+    # servers run in their own sessions: unwind (and stop them) on SIGTERM, and on SIGINT even
+    # when started in the background (where the shell ignores SIGINT)
+    old = {sig: signal.signal(sig, h) for sig, h in ((signal.SIGTERM, _exit_on_signal),
+                                                     (signal.SIGINT, signal.default_int_handler))}
+    try:
+        return measure(args, argv)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     sys.path.insert(0, HERE)
     from vs_vllm import BUSY_CODE, resolve_models
 
-    from pdserve.bench.report import write_json
     from pdserve.config import ModelConfig
 
     systems = [s for s in args.systems if s != "vllm" or args.vllm_python]
@@ -592,59 +654,68 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"requests per rate at {', '.join(f'{r:g}' for r in args.rates)} req/s",
               flush=True)
         for rep in range(args.first_repeat, args.first_repeat + args.repeats):
-            for cond in args.conditions:
-                busy = (subprocess.Popen([sys.executable, "-c", BUSY_CODE])
-                        if cond == "busy" else None)
+            for system in run_order(systems, rep):
+                tag = f"{model}-{system}-r{rep}"
+                step_log = (None if system == "vllm" or args.no_step_log
+                            else str((work / f"steps-{tag}.jsonl").resolve()))
+                if step_log and os.path.exists(step_log):
+                    os.unlink(step_log)
+                port = free_port()
+                cmd, env = server_command(system, model_dir, port, args, step_log)
+                print(f"  r{rep} {system}: starting {' '.join(cmd[1:4])} ... (load "
+                      f"{os.getloadavg()[0]:.2f})", flush=True)
+                server = ServerProcess(system, cmd, env, port, work / f"serve-{tag}.log")
                 try:
-                    for system in run_order(systems, rep):
-                        tag = f"{model}-{system}-{cond}-r{rep}"
-                        step_log = (None if system == "vllm" or args.no_step_log
-                                    else str((work / f"steps-{tag}.jsonl").resolve()))
-                        if step_log and os.path.exists(step_log):
-                            os.unlink(step_log)
-                        port = free_port()
-                        cmd, env = server_command(system, model_dir, port, args, step_log)
-                        server = ServerProcess(system, cmd, env, port, work / f"serve-{tag}.log")
-                        try:
-                            startup = server.wait_ready(args.startup_timeout)
-                            results = bench_server(server, plan, step_log, args.request_timeout)
-                        finally:
-                            left = server.stop()
-                        if left:
-                            raise RuntimeError(f"{system}: processes left after stop: {left}")
-                        for res in results:
-                            row = run_row(rep, cond, system, model, res, startup)
-                            rows.append(row)
-                            records.setdefault((model, cond, res["rate"], system),
-                                               []).extend(res["run"].records)
-                            if args.save_records:
-                                saved.append({"model": model, "repeat": rep, "condition": cond,
-                                              "system": system, "rate": res["rate"],
-                                              "records": [r.to_dict()
-                                                          for r in res["run"].records]})
-                            print(progress_line(row), flush=True)
+                    startup = server.wait_ready(args.startup_timeout)
+                    print(f"  r{rep} {system}: ready after {startup:.0f} s", flush=True)
+                    results = bench_server(server, plan, step_log, args.request_timeout,
+                                           args.conditions, [sys.executable, "-c", BUSY_CODE])
                 finally:
-                    if busy is not None:
-                        busy.kill()
-                        busy.wait()
-    agg = aggregate(rows)
+                    left = server.stop()
+                if left:
+                    raise RuntimeError(f"{system}: processes left after stop: {left}")
+                for res in results:
+                    cond = res["condition"]
+                    row = run_row(rep, cond, system, model, res, startup)
+                    rows.append(row)
+                    records.setdefault((model, cond, res["rate"], system),
+                                       []).extend(res["run"].records)
+                    if args.save_records:
+                        saved.append({"model": model, "repeat": rep, "condition": cond,
+                                      "system": system, "rate": res["rate"],
+                                      "records": [r.to_dict() for r in res["run"].records]})
+                    print(progress_line(row), flush=True)
+                write_report(args, argv, rows, saved, t_start)
+    agg = write_report(args, argv, rows, saved, t_start)
     print_rich(agg)
     md = markdown(agg)
     if args.output_md:
         Path(args.output_md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_md).write_text(md)
-    if args.output_json:
-        rep_json: dict[str, Any] = {
-            "command": "python benchmarks/vs_vllm_serve.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]),
-            "args": vars(args), "machine": machine(), "wall_s": time.time() - t_start,
-            "rows": rows, "aggregate": agg}
-        if args.save_records:
-            rep_json["records"] = saved
-        write_json(args.output_json, rep_json)
     if args.plot:
         plot(records, args.plot)
     return 0
+
+
+def write_report(args: argparse.Namespace, argv: Sequence[str] | None,
+                 rows: list[dict[str, Any]], saved: list[dict[str, Any]],
+                 t_start: float) -> dict[str, Any]:
+    """Aggregate and (with ``--output-json``) write everything so far; called after every
+    server, so that an interrupted run keeps what it measured."""
+    from pdserve.bench.report import write_json
+
+    agg = aggregate(rows)
+    if args.output_json:
+        rep: dict[str, Any] = {
+            "command": "python benchmarks/vs_vllm_serve.py " + " ".join(
+                argv if argv is not None else sys.argv[1:]),
+            "load_at_end": os.getloadavg(),
+            "args": vars(args), "machine": machine(), "wall_s": time.time() - t_start,
+            "rows": rows, "aggregate": agg}
+        if args.save_records:
+            rep["records"] = saved
+        write_json(args.output_json, rep)
+    return agg
 
 
 def progress_line(row: dict[str, Any]) -> str:
