@@ -336,22 +336,37 @@ def warm_up(target: Any, plan: BenchPlan) -> None:
 
 
 def step_stats(lines: Sequence[str]) -> dict[str, Any] | None:
-    """Engine steps of one run (pdserve's ``--step-log`` lines): count, total busy seconds, and
-    the elapsed time of decode-only steps (what one token costs the engine) and of steps with
-    a prefill chunk."""
+    """Engine steps of one run (pdserve's ``--step-log`` lines): count, busy seconds, the
+    elapsed time of decode-only steps (what a token costs the executor) and of steps with a
+    prefill chunk, and the step cycle: ``now`` to the next step's ``now`` (the server's clock
+    when it issued each step) between two decode-only steps of the same requests. The cycle
+    less the executor's time is the per-step overhead outside the forward pass (scheduling,
+    the round trip to the instance, the server's token handling)."""
     steps = [json.loads(x) for x in lines if x.strip()]
     if not steps:
         return None
     dec = [s["elapsed"] for s in steps if not s.get("prefill_chunks")]
     pre = [s["elapsed"] for s in steps if s.get("prefill_chunks")]
     batch = [len(s.get("decode_context_lens") or []) for s in steps if not s.get("prefill_chunks")]
+    cycles, gaps = [], []
+    for a, b in zip(steps, steps[1:]):
+        ca, cb = a.get("decode_context_lens") or [], b.get("decode_context_lens") or []
+        if (a.get("instance_id") == b.get("instance_id") and not a.get("prefill_chunks")
+                and not b.get("prefill_chunks") and ca and {c + 1 for c in ca} & set(cb)):
+            cycles.append(b["now"] - a["now"])
+            gaps.append(b["now"] - a["now"] - a["elapsed"])
+    med = statistics.median
     return {"num_steps": len(steps), "busy_s": sum(s["elapsed"] for s in steps),
             "num_decode_steps": len(dec),
             "decode_step_mean_s": statistics.fmean(dec) if dec else None,
-            "decode_step_median_s": statistics.median(dec) if dec else None,
+            "decode_step_median_s": med(dec) if dec else None,
             "decode_batch_mean": statistics.fmean(batch) if batch else None,
             "num_prefill_steps": len(pre),
-            "prefill_step_mean_s": statistics.fmean(pre) if pre else None}
+            "prefill_step_mean_s": statistics.fmean(pre) if pre else None,
+            "num_cycles": len(cycles),
+            "decode_cycle_median_s": med(cycles) if cycles else None,
+            "decode_gap_median_s": med(gaps) if gaps else None,
+            "decode_gap_mean_s": statistics.fmean(gaps) if gaps else None}
 
 
 def read_lines(path: str | None) -> list[str]:
@@ -451,10 +466,11 @@ def aggregate(rows: Sequence[dict[str, Any]], baseline: str = "vllm") -> dict[st
             xs = [r[k] for r in rs if r.get(k) is not None]
             if xs:
                 entry[k] = spread(xs)
-        ds = [r["steps"]["decode_step_mean_s"] for r in rs
-              if r.get("steps") and r["steps"].get("decode_step_mean_s") is not None]
-        if ds:
-            entry["decode_step_mean_s"] = spread(ds)
+        for k in ("decode_step_mean_s", "decode_step_median_s", "decode_cycle_median_s",
+                  "decode_gap_median_s"):
+            xs = [r["steps"][k] for r in rs if r.get("steps") and r["steps"].get(k) is not None]
+            if xs:
+                entry[k] = spread(xs)
         per.append(entry)
     ratios: list[dict[str, Any]] = []
     for (model, cond, rate, system), rs in groups.items():
@@ -500,7 +516,8 @@ LATENCY_COLS = [("TTFT mean", "ttft_mean_s"), ("TTFT P50", "ttft_median_s"),
 def tables(agg: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of the latency table and the ratio table."""
     head = ["condition", "rate", "system"] + [f"{n} (ms)" for n, _ in LATENCY_COLS] + [
-        "out tok/s", "server CPU ms/tok", "engine decode step (ms)", "load"]
+        "out tok/s", "server CPU ms/tok", "decode step: executor P50 (ms)",
+        "step cycle P50 (ms)", "load"]
     order = {s: i for i, s in enumerate(SYSTEMS)}
     per = sorted(agg["per_system"], key=lambda e: (e["model"], CONDITIONS.index(e["condition"]),
                                                    e["rate"], order.get(e["system"], 9)))
@@ -510,7 +527,8 @@ def tables(agg: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                 + [_ms(e.get(k)) for _, k in LATENCY_COLS]
                 + [_num(e.get("output_tokens_per_s")),
                    _num(e.get("server_cpu_ms_per_token"), "{:.0f}"),
-                   _ms(e.get("decode_step_mean_s")), _num(e.get("load_mean"))]
+                   _ms(e.get("decode_step_median_s")), _ms(e.get("decode_cycle_median_s")),
+                   _num(e.get("load_mean"))]
                 for e in per if e["model"] == model]
         out.append((f"{model}: median over repeats (range)", head, rows))
         rat = [e for e in agg["ratios"] if e["model"] == model]
@@ -720,14 +738,15 @@ def write_report(args: argparse.Namespace, argv: Sequence[str] | None,
 
 def progress_line(row: dict[str, Any]) -> str:
     steps = row.get("steps") or {}
-    dec = steps.get("decode_step_mean_s")
+    dec, cyc = steps.get("decode_step_median_s"), steps.get("decode_cycle_median_s")
     return (f"  r{row['repeat']} {row['condition']:5s} {row['rate']:g} req/s "
             f"{row['system']:14s} TTFT mean {1000 * (row['ttft_mean_s'] or 0):6.0f} ms "
             f"P90 {1000 * (row['ttft_p90_s'] or 0):6.0f}; ITL mean "
             f"{1000 * (row['itl_mean_s'] or 0):5.1f} ms P90 {1000 * (row['itl_p90_s'] or 0):5.1f}"
             f"; {row['output_tokens_per_s']:.1f} tok/s; failed {row['num_failed']}, wrong "
             f"length {row['wrong_length']}"
-            + (f"; engine decode step {1000 * dec:.1f} ms" if dec else "")
+            + (f"; decode step P50 {1000 * dec:.1f} ms" if dec else "")
+            + (f", cycle P50 {1000 * cyc:.1f} ms" if cyc else "")
             + f"; load {row['load_mean']:.2f}")
 
 

@@ -70,17 +70,26 @@ def test_server_commands(vs) -> None:
 
 
 def test_step_stats(vs) -> None:
-    lines = [json.dumps({"elapsed": 0.2, "prefill_chunks": [[128, 0]],
-                         "decode_context_lens": []}),
-             json.dumps({"elapsed": 0.05, "prefill_chunks": [], "decode_context_lens": [130]}),
-             json.dumps({"elapsed": 0.07, "prefill_chunks": [],
-                         "decode_context_lens": [131, 140]}), ""]
+    def line(now, elapsed, prefill, decode, inst="colocated-0"):
+        return json.dumps({"instance_id": inst, "now": now, "elapsed": elapsed,
+                           "prefill_chunks": prefill, "decode_context_lens": decode})
+
+    lines = [line(10.0, 0.2, [[0, 128]], []),
+             line(10.25, 0.05, [], [129]),
+             line(10.31, 0.07, [], [130, 140]),   # one request continues: a cycle of 0.06
+             line(10.40, 0.05, [], [131, 141]),   # both continue: a cycle of 0.09
+             line(20.0, 0.05, [], [200]),         # another request after an idle gap
+             line(20.1, 0.05, [], [201], "colocated-1"), ""]  # another instance
     s = vs.step_stats(lines)
-    assert s["num_steps"] == 3 and s["num_decode_steps"] == 2 and s["num_prefill_steps"] == 1
-    assert s["busy_s"] == pytest.approx(0.32)
-    assert s["decode_step_mean_s"] == pytest.approx(0.06)
-    assert s["decode_batch_mean"] == pytest.approx(1.5)
+    assert s["num_steps"] == 6 and s["num_decode_steps"] == 5 and s["num_prefill_steps"] == 1
+    assert s["busy_s"] == pytest.approx(0.47)
+    assert s["decode_step_mean_s"] == pytest.approx(0.054)
+    assert s["decode_step_median_s"] == pytest.approx(0.05)
+    assert s["decode_batch_mean"] == pytest.approx(1.4)
     assert s["prefill_step_mean_s"] == pytest.approx(0.2)
+    assert s["num_cycles"] == 2
+    assert s["decode_cycle_median_s"] == pytest.approx(0.075)
+    assert s["decode_gap_median_s"] == pytest.approx((0.01 + 0.02) / 2)
     assert vs.step_stats([]) is None
 
 
@@ -103,7 +112,8 @@ def test_rows_and_aggregate(vs) -> None:
         for system, ttft, gap in (("pdserve", p_ttft, 0.04), ("vllm", v_ttft, 0.02)):
             res = {"rate": 0.5, "run": _run(0.5, ttft, gap), "load": [1.0, 3.0],
                    "server_cpu_s": 0.7,
-                   "steps": {"decode_step_mean_s": 0.03} if system == "pdserve" else None}
+                   "steps": ({"decode_step_mean_s": 0.03, "decode_step_median_s": 0.03}
+                             if system == "pdserve" else None)}
             rows.append(vs.run_row(rep, "quiet", system, "m", res, startup_s=5.0))
     r0 = rows[0]
     assert r0["system"] == "pdserve" and r0["rate"] == 0.5
@@ -123,7 +133,8 @@ def test_rows_and_aggregate(vs) -> None:
     assert per["pdserve"]["ttft_mean_s"] == {"median": pytest.approx(0.25),
                                              "min": pytest.approx(0.2),
                                              "max": pytest.approx(0.3), "n": 2}
-    assert per["pdserve"]["decode_step_mean_s"]["median"] == pytest.approx(0.03)
+    assert per["pdserve"]["decode_step_median_s"]["median"] == pytest.approx(0.03)
+    assert "decode_step_median_s" not in per["vllm"]
     (ratio,) = agg["ratios"]
     assert ratio["system"] == "pdserve" and ratio["over"] == "vllm"
     # per repeat: 0.2 / 0.1 and 0.3 / 0.1
