@@ -192,14 +192,48 @@ def process_tree(root: int) -> dict[int, str]:
     return out
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds of these processes (those that still exist)."""
-    total = 0
+def cpu_seconds(pids: Sequence[int]) -> dict[int, float]:
+    """User + system CPU seconds of each of these processes that still exists."""
+    out = {}
     for pid in pids:
         st = _stat(pid)
         if st is not None:
-            total += int(st[11]) + int(st[12])
-    return total / os.sysconf("SC_CLK_TCK")
+            out[pid] = (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def process_name(pid: int) -> str:
+    """The process's title (``VLLM::Worker``, ``ray::_RayWorker.handle``, ``raylet``) or its
+    ``comm``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return "?"
+    args = [a.decode(errors="replace") for a in argv if a]
+    if args and args[0].startswith(("VLLM::", "ray::")):
+        return args[0].split()[0]
+    if comm.startswith("python"):
+        for i, a in enumerate(args[1:], 1):
+            if a == "-m" and i + 1 < len(args):
+                return "python -m " + args[i + 1]
+            if a == "-c":
+                return "python -c " + args[i + 1][:40] if i + 1 < len(args) else "python -c"
+            if not a.startswith("-"):
+                return "python " + os.path.basename(a)
+    return comm
+
+
+def cpu_by_process(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds between two :func:`cpu_seconds` samples, summed per process name, largest
+    first (processes that started in between count from zero)."""
+    by: dict[str, float] = {}
+    for pid, t in after.items():
+        name = process_name(pid)
+        by[name] = by.get(name, 0.0) + t - before.get(pid, 0.0)
+    return dict(sorted(by.items(), key=lambda kv: -kv[1]))
 
 
 def _same_process(pid: int, start: str) -> bool:
@@ -397,13 +431,13 @@ def bench_server(server: ServerProcess, plan: BenchPlan, step_log: str | None,
             for i, rate in enumerate(plan.rates):
                 w = workload(target, plan, ci * len(plan.rates) + i, rate)
                 before = len(read_lines(step_log))
-                pids = server.tree()
-                cpu0 = cpu_seconds(pids)
+                cpu0 = cpu_seconds(server.tree())
                 with LoadSampler() as load:
                     run = run_workload(target, w, plan.settings)
-                cpu = cpu_seconds(pids) - cpu0
+                by_proc = cpu_by_process(cpu0, cpu_seconds(server.tree()))
                 out.append({"condition": cond, "rate": rate, "run": run, "load": load.samples,
-                            "server_cpu_s": cpu,
+                            "server_cpu_s": sum(by_proc.values()), "server_cpu_by_process":
+                            {k: round(v, 3) for k, v in by_proc.items() if v >= 0.01},
                             "steps": step_stats(read_lines(step_log)[before:])})
         finally:
             if busy is not None:
@@ -430,7 +464,8 @@ def run_row(repeat: int, condition: str, system: str, model: str, res: dict[str,
         "duration_s": sm.duration_s, "throughput_rps": sm.throughput_rps,
         "output_tokens_per_s": sm.output_tokens_per_s,
         "load_mean": statistics.fmean(res["load"]), "load_max": max(res["load"]),
-        "server_cpu_s": res["server_cpu_s"], "steps": res["steps"],
+        "server_cpu_s": res["server_cpu_s"],
+        "server_cpu_by_process": res.get("server_cpu_by_process"), "steps": res["steps"],
         "errors": sm.errors,
     }
     for m in METRICS:
@@ -556,7 +591,7 @@ def print_rich(agg: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = Console(width=260)  # wide tables: let the terminal wrap rather than truncate
     for title, head, rows in tables(agg):
         t = Table(title=title)
         for h in head:

@@ -93,6 +93,16 @@ def test_step_stats(vs) -> None:
     assert vs.step_stats([]) is None
 
 
+def test_cpu_by_process(vs) -> None:
+    me, parent = os.getpid(), os.getppid()
+    by = vs.cpu_by_process({me: 1.0, parent: 0.5}, {me: 3.5, parent: 0.5})
+    assert by[vs.process_name(me)] == pytest.approx(2.5)
+    assert vs.process_name(me).startswith("python")
+    tree = vs.process_tree(parent)
+    assert me in tree and parent in tree
+    assert set(vs.cpu_seconds([me, 2 ** 22 + 7])) == {me}  # a pid that does not exist: skipped
+
+
 def _run(rate: float, ttft: float, gap: float, n_tokens: int = 4) -> Run:
     """Two requests 1 s apart, first token ``ttft`` after arrival, then a token every
     ``gap`` seconds; the second one returns a token short."""
