@@ -31,8 +31,11 @@ elapsed time, which the report puts beside the ITL (what the engine computes per
 the client sees).
 
     python benchmarks/vs_vllm_serve.py --vllm-python /work/vllm-venv/bin/python \\
-        --models smollm2 --rates 0.25,1 --num-requests 16 --repeats 2 \\
-        --output-json out/vs_vllm_serve.json --plot out/vs_vllm_serve.png
+        --models smollm2 --systems pdserve,pdserve-inproc,vllm --rates 0.1,0.5 \\
+        --num-requests 16 --repeats 3 --output-json out/vs_vllm_serve.json \\
+        --plot out/vs_vllm_serve.png
+    # separate runs (e.g. one repeat each, --first-repeat k), reported together:
+    python benchmarks/vs_vllm_serve.py --combine out/r0.json out/r1.json --plot out/cdf.png
 
 Results: docs/benchmarks.md, "Online: pdserve serve vs vllm serve".
 """
@@ -77,10 +80,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--first-repeat", type=int, default=0,
                    help="index of the first repeat (rotates the order; to add repeats later)")
-    p.add_argument("--workload", default="fixed:input=128,output=64",
+    p.add_argument("--workload", default="fixed:input=128,output=32",
                    help="a pdserve bench workload (default: %(default)s)")
-    p.add_argument("--rates", type=_rates, default=[0.25, 1.0],
-                   help="Poisson rates in req/s, low load first (default: 0.25,1)")
+    p.add_argument("--rates", type=_rates, default=[0.1, 0.5],
+                   help="Poisson rates in req/s, low load first (default: 0.1,0.5)")
     p.add_argument("--num-requests", type=int, default=16, help="requests per rate")
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)

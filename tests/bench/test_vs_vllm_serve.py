@@ -37,9 +37,10 @@ def test_arguments(vs) -> None:
     assert a.rates == [0.5, 2.0]
     assert a.systems == ["pdserve", "pdserve-inproc", "vllm"]
     assert a.conditions == ["quiet"]
-    assert a.workload == "fixed:input=128,output=64"
+    assert a.workload == "fixed:input=128,output=32"
     d = vs.parse_args([])
     assert d.systems == ["pdserve", "vllm"] and d.conditions == ["quiet", "busy"]
+    assert d.rates == [0.1, 0.5] and d.combine is None
     for bad in (["--systems", "sglang"], ["--conditions", "noisy"], ["--rates", "0,1"],
                 ["--rates", "x"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
@@ -204,3 +205,28 @@ def test_end_to_end_vllm(vs, tmp_path: Path) -> None:
                     str(tmp_path / "work"), "--output-json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["num_failed"] == 0 and row["output_tokens"] == 8
+
+
+def test_combine(vs, tmp_path: Path) -> None:
+    """Two runs' JSON files (one repeat each) are reported together: ratios per repeat, the
+    saved records plotted."""
+    files = []
+    for rep, ttft in ((0, 0.2), (1, 0.4)):
+        rows, saved = [], []
+        for system, t in (("pdserve", ttft), ("vllm", 0.1)):
+            run = _run(0.5, t, 0.03)
+            res = {"rate": 0.5, "run": run, "load": [2.0], "server_cpu_s": 1.0, "steps": None}
+            rows.append(vs.run_row(rep, "quiet", system, "m", res, startup_s=1.0))
+            saved.append({"model": "m", "repeat": rep, "condition": "quiet", "system": system,
+                          "rate": 0.5, "records": [r.to_dict() for r in run.records]})
+        f = tmp_path / f"r{rep}.json"
+        f.write_text(json.dumps({"rows": rows, "records": saved}))
+        files.append(str(f))
+    out, png = tmp_path / "all.json", tmp_path / "all.png"
+    assert vs.main(["--combine", *files, "--output-json", str(out), "--plot", str(png)]) == 0
+    rep = json.loads(out.read_text())
+    assert len(rep["rows"]) == 4
+    (ratio,) = rep["aggregate"]["ratios"]
+    assert ratio["ttft_mean_s"]["min"] == pytest.approx(2.0)
+    assert ratio["ttft_mean_s"]["max"] == pytest.approx(4.0)
+    assert png.stat().st_size > 0
