@@ -193,7 +193,9 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
                 killed: list[str] = []
                 for t in kill_at:
                     await asyncio.sleep(max(t - (time.monotonic() - t0), 0.0))
-                    victim = [iid for iid, i in runtime.instances.items() if i.view.alive][-1]
+                    # not one already killed whose death the driver has not yet seen
+                    victim = [iid for iid, i in runtime.instances.items()
+                              if i.view.alive and iid not in killed][-1]
                     runtime.instances[victim].client.kill()
                     killed.append(victim)
                 return killed

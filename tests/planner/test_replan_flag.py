@@ -56,13 +56,13 @@ def test_deployed_planner_replicates_each_role_at_its_tp_pp(const_profile):
     """Alg. 1's last step at the deployed units: ``n = ⌈R / g⌉`` per role, each ``g`` the
     unit's goodput on the window's lengths."""
     prof = const_profile({1: 20.0, 2: 12.0}, decode_ms=10.0)
-    p = Problem(model="opt-13b", profile=prof, slo=SLO(0.2, 0.05), num_requests=300,
+    p = Problem(model="opt-13b", profile=prof, slo=SLO(0.2, 0.05), num_requests=100,
                 horizon=0.5)
     cfg = ClusterConfig.from_dict({"model": "opt-13b", "strategy": "disaggregated",
                                    "num_prefill": 1, "num_decode": 1, "prefill_tp": 2})
     w = WindowStats(rate=200.0, mean_prompt=600.0, mean_output=6.0, num_requests=600)
     got = deployed_planner(p, cfg)(w)
-    fixed = Problem(model="opt-13b", profile=prof, slo=SLO(0.2, 0.05), num_requests=300,
+    fixed = Problem(model="opt-13b", profile=prof, slo=SLO(0.2, 0.05), num_requests=100,
                     horizon=0.5, rate=200.0, workload="fixed:input=600,output=6")
     g_p = evaluate_unit(fixed, Unit("prefill", 2)).goodput_rps
     g_d = evaluate_unit(fixed, Unit("decode", 1)).goodput_rps
