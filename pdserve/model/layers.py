@@ -72,6 +72,12 @@ class AttentionMetadata:
     max_gather_blocks: int = 0
     workspace: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Set instead of ``decodes`` when the decode rows run the in-place paged kernel
+    # (:mod:`pdserve.model.cpu_kernels`): their block tables ``[num_decode, max_blocks]`` and
+    # context lengths ``[num_decode]``.
+    decode_table: torch.Tensor | None = None
+    decode_ctx: torch.Tensor | None = None
+    sliding_window: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,13 +98,16 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def build_attention_metadata(seqs: Sequence[Any], block_size: int,
                              device: torch.device | str = "cpu",
                              dtype: torch.dtype = torch.float32,
-                             sliding_window: int | None = None) -> AttentionMetadata:
+                             sliding_window: int | None = None,
+                             decode_kernel: bool = False) -> AttentionMetadata:
     """The one place where per-step metadata is built from scheduled sequences.
 
     ``seqs`` are :class:`pdserve.engine.batch.ScheduledSeq`-like objects (``request`` with
     ``all_token_ids`` and ``block_ids``, ``start``, ``num_tokens``, ``sample``). Attention masks
     are additive, in ``dtype`` (the model's). ``sliding_window=w`` lets position ``q`` see only
-    keys ``q - w < k <= q`` (Mistral).
+    keys ``q - w < k <= q`` (Mistral). ``decode_kernel``: the decode rows will run
+    :func:`pdserve.model.cpu_kernels.paged_decode_kernel` (CPU, float32): one block table for
+    all of them (``decode_table``/``decode_ctx``) instead of padded :class:`DecodeGroup` s.
     """
     if not seqs:
         raise ValueError("cannot build attention metadata for an empty batch")
@@ -142,8 +151,11 @@ def build_attention_metadata(seqs: Sequence[Any], block_size: int,
 
     meta = AttentionMetadata(input_ids=tensor(input_ids), positions=tensor(positions),
                              slot_mapping=tensor(slots), sample_indices=tensor(sample),
-                             num_decode=nd)
-    lo = 0
+                             num_decode=nd, sliding_window=sliding_window)
+    lo = nd if decode_kernel else 0
+    if decode_kernel and nd:
+        meta.decode_table = tensor(table[:nd, : int(nblocks[:nd].max())])
+        meta.decode_ctx = tensor(ctx[:nd])
     while lo < nd:  # rows are sorted by context, longest first
         mb = int(nblocks[lo])
         hi = lo + 1
@@ -221,6 +233,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     v_cache.view(kv_heads, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     out = q.new_empty(num_tokens, heads, hd)
+    if meta.decode_table is not None:
+        from pdserve.model.cpu_kernels import paged_decode_kernel
+
+        nd = meta.num_decode
+        od = paged_decode_kernel(q[:nd], kv_cache, meta.decode_table, meta.decode_ctx,
+                                 1.0 / math.sqrt(hd) if scale is None else scale,
+                                 meta.sliding_window)
+        if od is None:
+            raise RuntimeError("metadata asks for the CPU decode kernel, which does not apply "
+                               f"here ({q.device}, {q.dtype})")
+        out[:nd] = od
     for d in meta.decodes:
         n = d.hi - d.lo
         keys = d.blocks.shape[1] * block_size
