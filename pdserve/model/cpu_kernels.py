@@ -113,7 +113,7 @@ void paged_decode_f32(const float *q, int64_t q_row, int64_t q_head,
             }
         }
         for (int64_t r = 0; r < g; r++)
-            memcpy(out + i * heads * hd + (h * g + r) * hd, acc + r * hd, sizeof(float) * (size_t)hd);
+            memcpy(out + (i * heads + h * g + r) * hd, acc + r * hd, sizeof(float) * hd);
         free(scores);
         free(acc);
     }
