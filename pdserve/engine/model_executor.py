@@ -16,7 +16,11 @@ from pdserve.config import EngineConfig, ModelConfig, cdiv, kv_cache_blocks
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.cpu_threads import ThreadGovernor
 from pdserve.model import cpu_kernels
-from pdserve.model.layers import build_attention_metadata, gather_elements_per_block
+from pdserve.model.layers import (
+    build_attention_metadata,
+    gather_elements_per_block,
+    prepack_linears,
+)
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleRow
 
@@ -81,6 +85,8 @@ class ModelExecutor:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         self.model, self.model_config = load_model(config.model, config.dtype, str(self.device))
+        if self.device.type == "cpu":
+            prepack_linears(self.model)  # oneDNN layout for decode-sized matmuls
         self.eos_token_ids = read_eos_token_ids(config.model, self.model_config)
         self.sliding_window = sliding_window(self.model_config)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

@@ -13,6 +13,7 @@ block_size`` of each head's flattened ``[num_blocks * block_size, head dim]`` vi
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -285,18 +286,70 @@ class Embedding(nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
+# Rows of a matmul for which a pre-packed oneDNN weight beats torch's F.linear (MKL) on CPU in
+# float32: decode-sized batches. Measured on the 56M llama's and SmolLM2-135M's shapes (2-core
+# AMD EPYC, AVX2): 1.2-3x faster at 8-64 rows (lm_head about 2x), slightly slower at 1 row,
+# equal or slower at prefill sizes (2,048 rows); docs/benchmarks.md, "Engine profile".
+PACKED_ROWS = (2, 256)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (``[out, in]``) reordered once into oneDNN's blocked layout for
+    :func:`linear`, or ``None`` where that does not apply (not CPU float32, no oneDNN,
+    ``PDSERVE_ONEDNN_LINEAR=0``)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()
+            or os.environ.get("PDSERVE_ONEDNN_LINEAR", "1") == "0"):
+        return None
+    try:
+        with torch.no_grad():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, AttributeError):  # an op this torch build lacks
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through the pre-packed ``packed`` (:func:`pack_weight`) for 2-D inputs of
+    :data:`PACKED_ROWS` rows."""
+    if (packed is not None and x.dim() == 2 and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]
+            and x.is_contiguous()):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # set by prepack(); not part of the state
+
+    def prepack(self) -> None:
+        """Keep a oneDNN-packed copy of the weight (after loading; see :func:`pack_weight`)."""
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
         return f"in={inp}, out={out}, bias={self.bias is not None}"
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Pre-pack every :class:`Linear` of ``model`` and a tied output head (``packed_head``) for
+    CPU float32 inference; returns how many weights were packed. Costs a second copy of those
+    weights in memory (F.linear keeps the plain one for single rows and prefill)."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.prepack()
+            count += m.packed is not None
+    if hasattr(model, "packed_head") and getattr(model, "lm_head", None) is None:
+        model.packed_head = pack_weight(model.embed_tokens.weight)
+        count += model.packed_head is not None
+    return count
 
 
 class LayerNorm(nn.Module):
