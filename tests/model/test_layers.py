@@ -94,3 +94,37 @@ def test_decode_kernel_can_be_switched_off(monkeypatch):
     table = torch.zeros(1, 1, dtype=torch.int64)
     assert cpu_kernels.paged_decode_kernel(q, kv, table, torch.ones(1, dtype=torch.int64),
                                            0.25) is None
+
+
+def test_packed_linear_matches_f_linear_and_is_used_for_decode_rows(monkeypatch):
+    import torch.nn.functional as F
+
+    from pdserve.model import layers
+
+    lin = layers.Linear(24, 40)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 24, generator=g))
+        lin.bias.copy_(torch.randn(40, generator=g))
+    lin.prepack()
+    if lin.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Ops:  # counts calls of the packed path
+        @staticmethod
+        def _linear_pointwise(*a):
+            calls.append(a[0].shape[0])
+            return real(*a)
+
+    monkeypatch.setattr(layers.torch.ops, "mkldnn", Ops, raising=False)
+    for rows in (1, 2, 17, 256, 300):
+        x = torch.randn(rows, 24, generator=g)
+        with torch.inference_mode():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias),
+                                       rtol=1e-5, atol=1e-5)
+    assert calls == [2, 17, 256]  # single rows and prefill sizes stay on F.linear
+    monkeypatch.setenv("PDSERVE_ONEDNN_LINEAR", "0")
+    lin.prepack()
+    assert lin.packed is None
