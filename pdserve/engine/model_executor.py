@@ -15,7 +15,12 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig, cdiv, kv_cache_blocks
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.cpu_threads import ThreadGovernor
-from pdserve.model.layers import build_attention_metadata, gather_elements_per_block
+from pdserve.model import cpu_kernels
+from pdserve.model.layers import (
+    build_attention_metadata,
+    gather_elements_per_block,
+    prepack_linears,
+)
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleRow
 
@@ -80,6 +85,8 @@ class ModelExecutor:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         self.model, self.model_config = load_model(config.model, config.dtype, str(self.device))
+        if self.device.type == "cpu":
+            prepack_linears(self.model)  # oneDNN layout for decode-sized matmuls
         self.eos_token_ids = read_eos_token_ids(config.model, self.model_config)
         self.sliding_window = sliding_window(self.model_config)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -90,6 +97,9 @@ class ModelExecutor:
         self.num_kv_blocks = self._plan_num_blocks()
         self.kv_cache = self._allocate(self.num_kv_blocks)
         self._workspace = torch.empty(0, dtype=self.dtype, device=self.device)
+        # decode attention reads the paged cache in place (CPU, float32) when the kernel builds
+        self.decode_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
+                              and cpu_kernels.available())
 
     # ------------------------------------------------------------------ memory
     @property
@@ -150,7 +160,8 @@ class ModelExecutor:
             self.thread_steps[n] += 1
         with torch.inference_mode():
             meta = build_attention_metadata(batch.seqs, self.block_size, self.device,
-                                            self.dtype, self.sliding_window)
+                                            self.dtype, self.sliding_window,
+                                            decode_kernel=self.decode_kernel)
             meta.workspace = self._gather_workspace(meta.max_gather_blocks)
             hidden = self.model(meta, self.kv_cache)
             sampled: list[int] = []

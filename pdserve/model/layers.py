@@ -13,6 +13,7 @@ block_size`` of each head's flattened ``[num_blocks * block_size, head dim]`` vi
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,12 @@ class AttentionMetadata:
     max_gather_blocks: int = 0
     workspace: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Set instead of ``decodes`` when the decode rows run the in-place paged kernel
+    # (:mod:`pdserve.model.cpu_kernels`): their block tables ``[num_decode, max_blocks]`` and
+    # context lengths ``[num_decode]``.
+    decode_table: torch.Tensor | None = None
+    decode_ctx: torch.Tensor | None = None
+    sliding_window: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,13 +99,16 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def build_attention_metadata(seqs: Sequence[Any], block_size: int,
                              device: torch.device | str = "cpu",
                              dtype: torch.dtype = torch.float32,
-                             sliding_window: int | None = None) -> AttentionMetadata:
+                             sliding_window: int | None = None,
+                             decode_kernel: bool = False) -> AttentionMetadata:
     """The one place where per-step metadata is built from scheduled sequences.
 
     ``seqs`` are :class:`pdserve.engine.batch.ScheduledSeq`-like objects (``request`` with
     ``all_token_ids`` and ``block_ids``, ``start``, ``num_tokens``, ``sample``). Attention masks
     are additive, in ``dtype`` (the model's). ``sliding_window=w`` lets position ``q`` see only
-    keys ``q - w < k <= q`` (Mistral).
+    keys ``q - w < k <= q`` (Mistral). ``decode_kernel``: the decode rows will run
+    :func:`pdserve.model.cpu_kernels.paged_decode_kernel` (CPU, float32): one block table for
+    all of them (``decode_table``/``decode_ctx``) instead of padded :class:`DecodeGroup` s.
     """
     if not seqs:
         raise ValueError("cannot build attention metadata for an empty batch")
@@ -142,8 +152,11 @@ def build_attention_metadata(seqs: Sequence[Any], block_size: int,
 
     meta = AttentionMetadata(input_ids=tensor(input_ids), positions=tensor(positions),
                              slot_mapping=tensor(slots), sample_indices=tensor(sample),
-                             num_decode=nd)
-    lo = 0
+                             num_decode=nd, sliding_window=sliding_window)
+    lo = nd if decode_kernel else 0
+    if decode_kernel and nd:
+        meta.decode_table = tensor(table[:nd, : int(nblocks[:nd].max())])
+        meta.decode_ctx = tensor(ctx[:nd])
     while lo < nd:  # rows are sorted by context, longest first
         mb = int(nblocks[lo])
         hi = lo + 1
@@ -221,6 +234,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     v_cache.view(kv_heads, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     out = q.new_empty(num_tokens, heads, hd)
+    if meta.decode_table is not None:
+        from pdserve.model.cpu_kernels import paged_decode_kernel
+
+        nd = meta.num_decode
+        od = paged_decode_kernel(q[:nd], kv_cache, meta.decode_table, meta.decode_ctx,
+                                 1.0 / math.sqrt(hd) if scale is None else scale,
+                                 meta.sliding_window)
+        if od is None:
+            raise RuntimeError("metadata asks for the CPU decode kernel, which does not apply "
+                               f"here ({q.device}, {q.dtype})")
+        out[:nd] = od
     for d in meta.decodes:
         n = d.hi - d.lo
         keys = d.blocks.shape[1] * block_size
@@ -262,18 +286,70 @@ class Embedding(nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
+# Rows of a matmul for which a pre-packed oneDNN weight beats torch's F.linear (MKL) on CPU in
+# float32: decode-sized batches. Measured on the 56M llama's and SmolLM2-135M's shapes (2-core
+# AMD EPYC, AVX2): 1.2-3x faster at 8-64 rows (lm_head about 2x), slightly slower at 1 row,
+# equal or slower at prefill sizes (2,048 rows); docs/benchmarks.md, "Engine profile".
+PACKED_ROWS = (2, 256)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (``[out, in]``) reordered once into oneDNN's blocked layout for
+    :func:`linear`, or ``None`` where that does not apply (not CPU float32, no oneDNN,
+    ``PDSERVE_ONEDNN_LINEAR=0``)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()
+            or os.environ.get("PDSERVE_ONEDNN_LINEAR", "1") == "0"):
+        return None
+    try:
+        with torch.no_grad():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, AttributeError):  # an op this torch build lacks
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through the pre-packed ``packed`` (:func:`pack_weight`) for 2-D inputs of
+    :data:`PACKED_ROWS` rows."""
+    if (packed is not None and x.dim() == 2 and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]
+            and x.is_contiguous()):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # set by prepack(); not part of the state
+
+    def prepack(self) -> None:
+        """Keep a oneDNN-packed copy of the weight (after loading; see :func:`pack_weight`)."""
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
         return f"in={inp}, out={out}, bias={self.bias is not None}"
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Pre-pack every :class:`Linear` of ``model`` and a tied output head (``packed_head``) for
+    CPU float32 inference; returns how many weights were packed. Costs a second copy of those
+    weights in memory (F.linear keeps the plain one for single rows and prefill)."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.prepack()
+            count += m.packed is not None
+    if hasattr(model, "packed_head") and getattr(model, "lm_head", None) is None:
+        model.packed_head = pack_weight(model.embed_tokens.weight)
+        count += model.packed_head is not None
+    return count
 
 
 class LayerNorm(nn.Module):

@@ -25,6 +25,7 @@ from pdserve.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
+    linear,
     paged_attention,
 )
 
@@ -118,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.packed_head: torch.Tensor | None = None  # tied head for CPU (prepack_linears)
 
     def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """``kv_cache``: ``[layers, 2, kv_heads, blocks, block_size, head_dim]``."""
@@ -128,8 +130,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x.index_select(0, meta.sample_indices))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:
+            return linear(hidden, self.embed_tokens.weight, None, self.packed_head)
+        return self.lm_head(hidden)
 
     def hf_weight_spec(self) -> WeightSpec:
         """Hugging Face tensor name -> (our parameter name, first row inside it)."""

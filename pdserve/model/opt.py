@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.model.layers import AttentionMetadata, Embedding, LayerNorm, Linear, paged_attention
+from pdserve.model.layers import (
+    AttentionMetadata,
+    Embedding,
+    LayerNorm,
+    Linear,
+    linear,
+    paged_attention,
+)
 
 WeightSpec = dict[str, tuple[str, int]]
 
@@ -79,6 +86,7 @@ class OPTForCausalLM(nn.Module):
                                  if keep_final else None)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(wdim, cfg.vocab_size, bias=False))
+        self.packed_head: torch.Tensor | None = None  # tied head for CPU (prepack_linears)
 
     def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """``kv_cache``: ``[layers, 2, heads, blocks, block_size, head_dim]``."""
@@ -96,8 +104,9 @@ class OPTForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:
+            return linear(hidden, self.embed_tokens.weight, None, self.packed_head)
+        return self.lm_head(hidden)
 
     def hf_weight_spec(self) -> WeightSpec:
         """Hugging Face tensor name -> (our parameter name, first row inside it)."""

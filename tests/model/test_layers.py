@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pdserve.model.layers import build_attention_metadata
@@ -40,3 +41,90 @@ def test_decodes_grouped_by_context_and_rows_mapped_back():
     assert (chunk.lo, chunk.hi, chunk.start) == (5, 11, 6)
     assert chunk.blocks.tolist() == [60, 61, 62]
     assert torch.equal(chunk.mask == 0, torch.arange(12)[None, :] <= torch.arange(6, 12)[:, None])
+
+
+def _attention_inputs(heads: int, kv_heads: int, hd: int = 16, blocks: int = 80):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, kv_heads, blocks, 4, hd, generator=g)
+    # decode contexts 5, 40, 8, 30, 4, 17 and a chunk with earlier context, blocks shuffled
+    order = torch.randperm(blocks, generator=g).tolist()
+    seqs, used = [], 0
+    for i, (ctx, n) in enumerate([(5, 1), (40, 1), (12, 6), (8, 1), (30, 1), (4, 1), (17, 1)]):
+        nb = -(-ctx // 4)
+        req = SimpleNamespace(request_id=str(i), all_token_ids=list(range(ctx)),
+                              block_ids=order[used : used + nb])
+        used += nb
+        seqs.append(SimpleNamespace(request=req, start=ctx - n, num_tokens=n, sample=True))
+    total = sum(s.num_tokens for s in seqs)
+    q = torch.randn(total, heads + kv_heads, hd, generator=g)[:, :heads]  # a strided view
+    k = torch.randn(total, kv_heads, hd, generator=g)
+    v = torch.randn(total, kv_heads, hd, generator=g)
+    return seqs, kv, q, k, v
+
+
+def test_decode_kernel_matches_the_torch_path():
+    from pdserve.model import cpu_kernels
+    from pdserve.model.layers import paged_attention
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler: the CPU decode kernel cannot be built here")
+    for heads, kv_heads in ((4, 2), (3, 3), (6, 2)):
+        for window in (None, 7):
+            seqs, kv, q, k, v = _attention_inputs(heads, kv_heads)
+            outs = []
+            for kernel in (False, True):
+                meta = build_attention_metadata(seqs, 4, sliding_window=window,
+                                                decode_kernel=kernel)
+                assert (meta.decode_table is not None) == kernel
+                assert (len(meta.decodes) == 0) == kernel
+                cache = kv.clone()
+                outs.append(paged_attention(q, k, v, cache, meta))
+            assert meta.decode_ctx.tolist() == [40, 30, 17, 8, 5, 4]
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_can_be_switched_off(monkeypatch):
+    from pdserve.model import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    assert not cpu_kernels.available()
+    q = torch.zeros(1, 2, 16)
+    kv = torch.zeros(2, 2, 4, 4, 16)
+    table = torch.zeros(1, 1, dtype=torch.int64)
+    assert cpu_kernels.paged_decode_kernel(q, kv, table, torch.ones(1, dtype=torch.int64),
+                                           0.25) is None
+
+
+def test_packed_linear_matches_f_linear_and_is_used_for_decode_rows(monkeypatch):
+    import torch.nn.functional as F
+
+    from pdserve.model import layers
+
+    lin = layers.Linear(24, 40)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 24, generator=g))
+        lin.bias.copy_(torch.randn(40, generator=g))
+    lin.prepack()
+    if lin.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Ops:  # counts calls of the packed path
+        @staticmethod
+        def _linear_pointwise(*a):
+            calls.append(a[0].shape[0])
+            return real(*a)
+
+    monkeypatch.setattr(layers.torch.ops, "mkldnn", Ops, raising=False)
+    for rows in (1, 2, 17, 256, 300):
+        x = torch.randn(rows, 24, generator=g)
+        with torch.inference_mode():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias),
+                                       rtol=1e-5, atol=1e-5)
+    assert calls == [2, 17, 256]  # single rows and prefill sizes stay on F.linear
+    monkeypatch.setenv("PDSERVE_ONEDNN_LINEAR", "0")
+    lin.prepack()
+    assert lin.packed is None
