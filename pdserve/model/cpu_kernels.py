@@ -148,6 +148,8 @@ def _build(path: str) -> None:
 
 def _load() -> Any:
     """The compiled library, built on first use (``None`` when it cannot be)."""
+    if "lib" in _loaded:  # every decode layer calls this: no lock once it is settled
+        return _loaded["lib"]
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.cpu_kernels import paged_decode_kernel
+
 
 @dataclass
 class PrefillChunk:
@@ -235,8 +237,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     out = q.new_empty(num_tokens, heads, hd)
     if meta.decode_table is not None:
-        from pdserve.model.cpu_kernels import paged_decode_kernel
-
         nd = meta.num_decode
         od = paged_decode_kernel(q[:nd], kv_cache, meta.decode_table, meta.decode_ctx,
                                  1.0 / math.sqrt(hd) if scale is None else scale,
