@@ -34,7 +34,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.bench.metrics import SLO, RequestRecord
+from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import Settings, build_workload, run_workload
 from pdserve.bench.targets import HttpTarget
 from pdserve.config import ClusterConfig
@@ -215,32 +215,114 @@ def latency_of(setup: SimulationConfig, model: str) -> Any:
                       ModelConfig.from_dir(model), 1, 1, "float32")
 
 
-def calibrate_from_run(target: HttpTarget, s: Settings, rate: float, model: str,
+def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], model: str,
                        step_log: Path, out: Path) -> tuple[str, dict[str, Any]]:
     """Serve a calibration run (the workload with another seed, so none of the measured
-    requests) at ``rate``, then fit the ``cpu`` device's efficiency factors to the steps the
-    live instances logged so far (warm-up included); writes ``out`` and returns its path and
-    the fit's summary."""
+    requests), ``s.num_requests`` requests split over ``rates`` so that its steps cover the
+    batch sizes (and the server's own CPU use) of every measured rate, then fit the ``cpu``
+    device's efficiency factors to the steps the live instances logged so far (warm-up
+    included); writes ``out`` and returns its path and the fit's summary."""
     from pdserve.sim.calibrate import calibrate
     from pdserve.sim.hardware import get_device, save_hardware
     from pdserve.sim.measurements import from_step_log
 
-    w = build_workload(target, replace(s, seed=s.seed + 1000), rate)
-    con.print(f"  calibration run: {len(w.requests)} other requests at {rate:g} req/s")
-    recs = asyncio.run(target.run(list(w.requests)))
-    failed = [r.error for r in recs if not r.ok]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(recs)} calibration requests failed: "
-                           f"{failed[0]}")
+    per = max(1, -(-s.num_requests // len(rates)))
+    for k, rate in enumerate(rates):
+        w = build_workload(target, replace(s, seed=s.seed + 1000 + k, num_requests=per), rate)
+        con.print(f"  calibration run: {len(w.requests)} other requests at {rate:g} req/s")
+        recs = asyncio.run(target.run(list(w.requests)))
+        failed = [r.error for r in recs if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(recs)} calibration requests failed: "
+                               f"{failed[0]}")
     snapshot = step_log.with_suffix(".calibration.jsonl")
     snapshot.write_text(step_log.read_text())
     ms = from_step_log(snapshot, model, 1, "float32")
     cal = calibrate(get_device("cpu"), ms)
     save_hardware(out, cal.device, header=f"calibrated by benchmarks/fidelity.py on {snapshot}")
-    fit = {**cal.summary(), "steps": len(ms), "file": str(out), "step_log": str(snapshot)}
+    fit = {**cal.summary(), "steps": len(ms), "file": str(out), "step_log": str(snapshot),
+           "rates": rates}
     con.print(f"  calibrated the cpu device on {len(ms)} logged steps: fit mean "
               f"{fit['fit']['mean']:.1%}, P90 {fit['fit']['p90']:.1%}")
     return str(out), fit
+
+
+def step_error(hardware: str, step_log: Path, model: str,
+               window: tuple[float, float]) -> dict[str, float] | None:
+    """How the calibrated step model did on the steps one measured run logged (held out from
+    its fit): mean |error|, median error (bias) and the live executor's busy seconds. Separates
+    a step-time error (the device ran faster or slower than when it was calibrated) from an
+    error in what the simulator makes of correct step times."""
+    from pdserve.sim.calibrate import relative_errors
+    from pdserve.sim.hardware import get_device
+    from pdserve.sim.measurements import from_step_log
+
+    try:
+        ms = from_step_log(step_log, model, 1, "float32", window=window)
+    except ValueError:
+        return None
+    err = np.array(relative_errors(get_device(hardware), ms))
+    out = {"steps": len(ms), "mean_abs": float(np.mean(np.abs(err))),
+           "median": float(np.median(err)), "busy_s": float(sum(m.seconds for m in ms)),
+           "window": list(window)}
+    for kind in ("prefill", "decode", "mixed"):
+        k = np.array([m.sample.kind == kind for m in ms])
+        if k.any():
+            out[kind] = {"steps": int(k.sum()), "median": float(np.median(err[k])),
+                         "busy_s": float(sum(m.seconds for m, x in zip(ms, k) if x)),
+                         "predicted_s": float(sum(m.seconds * (1 + e)
+                                                  for m, e, x in zip(ms, err, k) if x))}
+    return out
+
+
+def at_speed(hardware: str, factor: float, out: Path) -> str:
+    """``hardware`` running ``factor`` times as fast — every step of its roofline takes
+    ``1/factor`` the time (peaks and bandwidth × factor, fixed costs ÷ factor); written to
+    ``out``. With ``factor`` = 1 + a run's step-model bias (:func:`step_error`) the simulation
+    runs at the speed the device had during that run: what remains is the simulator's error."""
+    from pdserve.sim.hardware import get_device, save_hardware
+
+    dev = get_device(hardware)
+    e = dev.efficiency
+    eff = replace(e, step_overhead_s=e.step_overhead_s / factor,
+                  layer_overhead_s=e.layer_overhead_s / factor,
+                  seq_overhead_s=e.seq_overhead_s / factor,
+                  comm_latency_s=None if e.comm_latency_s is None else e.comm_latency_s / factor)
+    save_hardware(out, replace(dev, peak_tflops=dev.peak_tflops * factor,
+                               fp32_tflops=dev.fp32_tflops * factor,
+                               fp8_tflops=dev.fp8_tflops * factor,
+                               memory_bw_gbs=dev.memory_bw_gbs * factor, efficiency=eff),
+                  header=f"{hardware} at {factor:.4f}x its speed (benchmarks/fidelity.py)")
+    return str(out)
+
+
+def summarize_repeats(rate: float, reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row per rate from its repeats: the live means averaged over the repeats against the
+    (deterministic) simulation, and each mean error's range over the repeats."""
+    if len(reps) == 1:
+        return {"rate": rate, **reps[0], "repeats": reps}
+    row: dict[str, Any] = {"rate": rate, "repeats": reps}
+    for key in reps[0]:
+        vals = [r[key] for r in reps]
+        if key.endswith("_sim") or not all(isinstance(v, (int, float)) for v in vals):
+            row[key] = vals[0]
+        elif key.endswith("_live"):
+            row[key] = float(np.mean(vals))
+    row["attainment_diff_points"] = 100 * (row["attainment_sim"] - row["attainment_live"])
+    for metric in ("ttft", "tpot", "e2e"):
+        for stat in ("mean", "p90"):
+            row[f"{metric}_{stat}_rel_err"] = rel(row[f"{metric}_{stat}_sim"],
+                                                  row[f"{metric}_{stat}_live"])
+        errs = [e for r in reps if (e := r[f"{metric}_mean_rel_err"]) is not None]
+        row[f"{metric}_mean_err_range"] = [min(errs), max(errs)] if errs else None
+    speed = [r["at_run_speed"] for r in reps if r.get("at_run_speed")]
+    if speed:
+        row["at_run_speed"] = {k: float(np.mean([x[k] for x in speed])) for k in speed[0]}
+    steps = [r["step_error"] for r in reps if r.get("step_error")]
+    row["step_error"] = ({"median": float(np.mean([x["median"] for x in steps])),
+                          "range": [min(x["median"] for x in steps),
+                                    max(x["median"] for x in steps)]} if steps else None)
+    return row
 
 
 def pct(x: float | None) -> str:
@@ -253,7 +335,8 @@ def ms(x: float | None) -> str:
 
 COLUMNS = ("rate (req/s)", "attainment live / sim", "diff (points)", "mean TTFT live / sim (ms)",
            "err", "P90 TTFT err", "mean TPOT live / sim (ms)", "err", "P90 TPOT err",
-           "mean E2E live / sim (s)", "err")
+           "mean E2E live / sim (s)", "err", "step-model bias",
+           "at the run's step speed: TTFT / TPOT / E2E err")
 
 
 def cells(r: dict[str, Any]) -> list[str]:
@@ -262,12 +345,21 @@ def cells(r: dict[str, Any]) -> list[str]:
             f"{100 * r['attainment_live']:.1f} / {100 * r['attainment_sim']:.1f} %",
             f"{r['attainment_diff_points']:+.1f}",
             f"{ms(r['ttft_mean_live'])} / {ms(r['ttft_mean_sim'])}",
-            pct(r["ttft_mean_rel_err"]), pct(r["ttft_p90_rel_err"]),
+            pct(r["ttft_mean_rel_err"]) + _range(r.get("ttft_mean_err_range")),
+            pct(r["ttft_p90_rel_err"]),
             f"{ms(r['tpot_mean_live'])} / {ms(r['tpot_mean_sim'])}",
-            pct(r["tpot_mean_rel_err"]), pct(r["tpot_p90_rel_err"]),
+            pct(r["tpot_mean_rel_err"]) + _range(r.get("tpot_mean_err_range")),
+            pct(r["tpot_p90_rel_err"]),
             f"{r['e2e_mean_live']:.2f} / {r['e2e_mean_sim']:.2f}" if r.get("e2e_mean_sim")
             is not None and r.get("e2e_mean_live") is not None else "-",
-            pct(r.get("e2e_mean_rel_err"))]
+            pct(r.get("e2e_mean_rel_err")) + _range(r.get("e2e_mean_err_range")),
+            pct((r.get("step_error") or {}).get("median")),
+            " / ".join(pct(r["at_run_speed"][f"{m}_mean_rel_err"]) for m in ("ttft", "tpot", "e2e"))
+            if r.get("at_run_speed") else "-"]
+
+
+def _range(xs: list[float] | None) -> str:
+    return "" if not xs else f" ({pct(xs[0])}..{pct(xs[1])})"
 
 
 def print_table(strategy: str, rows: list[dict[str, Any]]) -> None:
@@ -325,9 +417,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "roofline of the `cpu` device, calibrated on the live server's own "
                          "--step-log from a calibration run of other requests, DESIGN.md "
                          "'Latency models')")
-    ap.add_argument("--calibration-rate", type=float, default=None,
-                    help="with --latency calibrated: rate of the calibration run (default: "
-                         "the middle of --rates)")
+    ap.add_argument("--calibration-rates", default=None,
+                    help="with --latency calibrated: comma-separated rates of the calibration "
+                         "run, --num-requests other requests split over them (default: --rates, "
+                         "so its steps cover every measured rate's batch sizes)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="live runs per rate (the same requests); rows report the mean and "
+                         "each error's range")
     ap.add_argument("--profile", help="fitted profile (default: profile the model now)")
     ap.add_argument("--quick-profile", action="store_true")
     ap.add_argument("--strategies", default="colocated,disaggregated")
@@ -388,7 +484,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  length_scale=args.length_scale, prompt_mode="ids",
                  slo=SLO(args.slo_ttft, args.slo_tpot))
     results: dict[str, list[dict[str, Any]]] = {}
-    records: dict[str, dict[float, dict[str, list[RequestRecord]]]] = {}
     t0 = time.perf_counter()
     overheads: dict[str, dict[str, float]] = {}
     fits: dict[str, dict[str, Any]] = {}
@@ -411,8 +506,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             asyncio.run(live.prepare())
             warm_up(live, s)
             if calibrated:
-                rate = args.calibration_rate or rates[len(rates) // 2]
-                hw, fit = calibrate_from_run(live, s, rate, model, step_log,
+                cal_rates = ([float(x) for x in args.calibration_rates.split(",")]
+                             if args.calibration_rates else rates)
+                hw, fit = calibrate_from_run(live, s, cal_rates, model, step_log,
                                              work / f"cpu-calibrated-{strategy}.yaml")
                 fits[strategy] = fit
                 setup = replace(setup, hardware=hw)
@@ -438,12 +534,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows = []
             for rate in rates:
                 w = base.retimed(rate)
-                live_run = run_workload(live, w, s)
                 sim_run = run_workload(sim, w, s)
-                row = {"rate": rate, **compare(live_run, sim_run)}
+                reps = []
+                for _ in range(args.repeats):
+                    t_start = time.time()
+                    live_run = run_workload(live, w, s)
+                    rep = compare(live_run, sim_run)
+                    if calibrated:  # the step model on this run's own steps, held out
+                        err = step_error(setup.hardware, step_log, model, (t_start, time.time()))
+                        rep["step_error"] = err
+                        if err is not None:  # and the simulator given this run's step speed
+                            hw = at_speed(setup.hardware, 1 + err["median"],
+                                          work / f"cpu-at-run-speed-{strategy}.yaml")
+                            again = compare(live_run, run_workload(
+                                SimTarget(replace(setup, hardware=hw), progress=False), w, s))
+                            rep["at_run_speed"] = {
+                                "attainment_diff_points": again["attainment_diff_points"],
+                                **{f"{m}_mean_rel_err": again[f"{m}_mean_rel_err"]
+                                   for m in ("ttft", "tpot", "e2e")}}
+                    reps.append(rep)
+                row = summarize_repeats(rate, reps)
                 rows.append(row)
-                records.setdefault(strategy, {})[rate] = {"live": live_run.records,
-                                                          "sim": sim_run.records}
                 con.print(f"  rate {rate:g}: attainment live {100 * row['attainment_live']:.1f}%"
                           f" sim {100 * row['attainment_sim']:.1f}% "
                           f"({row['attainment_diff_points']:+.1f} pts); mean TTFT err "

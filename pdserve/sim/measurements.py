@@ -246,12 +246,14 @@ def from_vidur_allreduce(path: str | os.PathLike[str], model: str | ModelConfig 
 
 
 def from_step_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: int = 1,
-                  dtype: str = "float16") -> list[Measurement]:
+                  dtype: str = "float16",
+                  window: tuple[float, float] | None = None) -> list[Measurement]:
     """A serving log: JSON lines, one per engine step, each ``{"elapsed": seconds,
     "prefill_chunks": [[start, n], ...], "decode_context_lens": [...]}`` (optionally
-    ``"instance_id"``) — a live instance's ``StepReport.elapsed`` with its batch's
-    ``ScheduledBatch.shape()``. Empty steps are skipped; every measurement is grouped by
-    instance."""
+    ``"instance_id"`` and ``"now"``, the step's start in seconds since the epoch) — a live
+    instance's ``StepReport.elapsed`` with its batch's ``ScheduledBatch.shape()``. Empty steps
+    are skipped; every measurement is grouped by instance. ``window=(t0, t1)`` keeps only the
+    steps that started within it (one serving run of a longer log)."""
     cfg = model_config(model)
     p = os.fspath(path)
     lines = read_text(p, "step log").splitlines()
@@ -266,11 +268,13 @@ def from_step_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: in
                                    float(r["elapsed"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{p!r} line {i}: not a step record ({e!r})") from None
+        if window is not None and not window[0] <= float(r.get("now", window[0] - 1)) <= window[1]:
+            continue
         if sample.seconds > 0 and (sample.prefill_chunks or sample.decode_context_lens):
             out.append(Measurement(sample, cfg, tp, 1, dtype,
                                    group=str(r.get("instance_id", "log"))))
     if not out:
-        raise ValueError(f"{p!r} has no non-empty steps")
+        raise ValueError(f"{p!r} has no non-empty steps" + (f" in {window}" if window else ""))
     return out
 
 
