@@ -84,6 +84,7 @@ def experiments(args: argparse.Namespace) -> list[tuple[str, str, str, str, list
 
 def measure_cpu(args: argparse.Namespace) -> None:
     """Measure the tiny model on this machine twice, on two different grids."""
+    from pdserve.config import ModelConfig
     from pdserve.model.tiny import make_tiny_model
     from pdserve.sim.measurements import save_samples
     from pdserve.sim.profiler import FULL_GRID, ProfileGrid, measure_samples
@@ -95,14 +96,24 @@ def measure_cpu(args: argparse.Namespace) -> None:
     d = make_tiny_model(args.cpu_model, "llama", hidden_size=384, num_layers=6, num_heads=6,
                         num_kv_heads=2, vocab_size=4096, intermediate_size=1024)
     os.makedirs(args.cpu_dir[0], exist_ok=True)
-    for name, grid in (("cpu_fit.json", FULL_GRID), ("cpu_heldout.json", held)):
-        path = os.path.join(args.cpu_dir[0], name)
-        samples = measure_samples(d, grid=grid, repeats=args.cpu_repeats, progress=False,
-                                  stat="min")
-        save_samples(path, samples, model="tiny-llama-384", model_dir=os.path.abspath(d),
-                     hardware="cpu", dtype="float32", tp=1,
+    max_len = min(ModelConfig.from_dir(d).max_position_embeddings, 4096)  # as the profiler
+    fit_shapes, held_shapes = FULL_GRID.shapes(max_len), held.shapes(max_len)
+    # measured interleaved (fit, held-out, fit, ...), so that both see the same machine: a
+    # slow stretch of a shared machine then costs both alike instead of biasing the held-out
+    # error (measured one grid after the other under changing load, run 2 below was off 47 %)
+    order = [(k, i) for i in range(max(len(fit_shapes), len(held_shapes)))
+             for k in (0, 1) if i < (len(fit_shapes), len(held_shapes))[k]]
+    got = measure_samples(d, shapes=[(fit_shapes, held_shapes)[k][i] for k, i in order],
+                          repeats=args.cpu_repeats, progress=True, stat="min")
+    by = ([], [])
+    for (k, _), sample in zip(order, got):
+        by[k].append(sample)
+    for name, samples in (("cpu_fit.json", by[0]), ("cpu_heldout.json", by[1])):
+        save_samples(os.path.join(args.cpu_dir[0], name), samples, model="tiny-llama-384",
+                     model_dir=os.path.abspath(d), hardware="cpu", dtype="float32", tp=1,
                      source="benchmarks/calibration.py --measure-cpu (1 torch thread, fastest "
-                            f"of {args.cpu_repeats}; load average {os.getloadavg()[0]:.1f})")
+                            f"of {args.cpu_repeats}, fit and held-out shapes interleaved; "
+                            f"load average {os.getloadavg()[0]:.1f})")
 
 
 def _pct(x: float) -> str:

@@ -128,9 +128,11 @@ def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = Non
                     grid: ProfileGrid = FULL_GRID, repeats: int | None = None,
                     block_size: int = 16, log: Callable[[str], None] | None = None,
                     progress: bool = True, threads: int | None = 1,
-                    stat: str = "median") -> list[ProfileSample]:
-    """Time every shape of ``grid`` on ``model_dir``'s real executor; the raw samples (what
-    ``pdserve calibrate`` fits efficiency factors to).
+                    stat: str = "median",
+                    shapes: Sequence[ProfileSample] | None = None) -> list[ProfileSample]:
+    """Time every shape of ``grid`` (or the given ``shapes``, in their order) on
+    ``model_dir``'s real executor; the raw samples (what ``pdserve calibrate`` fits efficiency
+    factors to).
 
     ``threads``: torch CPU threads while measuring (default 1, as each Ray instance actor runs;
     ``None`` keeps torch's setting)."""
@@ -148,7 +150,7 @@ def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = Non
     dtype = dtype or ("float32" if device == "cpu" else "float16")
     model = ModelConfig.from_dir(model_dir)
     max_len = min(model.max_position_embeddings, 4096)
-    shapes = grid.shapes(max_len)
+    shapes = list(shapes) if shapes is not None else grid.shapes(max_len)
     need = max(sum(cdiv(s + n, block_size) for s, n in sh.prefill_chunks)
                + sum(cdiv(c, block_size) for c in sh.decode_context_lens) for sh in shapes)
     engine = _engine(model_dir, device, dtype, need + 1, block_size, max_len)
