@@ -475,7 +475,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "num_kv_blocks": args.num_kv_blocks,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-              "enable_chunked_prefill": args.chunked_prefill}
+              "enable_chunked_prefill": args.chunked_prefill,
+              # every rate (and repeat) replays the same prompts: with prefix caching the live
+              # server would find them cached from the previous run while each simulation starts
+              # cold (the workloads share no prefixes, so nothing else changes)
+              "enable_prefix_caching": False}
     from pdserve.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model).vocab_size
