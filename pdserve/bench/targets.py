@@ -10,11 +10,22 @@ per-GPU numbers divide by.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-from pdserve.bench.client import ClientConfig, fetch_model_info, normalize_base_url, run_requests
+import httpx
+
+from pdserve.bench.client import (
+    ClientConfig,
+    _headers,
+    fetch_model_info,
+    normalize_base_url,
+    run_requests,
+)
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.workloads import WorkloadRequest
 
@@ -38,9 +49,12 @@ class HttpTarget:
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  max_concurrency: int = 1024, timeout: float = 300.0, *, num_gpus: int = 1,
                  name: str | None = None, request_timeline: bool = True,
-                 progress: bool = True, extra_body: dict[str, Any] | None = None) -> None:
+                 progress: bool = True, extra_body: dict[str, Any] | None = None,
+                 scrape_metrics: str | None = None, scrape_interval: float = 0.5) -> None:
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+        if scrape_interval <= 0:
+            raise ValueError(f"scrape_interval must be > 0, got {scrape_interval}")
         self.config = ClientConfig(normalize_base_url(base_url), model, api_key, max_concurrency,
                                    timeout, request_timeline=request_timeline,
                                    progress=progress, extra_body=dict(extra_body or {}))
@@ -48,6 +62,7 @@ class HttpTarget:
         self.num_gpus = num_gpus
         self.max_model_len: int | None = None
         self.vocab_size: int | None = None
+        self.scrape_metrics, self.scrape_interval = scrape_metrics, scrape_interval
 
     async def prepare(self) -> None:
         model, self.max_model_len, self.vocab_size = await fetch_model_info(
@@ -57,7 +72,40 @@ class HttpTarget:
             self.config = replace(self.config, model=model)
 
     async def run(self, requests: list[WorkloadRequest]) -> list[RequestRecord]:
-        return await run_requests(requests, self.config, description=self.name)
+        if self.scrape_metrics is None:
+            return await run_requests(requests, self.config, description=self.name)
+        scrapes: list[str] = []
+        await self._scrape_once(scrapes)  # fails fast on a server without /metrics
+        task = asyncio.create_task(self._scrape(scrapes))
+        try:
+            records = await run_requests(requests, self.config, description=self.name)
+        finally:
+            task.cancel()
+            failed = (await asyncio.gather(task, return_exceptions=True))[0]
+        if isinstance(failed, Exception) and not isinstance(failed, asyncio.CancelledError):
+            raise failed
+        await self._scrape_once(scrapes)  # the state after the last request
+        with open(self.scrape_metrics, "a") as f:
+            f.writelines(scrapes)
+        return records
+
+    async def _scrape(self, out: list[str]) -> None:
+        """Scrape ``/metrics`` every ``scrape_interval`` s into ``out`` (JSON lines
+        ``{"time", "metrics"}``, what ``pdserve calibrate --metrics-log`` reads)."""
+        while True:
+            await self._scrape_once(out)
+            await asyncio.sleep(self.scrape_interval)
+
+    async def _scrape_once(self, out: list[str]) -> None:
+        url = f"{self.config.base_url}/metrics"
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                resp = await client.get(url, headers=_headers(self.config.api_key))
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"scraping {url} failed: {type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise RuntimeError(f"scraping {url} failed: HTTP {resp.status_code}")
+        out.append(json.dumps({"time": time.time(), "metrics": resp.text}) + "\n")
 
 
 TargetFactory = Callable[[Any], Target]
@@ -84,7 +132,9 @@ def make_target(spec: str, args: Any, name: str | None = None) -> Target:
             getattr(args, "max_concurrency", 1024), getattr(args, "timeout", 300.0),
             num_gpus=getattr(args, "num_gpus", 1), name=name,
             request_timeline=not getattr(args, "no_timeline", False),
-            progress=not getattr(args, "no_progress", False))
+            progress=not getattr(args, "no_progress", False),
+            scrape_metrics=getattr(args, "scrape_metrics", None),
+            scrape_interval=getattr(args, "scrape_interval", 0.5))
     if spec in _FACTORIES:
         target = _FACTORIES[spec](args)
         if name is not None:

@@ -35,6 +35,7 @@ from pdserve.sim.latency import FittedProfile
 from pdserve.sim.measurements import (
     Measurement,
     from_distserve_json,
+    from_metrics_log,
     from_profile,
     from_request_timelines,
     from_splitwise,
@@ -320,6 +321,10 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
         if not args.model:
             raise ValueError(f"--timelines {p}: pass --model (catalogue name or directory)")
         ms += from_request_timelines(p, args.model, args.tp, args.dtype)
+    for p in args.metrics_log or []:
+        if not args.model:
+            raise ValueError(f"--metrics-log {p}: pass --model (catalogue name or directory)")
+        ms += from_metrics_log(p, args.model, args.tp, args.dtype)
     if args.splitwise:
         ms += drop_unphysical(device, from_splitwise(args.splitwise, args.splitwise_hardware))
     if args.vidur:
@@ -330,7 +335,7 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
         ms += _measure(args)
     if not ms:
         raise ValueError("no measurements: give --samples, --profile, --step-log, --timelines, "
-                         "--splitwise, --vidur or --measure")
+                         "--metrics-log, --splitwise, --vidur or --measure")
     return ms
 
 
@@ -386,10 +391,14 @@ def register(subparsers: Any) -> None:
                    help="per-request timelines a client saw of a one-instance server (`pdserve "
                         "bench --save-records` JSON, any OpenAI server; needs --model; "
                         "repeatable): steps reconstructed from arrivals and token times")
+    p.add_argument("--metrics-log", action="append",
+                   help="Prometheus scrapes of a one-instance server, pdserve's or vLLM's "
+                        "(`pdserve bench --scrape-metrics` JSON lines; needs --model; "
+                        "repeatable): decode steps from steady intervals, the mean prefill")
     p.add_argument("--tp", type=int, default=1,
-                   help="with --step-log/--timelines: the instance's TP")
+                   help="with --step-log/--timelines/--metrics-log: the instance's TP")
     p.add_argument("--dtype", default="float16",
-                   help="with --step-log/--timelines: the model's dtype")
+                   help="with --step-log/--timelines/--metrics-log: the model's dtype")
     p.add_argument("--splitwise", help="SplitwiseSim perf_model.csv")
     p.add_argument("--splitwise-hardware", default="a100-80gb",
                    help="its hardware column (a100-80gb, h100-80gb, h100-80gb-pcap)")

@@ -372,3 +372,103 @@ def _steps_from_timelines(reqs: list[tuple[float, list[float], int]], cfg: Model
                 out.append(Measurement(ProfileSample((), tuple(batch), t1 - t0), cfg, tp, 1,
                                        dtype, group=group))
     return out
+
+
+# Prometheus series of a serving process: the first name present is used (pdserve's own, then
+# vLLM's; both expose counters with the ``_total`` suffix)
+_SERIES = {
+    "running": ("pdserve:num_requests_running", "vllm:num_requests_running"),
+    "waiting": ("pdserve:num_requests_waiting", "vllm:num_requests_waiting"),
+    "generation": ("pdserve:generation_tokens_total", "vllm:generation_tokens_total"),
+    "prompt": ("pdserve:prompt_tokens_total", "vllm:prompt_tokens_total"),
+    "finished": ("pdserve:request_success_total", "vllm:request_success_total"),
+    "prefill_sum": ("pdserve:request_prefill_time_seconds_sum",
+                    "vllm:request_prefill_time_seconds_sum"),
+    "prefill_count": ("pdserve:request_prefill_time_seconds_count",
+                      "vllm:request_prefill_time_seconds_count"),
+}
+
+
+def _scrape_values(text: str) -> dict[str, float]:
+    """One scrape's series of :data:`_SERIES`, each summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+    out = {}
+    for key, names in _SERIES.items():
+        name = next((n for n in names if n in sums), None)
+        if name is not None:
+            out[key] = sums[name]
+        elif names[0].endswith(("_total", "_sum", "_count")):
+            out[key] = 0.0  # a labelled counter has no sample before its first increment
+    return out
+
+
+def from_metrics_log(path: str | os.PathLike[str], model: str | ModelConfig, tp: int = 1,
+                     dtype: str = "float16") -> list[Measurement]:
+    """Engine steps estimated from Prometheus scrapes of a serving process with **one**
+    instance — pdserve's or vLLM's ``/metrics`` (``pdserve bench --scrape-metrics FILE`` writes
+    them: JSON lines ``{"time": seconds, "metrics": "<text exposition>"}``).
+
+    Counters and gauges are aggregates, so only what they pin down is taken:
+
+    * **Decode**: between two scrapes with the same ``n`` requests running, none waiting at
+      either, and no prompt token, finished request or prefill counted in between, the batch
+      was the same ``n`` requests decoding the whole time: ``generated`` tokens came from
+      ``generated / n`` steps, so one step took ``n·Δt / generated``. Their contexts are not
+      in the series: each is taken as the log's mean prompt plus half its mean output
+      (prompt and generated tokens over finished requests).
+    * **Prefill**: the prefill-time histogram's mean over the whole log (``_sum / _count``)
+      as one prefill of the mean prompt.
+
+    Approximate by construction (contexts are means; a prefill's mean time includes whatever
+    it shared its steps with); use ``--step-log`` where the server writes one.
+    """
+    cfg = model_config(model)
+    p = os.fspath(path)
+    scrapes: list[tuple[float, dict[str, float]]] = []
+    for i, line in enumerate(read_text(p, "metrics log").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            scrapes.append((float(r["time"]), _scrape_values(str(r["metrics"]))))
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+            raise ValueError(f"{p!r} line {i}: not a metrics scrape ({e!r})") from None
+    scrapes.sort(key=lambda x: x[0])
+    if len(scrapes) < 2:
+        raise ValueError(f"{p!r}: need at least two scrapes, found {len(scrapes)}")
+    first, last = scrapes[0][1], scrapes[-1][1]
+    if "running" not in last or not last["generation"]:
+        raise ValueError(f"{p!r}: the last scrape has no {_SERIES['running'][0]} or no "
+                         f"{_SERIES['generation'][0]} (pdserve's or vLLM's /metrics expected)")
+    done = last["finished"] - first["finished"]
+    if done <= 0:
+        raise ValueError(f"{p!r}: no request finished between the first and last scrape")
+    mean_prompt = (last["prompt"] - first["prompt"]) / done
+    mean_output = (last["generation"] - first["generation"]) / done
+    ctx = max(1, round(mean_prompt + mean_output / 2))
+    out: list[Measurement] = []
+    for (t0, a), (t1, b) in zip(scrapes, scrapes[1:]):
+        n = a.get("running", 0)
+        gen = b["generation"] - a["generation"]
+        steady = (n >= 1 and b.get("running") == n and not a.get("waiting")
+                  and not b.get("waiting") and b["prompt"] == a["prompt"]
+                  and b["finished"] == a["finished"]
+                  and b.get("prefill_count") == a.get("prefill_count"))
+        if steady and gen >= n and t1 > t0:
+            n = int(n)
+            out.append(Measurement(ProfileSample((), (ctx,) * n, n * (t1 - t0) / gen), cfg, tp,
+                                   1, dtype, group="metrics"))
+    count = last["prefill_count"] - first["prefill_count"]
+    if count > 0 and mean_prompt >= 1:
+        secs = (last["prefill_sum"] - first["prefill_sum"]) / count
+        out.append(Measurement(ProfileSample.prefill([round(mean_prompt)], secs), cfg, tp, 1,
+                               dtype, group="metrics"))
+    if not out:
+        raise ValueError(f"{p!r}: no interval between scrapes had a steady decode batch; "
+                         "scrape more often (e.g. every 0.5 s) or at a lower rate")
+    return out

@@ -50,6 +50,15 @@ def make_app(bodies: list[dict[str, Any]]) -> FastAPI:
                                             "max_model_len": MAX_MODEL_LEN,
                                             "vocab_size": VOCAB_SIZE}]}
 
+    @app.get("/metrics")
+    async def metrics() -> Any:  # a vLLM-style exposition: requests received so far
+        from fastapi.responses import PlainTextResponse
+
+        return PlainTextResponse("# TYPE vllm:num_requests_running gauge\n"
+                                 "vllm:num_requests_running 0.0\n"
+                                 "# TYPE vllm:request_success counter\n"
+                                 f"vllm:request_success_total {float(len(bodies))}\n")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()

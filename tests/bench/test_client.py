@@ -119,3 +119,34 @@ def test_reconcile_token_times() -> None:
     assert times == [1.0, 1.5, 2.0, 2.5, 3.0] and "2 chunks for 5 tokens" in note
     assert reconcile_token_times([1.0, 2.0, 2.1], ["a", "b", ""], True, None)[0] == [1.0, 2.0]
     assert reconcile_token_times([], [], False, None) == ([], None)
+
+
+def test_scrapes_metrics_during_the_run(fake_server: FakeServer, tmp_path) -> None:
+    """``--scrape-metrics``: /metrics before, during and after the run, as JSON lines that
+    ``from_metrics_log`` parses; the last scrape sees every request."""
+    import json
+
+    from pdserve.sim.measurements import _scrape_values
+
+    log = tmp_path / "scrapes.jsonl"
+    n0 = len(fake_server.bodies)
+    target = HttpTarget(fake_server.url, progress=False, scrape_metrics=str(log),
+                        scrape_interval=0.05)
+    recs = asyncio.run(target.run([req(0, 10), req(1, 10, at=0.1)]))
+    assert all(r.ok for r in recs)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) >= 4  # before, at least two during (~0.3 s of streaming), after
+    times = [x["time"] for x in lines]
+    assert times == sorted(times)
+    seen = [_scrape_values(x["metrics"])["finished"] for x in lines]
+    assert seen[0] == n0 and seen[-1] == n0 + 2 and seen == sorted(seen)
+
+
+def test_scraping_a_server_without_metrics_fails_clearly(fake_server: FakeServer,
+                                                         tmp_path) -> None:
+    target = HttpTarget(fake_server.url + "/nowhere", progress=False,
+                        scrape_metrics=str(tmp_path / "s.jsonl"))
+    with pytest.raises(RuntimeError, match=r"scraping .*/nowhere/metrics failed: HTTP 404"):
+        asyncio.run(target.run([req(0, 2)]))
+    with pytest.raises(ValueError, match="scrape_interval must be > 0"):
+        HttpTarget(fake_server.url, scrape_metrics="x", scrape_interval=0)
