@@ -296,6 +296,25 @@ def at_speed(hardware: str, factor: float, out: Path) -> str:
     return str(out)
 
 
+def e2e_elasticity(setup: SimulationConfig, w: Any, s: Settings, base: Any,
+                   out: Path, step: float = 0.05) -> float | None:
+    """How much the simulated mean E2E moves per unit of step-time error at this rate: the
+    workload simulated with the device ``1 ± step`` times as fast, ``−ΔE2E/E2E ÷ Δspeed``.
+    About 1 while requests rarely queue; it grows toward saturation, where a step-model error
+    of ``x`` becomes an E2E error of about ``elasticity·x``."""
+    e2e = base.summary.e2e.mean
+    if not e2e or setup.hardware is None:
+        return None
+    ends = []
+    for f in (1 - step, 1 + step):
+        hw = at_speed(setup.hardware, f, out)
+        ends.append(run_workload(SimTarget(replace(setup, hardware=hw), progress=False), w,
+                                 s).summary.e2e.mean)
+    if None in ends:
+        return None
+    return float((ends[0] - ends[1]) / e2e / (2 * step))
+
+
 def summarize_repeats(rate: float, reps: list[dict[str, Any]]) -> dict[str, Any]:
     """One row per rate from its repeats: the live means averaged over the repeats against the
     (deterministic) simulation, and each mean error's range over the repeats."""
@@ -336,7 +355,7 @@ def ms(x: float | None) -> str:
 COLUMNS = ("rate (req/s)", "attainment live / sim", "diff (points)", "mean TTFT live / sim (ms)",
            "err", "P90 TTFT err", "mean TPOT live / sim (ms)", "err", "P90 TPOT err",
            "mean E2E live / sim (s)", "err", "step-model bias",
-           "at the run's step speed: TTFT / TPOT / E2E err")
+           "at the run's step speed: TTFT / TPOT / E2E err", "E2E elasticity")
 
 
 def cells(r: dict[str, Any]) -> list[str]:
@@ -355,7 +374,8 @@ def cells(r: dict[str, Any]) -> list[str]:
             pct(r.get("e2e_mean_rel_err")) + _range(r.get("e2e_mean_err_range")),
             pct((r.get("step_error") or {}).get("median")),
             " / ".join(pct(r["at_run_speed"][f"{m}_mean_rel_err"]) for m in ("ttft", "tpot", "e2e"))
-            if r.get("at_run_speed") else "-"]
+            if r.get("at_run_speed") else "-",
+            "-" if r.get("e2e_elasticity") is None else f"{r['e2e_elasticity']:.1f}"]
 
 
 def _range(xs: list[float] | None) -> str:
@@ -539,6 +559,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for rate in rates:
                 w = base.retimed(rate)
                 sim_run = run_workload(sim, w, s)
+                elasticity = (e2e_elasticity(setup, w, s, sim_run,
+                                             work / f"cpu-pm5-{strategy}.yaml")
+                              if calibrated else None)
                 reps = []
                 for _ in range(args.repeats):
                     t_start = time.time()
@@ -558,6 +581,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    for m in ("ttft", "tpot", "e2e")}}
                     reps.append(rep)
                 row = summarize_repeats(rate, reps)
+                row["e2e_elasticity"] = elasticity
                 rows.append(row)
                 con.print(f"  rate {rate:g}: attainment live {100 * row['attainment_live']:.1f}%"
                           f" sim {100 * row['attainment_sim']:.1f}% "
