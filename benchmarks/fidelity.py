@@ -262,8 +262,11 @@ def step_error(hardware: str, step_log: Path, model: str,
     except ValueError:
         return None
     err = np.array(relative_errors(get_device(hardware), ms))
+    busy = np.array([m.seconds for m in ms])
     out = {"steps": len(ms), "mean_abs": float(np.mean(np.abs(err))),
-           "median": float(np.median(err)), "busy_s": float(sum(m.seconds for m in ms)),
+           "median": float(np.median(err)), "busy_s": float(busy.sum()),
+           # time-weighted: predicted over measured busy time, what queueing responds to
+           "weighted": float((busy * (1 + err)).sum() / busy.sum() - 1),
            "window": list(window)}
     for kind in ("prefill", "decode", "mixed"):
         k = np.array([m.sample.kind == kind for m in ms])
@@ -339,8 +342,9 @@ def summarize_repeats(rate: float, reps: list[dict[str, Any]]) -> dict[str, Any]
         row["at_run_speed"] = {k: float(np.mean([x[k] for x in speed])) for k in speed[0]}
     steps = [r["step_error"] for r in reps if r.get("step_error")]
     row["step_error"] = ({"median": float(np.mean([x["median"] for x in steps])),
-                          "range": [min(x["median"] for x in steps),
-                                    max(x["median"] for x in steps)]} if steps else None)
+                          "weighted": float(np.mean([x["weighted"] for x in steps])),
+                          "range": [min(x["weighted"] for x in steps),
+                                    max(x["weighted"] for x in steps)]} if steps else None)
     return row
 
 
@@ -354,7 +358,7 @@ def ms(x: float | None) -> str:
 
 COLUMNS = ("rate (req/s)", "attainment live / sim", "diff (points)", "mean TTFT live / sim (ms)",
            "err", "P90 TTFT err", "mean TPOT live / sim (ms)", "err", "P90 TPOT err",
-           "mean E2E live / sim (s)", "err", "step-model bias",
+           "mean E2E live / sim (s)", "err", "step-model bias (time-weighted)",
            "at the run's step speed: TTFT / TPOT / E2E err", "E2E elasticity")
 
 
@@ -372,7 +376,7 @@ def cells(r: dict[str, Any]) -> list[str]:
             f"{r['e2e_mean_live']:.2f} / {r['e2e_mean_sim']:.2f}" if r.get("e2e_mean_sim")
             is not None and r.get("e2e_mean_live") is not None else "-",
             pct(r.get("e2e_mean_rel_err")) + _range(r.get("e2e_mean_err_range")),
-            pct((r.get("step_error") or {}).get("median")),
+            pct((r.get("step_error") or {}).get("weighted")),
             " / ".join(pct(r["at_run_speed"][f"{m}_mean_rel_err"]) for m in ("ttft", "tpot", "e2e"))
             if r.get("at_run_speed") else "-",
             "-" if r.get("e2e_elasticity") is None else f"{r['e2e_elasticity']:.1f}"]
@@ -571,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         err = step_error(setup.hardware, step_log, model, (t_start, time.time()))
                         rep["step_error"] = err
                         if err is not None:  # and the simulator given this run's step speed
-                            hw = at_speed(setup.hardware, 1 + err["median"],
+                            hw = at_speed(setup.hardware, 1 + err["weighted"],
                                           work / f"cpu-at-run-speed-{strategy}.yaml")
                             again = compare(live_run, run_workload(
                                 SimTarget(replace(setup, hardware=hw), progress=False), w, s))

@@ -86,7 +86,8 @@ def test_summarize_repeats_averages_live_and_keeps_each_errors_range() -> None:
             for stat in ("mean", "p90"):
                 row[f"{metric}_{stat}_live"], row[f"{metric}_{stat}_sim"] = live, sim
                 row[f"{metric}_{stat}_rel_err"] = sim / live - 1
-        row["step_error"] = {"median": bias, "mean_abs": abs(bias), "steps": 10, "busy_s": 1.0}
+        row["step_error"] = {"median": bias, "weighted": 2 * bias, "mean_abs": abs(bias),
+                             "steps": 10, "busy_s": 1.0}
         return row
 
     row = fid.summarize_repeats(2.0, [rep(0.2, 0.8, -0.1), rep(0.3, 1.0, 0.1)])
@@ -98,7 +99,8 @@ def test_summarize_repeats_averages_live_and_keeps_each_errors_range() -> None:
     assert row["attainment_live"] == pytest.approx(0.9)
     assert row["attainment_diff_points"] == pytest.approx(0.0)
     assert row["step_error"]["median"] == pytest.approx(0.0)
-    assert row["step_error"]["range"] == pytest.approx([-0.1, 0.1])
+    assert row["step_error"]["weighted"] == pytest.approx(0.0)
+    assert row["step_error"]["range"] == pytest.approx([-0.2, 0.2])
     one = fid.summarize_repeats(1.0, [rep(0.2, 0.8, 0.0)])
     assert one["ttft_mean_rel_err"] == pytest.approx(0.0) and "ttft_mean_err_range" not in one
 
@@ -125,3 +127,31 @@ def test_at_speed_scales_every_step_time(tmp_path: Path, factor: float) -> None:
           for p, d in (([(0, 512)], ()), ((), (100, 900, 40)), ([(64, 128)], (300,)))]
     scaled = get_device(fid.at_speed(str(tmp_path / "base.yaml"), factor, tmp_path / "s.yaml"))
     assert predict(scaled, ms) == pytest.approx(predict(base, ms) / factor, rel=1e-9)
+
+
+def test_step_error_weights_by_time(tmp_path: Path) -> None:
+    """A run whose long step took twice its prediction and whose short step took exactly its
+    prediction: the time-weighted bias is (p_long + p_short)/(2·p_long + p_short) − 1, not the
+    median of −50 % and 0; only the steps in the window count."""
+    from pdserve.sim.calibrate import predict
+    from pdserve.sim.hardware import get_device
+    from pdserve.sim.measurements import from_step_log
+
+    fid = _fidelity()
+    shapes = [([[0, 512]], []), ([], [100])]
+    log = tmp_path / "steps.jsonl"
+
+    def write(secs: list[float]) -> None:
+        log.write_text("\n".join(json.dumps(
+            {"instance_id": "colocated-0", "now": 10.0 + i, "elapsed": t,
+             "prefill_chunks": pc, "decode_context_lens": dc})
+            for i, ((pc, dc), t) in enumerate(zip(shapes + shapes, secs))))
+
+    write([1.0] * 4)
+    pred = predict(get_device("cpu"), from_step_log(log, "llama-2-7b", dtype="float32"))
+    write([2 * pred[0], pred[1], 99.0, 99.0])  # the last two lie outside the window
+    got = fid.step_error("cpu", log, "llama-2-7b", (9.5, 11.5))
+    assert got["steps"] == 2
+    assert got["weighted"] == pytest.approx((pred[0] + pred[1]) / (2 * pred[0] + pred[1]) - 1)
+    assert got["median"] == pytest.approx(-0.25)
+    assert got["prefill"]["median"] == pytest.approx(-0.5) and got["decode"]["median"] == 0
