@@ -799,6 +799,74 @@ def alg2_estimate(p: Problem, g: NodeGroup, units: Mapping[Unit, UnitResult]) ->
     return min(g.n_p * a, g.n_d * b)
 
 
+def _group_ceiling(g: NodeGroup, units: Mapping[Unit, UnitResult]) -> float:
+    """The highest per-GPU estimate node group ``g`` can have given what is known of its two
+    units: a searched unit's goodput, or the rate a stopped unit failed at (its goodput lies
+    below it); 0 when a unit is missing, pruned or not known at all."""
+    def top(u: Unit) -> float:
+        r = units.get(u)
+        if r is None:
+            return 0.0
+        if r.goodput_rps > 0:
+            return r.goodput_rps
+        return (r.bound_rps or 0.0) if r.stopped else 0.0
+
+    a, b = top(Unit("prefill", g.tp_p, g.pp)), top(Unit("decode", g.tp_d, g.pp))
+    return min(g.n_p * a, g.n_d * b) / g.num_gpus
+
+
+GroupSim = Callable[[list[tuple[Problem, NodeGroup, float]]], Mapping[NodeGroup, float]]
+
+
+def alg2_search(p: Problem, cache: Any, results: list[UnitResult], tps: Sequence[int],
+                simulate: GroupSim, exact: bool = True
+                ) -> tuple[list[UnitResult], list[NodeGroup], dict[NodeGroup, float],
+                           dict[NodeGroup, float]]:
+    """Algorithm 2 over the phase units: node groups estimated from their units
+    (:func:`alg2_estimate`), ranked per GPU, the best ``p.top_k`` simulated whole
+    (``simulate``; memoised here). Returns ``(results, ranked groups, estimates, simulated
+    goodputs)``; the plan ranks the simulated groups by their simulated goodput and the rest
+    by their estimate.
+
+    ``exact``: make the choice independent of early stops. A stopped unit's goodput is only
+    bounded above, so its groups have no estimate; one of them could still enter the top
+    ``k`` (estimate ≥ the ``k``-th) or win on its estimate (≥ the best value the plan would
+    rank). Every stopped unit in a group whose ceiling (:func:`_group_ceiling`) reaches the
+    lower of those two is searched in full, until no such group is left."""
+    sims: dict[NodeGroup, float] = {}
+    while True:
+        by_unit = {r.unit: r for r in results}
+        groups = [g for g in node_groups(p, tps)
+                  if Unit("prefill", g.tp_p, g.pp) in by_unit
+                  and Unit("decode", g.tp_d, g.pp) in by_unit]
+        est = {g: alg2_estimate(p, g, by_unit) for g in groups}
+        ranked = sorted((g for g in groups if est[g] > 0),
+                        key=lambda g: (-est[g] / g.num_gpus, g.num_gpus))
+        top = ranked[:p.top_k]
+        todo = [(p, g, est[g]) for g in top if g not in sims]
+        if todo:
+            sims.update(simulate(todo))
+        if not exact:
+            return results, ranked, est, sims
+        kth = est[top[-1]] / top[-1].num_gpus if len(top) == p.top_k else 0.0
+        final = max([sims[g] / g.num_gpus for g in top]
+                    + [est[g] / g.num_gpus for g in ranked[p.top_k:]], default=0.0)
+        floor = min(kth, final)
+        redo = set()
+        for g in groups:
+            pair = (by_unit[Unit("prefill", g.tp_p, g.pp)],
+                    by_unit[Unit("decode", g.tp_d, g.pp)])
+            if any(r.stopped for r in pair) and \
+                    (c := _group_ceiling(g, by_unit)) > 0 and c >= floor - 1e-12:
+                redo |= {r.unit for r in pair if r.stopped}
+        if not redo:
+            return results, ranked, est, sims
+        for u in redo:
+            cache.results.pop(u, None)
+        fresh = {r.unit: r for r in cache.get(sorted(redo))}
+        results = [fresh.get(r.unit, r) for r in results]
+
+
 def alg2_placement(p: Problem, g: NodeGroup, goodput: float, simulated: bool,
                    estimate: float) -> Placement:
     k = math.ceil(p.rate / goodput - 1e-9) if goodput > 0 else 0
@@ -926,16 +994,18 @@ def plan(p: Problem, workers: int | None = None,
                                f"{pl.estimate_rps:.3f} req/s")
             placements += pairs
         if alg2:
+            def simulate(jobs: list[tuple[Problem, NodeGroup, float]]) -> dict[NodeGroup, float]:
+                return dict(_map(cache, _group_eval, jobs))
+
+            results, ranked, est, sims = alg2_search(p, cache, results, tps, simulate,
+                                                     exact=prune and early_stop)
+            by_unit = {r.unit: r for r in results}
             groups = [g for g in node_groups(p, tps)
                       if Unit("prefill", g.tp_p, g.pp) in by_unit
                       and Unit("decode", g.tp_d, g.pp) in by_unit]
-            est = {g: alg2_estimate(p, g, by_unit) for g in groups}
-            ranked = sorted((g for g in groups if est[g] > 0),
-                            key=lambda g: (-est[g] / g.num_gpus, g.num_gpus))
-            top = ranked[:p.top_k]
-            sims = dict(_map(cache, _group_eval, [(p, g, est[g]) for g in top]))
-            for g in ranked:
-                if g in sims:
+            top = ranked[:p.top_k]  # groups simulated in an earlier round and since overtaken
+            for g in ranked:        # rank by their estimates, as in a search without stops
+                if g in top:
                     placements.append(alg2_placement(p, g, sims[g], True, est[g]))
                 else:
                     placements.append(alg2_placement(p, g, est[g], False, est[g]))
