@@ -909,6 +909,29 @@ def _pair_eval(args: tuple[Problem, Placement]) -> tuple[str, float]:
     return pl.name, simulate_goodput(p, pl.deployment, 0.9 * pl.estimate_rps)[0]
 
 
+def _whole_eval(args: tuple[Problem, str, dict[str, Any], float]) -> dict[str, Any]:
+    p, name, dep, hi = args
+    goodput, probes = simulate_goodput(p, dep, hi)
+    gpus = ClusterConfig.from_dict(dep).num_gpus
+    return {"name": name, "num_gpus": gpus, "goodput_rps": goodput,
+            "per_gpu_rps": goodput / gpus, "probes": probes}
+
+
+def measure_whole(p: Problem, deployments: Sequence[tuple[str, Mapping[str, Any]]],
+                  per_gpu_guess: float, workers: int = 1) -> list[dict[str, Any]]:
+    """Goodput of each ``(name, deployment)`` simulated whole by :func:`simulate_goodput`: the
+    problem's workload, seed, requests per probe (with the horizon floor), attainment target,
+    precision and early probes, the first bracket at ``per_gpu_guess`` × its GPUs (so the
+    bracket's relative width is the same for every deployment) — the same probes a plan's
+    units get, for comparing a plan's choice with hand-picked placements."""
+    jobs = [(p, name, dict(dep), per_gpu_guess * ClusterConfig.from_dict(dict(dep)).num_gpus)
+            for name, dep in deployments]
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(min(workers, len(jobs))) as ex:
+            return list(ex.map(_whole_eval, jobs))
+    return [_whole_eval(j) for j in jobs]
+
+
 # ------------------------------------------------------------------------------------ plan
 @dataclass
 class Plan:
