@@ -37,7 +37,8 @@ hold one longest request) and a unit that misses the SLO even at zero load (each
 on the instance) are not simulated; a unit whose capacity bound is dominated is not simulated,
 and a unit that fails at the rate tying the best per-GPU goodput of its kind so far stops after
 that probe (:meth:`UnitCache.get_bounded`); stopped units that could still make a better Alg. 1
-pair after ``⌈R/g⌉`` rounding are then searched in full (:func:`_research_pairs`). Each probe's
+pair after ``⌈R/g⌉`` rounding, or a node group that could enter Alg. 2's choice, are then
+searched in full (:func:`_research_pairs`, :func:`alg2_search`). Each probe's
 simulation ends as soon as its verdict is certain (:func:`run_probe`,
 :mod:`pdserve.planner.early`). Results are memoised per unit; units run on a process pool, each
 started when a worker is free.
