@@ -6,9 +6,9 @@ Rate 2 on one node of 4 GPUs, top 1 per strategy. Colocated TP1 chunked alone: 1
 (1.0 per GPU), so 2 replicas on 2 GPUs, estimated 2.0 — but 2 replicas behind a router reach
 2.4 whole (1.2 per GPU: a request can go to the emptier instance; EcoServe's L20 testbed shows
 this, docs/benchmarks.md). PaDG: one macro instance of 2 × TP1 alone reaches 2.2 (1.1 per GPU,
-the best estimate) but 1.8 whole (0.9 per GPU): an estimate that does not hold whole. From estimates the plan picks PaDG at 1.1; from whole simulations, colocated at
-1.2 — which is what every whole deployment is measured by when hand-picked placements are
-compared with the plan's choice."""
+the best estimate) but 1.8 whole (0.9 per GPU): an estimate that does not hold whole. From
+estimates the plan picks PaDG at 1.1; from whole simulations, colocated at 1.2 — and whole
+simulations are what hand-picked placements are measured by when compared with the plan."""
 
 from __future__ import annotations
 
