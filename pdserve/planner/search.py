@@ -986,6 +986,7 @@ def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> N
     chunked instances of OPT-30B reach 0.24–0.25 req/s per GPU whole against 0.20–0.21 for
     one alone, with probes of 6–20 request lifetimes (docs/benchmarks.md), while a
     disaggregated pair there falls short of its estimate."""
+    pls = [pl for pl in pls if pl.fits]  # one that does not fit the cluster is never chosen
     done = dict(_map(cache, _pair_eval, [(p, pl) for pl in pls]))
     for pl in pls:
         gpus = ClusterConfig.from_dict(pl.deployment).num_gpus
@@ -1018,7 +1019,8 @@ def plan(p: Problem, workers: int | None = None,
         colo = _rank(colocated_placements(p, [r for r in results if r.unit.kind == "colocated"]))
         part = _rank(partial_placements(p, [r for r in results if r.unit.kind == "partial"]))
         if p.joint:
-            _simulate_whole(p, cache, colo[:p.top_k] + part[:p.top_k])
+            _simulate_whole(p, cache, [pl for pl in colo if pl.fits][:p.top_k]
+                            + [pl for pl in part if pl.fits][:p.top_k])
         placements += colo + part
         if alg1:
             if prune and early_stop:
@@ -1028,7 +1030,7 @@ def plan(p: Problem, workers: int | None = None,
             dec = [r for r in results if r.unit.kind == "decode"]
             pairs = _rank(alg1_placements(p, pre, dec))
             if p.joint:
-                _simulate_whole(p, cache, pairs[:p.top_k])
+                _simulate_whole(p, cache, [pl for pl in pairs if pl.fits][:p.top_k])
             placements += pairs
         if alg2:
             def simulate(jobs: list[tuple[Problem, NodeGroup, float]]) -> dict[NodeGroup, float]:

@@ -12,6 +12,7 @@ simulations are what hand-picked placements are measured by when compared with t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -84,3 +85,19 @@ def test_an_estimate_not_simulated_does_not_outrank_whole_simulations(stand_ins,
     assert r.best.name == "colocated 2x(TP1 PP1)" and r.best.per_gpu_rps == pytest.approx(1.1)
     chunked = next(a for a in r.alternatives if a.name == "colocated 2x(TP1 PP1 chunked)")
     assert not chunked.simulated and chunked.per_gpu_rps == pytest.approx(1.2)
+
+
+def test_a_placement_that_does_not_fit_is_not_simulated(stand_ins):
+    """Rate 5: colocated TP1 chunked needs ⌈5 / 1.0⌉ = 5 GPUs of the 4, so it is never chosen
+    and not simulated; PaDG at 2.6 per macro instance needs 2 of them, 4 GPUs: simulated,
+    4.4 whole = 1.1 per GPU, chosen."""
+    UNITS[Unit("partial", 1, 1, size=2)] = 2.6
+    WHOLE["partial 2x[2x temporal (TP1 PP1)]"] = 4.4
+    try:
+        r = plan(replace(_problem(True), rate=5.0), 1, strategies=["colocated", "partial"])
+    finally:
+        UNITS[Unit("partial", 1, 1, size=2)] = 2.2
+        del WHOLE["partial 2x[2x temporal (TP1 PP1)]"]
+    assert stand_ins == ["partial 2x[2x temporal (TP1 PP1)]"]
+    assert r.best.name == "partial 2x[2x temporal (TP1 PP1)]"
+    assert r.best.per_gpu_rps == pytest.approx(1.1) and r.best_colocated is None
