@@ -114,9 +114,11 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help="search every unit to convergence: no dominance pruning, no early "
                         "stop against the best unit of its kind (full per-phase rankings)")
     s.add_argument("--joint", action="store_true",
-                   help="also simulate the best Alg. 1 pairs whole at their replica counts")
+                   help="simulate the best --top-k fitting placements of each strategy whole "
+                        "at their replica counts and choose among those simulations")
     s.add_argument("--top-k", type=positive_int, default=2,
-                   help="whole-deployment simulations per algorithm (default 2)")
+                   help="whole-deployment simulations per algorithm or, with --joint, per "
+                        "strategy (default 2)")
     s.add_argument("--lm", type=positive_int, default=512,
                    help="DistServe's L_m for prefill instances (default 512)")
     s.add_argument("--precision", type=positive, default=0.05,
