@@ -59,9 +59,28 @@ GPUS = 32  # four nodes of 8, as the paper's L20 runs
 PAPER = {"vllm": 82.49, "sarathi": 86.17, "distserve": 122.76, "mooncake": 126.96}
 
 
+def plan_flags(testbed: str) -> list[str]:
+    """The testbed as ``pdserve plan`` flags (device, 4 nodes of 8, the links of
+    :func:`deployment`), so a plan searches the cluster the hand-picked placements run on."""
+    flags = ["--hardware", TESTBEDS[testbed], "--nodes", str(GPUS // 8), "--gpus-per-node", "8"]
+    if testbed == "l20":
+        eth = f"{ETH_10G.bandwidth_gb_per_s:g}:{ETH_10G.latency_s * 1e3:g}"  # GB/s : ms
+        flags += ["--inter-node-link", eth]
+    return flags
+
+
 def deployment(testbed: str, model_key: str, strategy: str, slo: SLO,
                ratio: tuple[int, int] | None = None, gpus: int = GPUS,
                **extra: Any) -> SimulationConfig:
+    return SimulationConfig(ClusterConfig.from_dict(
+        deployment_dict(testbed, model_key, strategy, slo, ratio, gpus, **extra)),
+        hardware=TESTBEDS[testbed])
+
+
+def deployment_dict(testbed: str, model_key: str, strategy: str, slo: SLO,
+                    ratio: tuple[int, int] | None = None, gpus: int = GPUS,
+                    **extra: Any) -> dict[str, Any]:
+    """The hand-picked placement of ``strategy`` as a ``ClusterConfig.from_dict`` mapping."""
     model, tp = MODELS[model_key]
     n = gpus // tp
     d: dict[str, Any] = {"model": model, "tp": tp, "max_model_len": 2048 if model == "opt-30b"
@@ -82,7 +101,7 @@ def deployment(testbed: str, model_key: str, strategy: str, slo: SLO,
         # the router's phase budget (Alg. 2's SLO_TTFT) as a fraction of the workload's TTFT SLO
         d["slo_ttft"] = slo.ttft * extra.pop("phase_budget", 1.0)
     d.update(extra)
-    return SimulationConfig(ClusterConfig.from_dict(d), hardware=TESTBEDS[testbed])
+    return d
 
 
 MIN_DURATION = 0.0  # seconds of arrivals per probe at least (--min-duration)
@@ -560,7 +579,7 @@ def merge(paths: list[str]) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("goodput", "mitosis", "all", "table", "explain",
-                                          "mitosis-plot"),
+                                          "mitosis-plot", "configs"),
                    default="all")
     p.add_argument("--explain", default="chatbot@8,chatbot@12,summarization@4",
                    help="--part explain: workload@rate (whole deployment, req/s) probes")
@@ -619,7 +638,33 @@ def main() -> int:
         plot_mitosis(merged, os.path.join(args.out, f"mitosis-{merged['ramp_name']}-all.png"))
     if args.part in ("mitosis", "all"):
         part_mitosis(args)
+    if args.part == "configs":
+        part_configs(args)
     return 0
+
+
+def part_configs(args: argparse.Namespace) -> None:
+    """Write each hand-picked placement as a deployment file (``pdserve simulate --config``,
+    ``pdserve plan --against``) and print the testbed's ``pdserve plan`` flags."""
+    import yaml
+
+    for tb in args.testbeds.split(","):
+        for mk in args.models.split(","):
+            for wl in args.workloads.split(","):
+                for st in args.strategies.split(","):
+                    k = GPUS // MODELS[mk][1]
+                    ratios = [(1, k - 1), (k // 2, k - k // 2)] if st == "fudg" else [None]
+                    for ratio in ratios:
+                        d = ClusterConfig.from_dict(deployment_dict(
+                            tb, mk, st, WORKLOADS[wl], ratio)).to_dict()
+                        d["simulation"] = {"hardware": TESTBEDS[tb]}
+                        tag = f"-{ratio[0]}to{ratio[1]}" if ratio else ""
+                        path = os.path.join(args.out, f"{tb}-{mk}-{wl}-{st}{tag}.yaml")
+                        with open(path, "w") as f:
+                            f.write(f"# benchmarks/ecoserve.py hand-picked: {tb} {mk} {wl} "
+                                    f"{st}{tag}\n" + yaml.safe_dump(d, sort_keys=False))
+                        print(path)
+        print(f"{tb}: pdserve plan {' '.join(plan_flags(tb))}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ def register(subparsers: Any) -> None:
     o.add_argument("--plot", metavar="DIR", help="write per-GPU goodput plots into this folder")
     o.add_argument("--top", type=positive_int, default=8, help="alternatives shown (default 8)")
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--against", nargs="+", metavar="FILE.yaml",
+                   help="deployment files (e.g. hand-picked placements) to simulate whole, "
+                        "with the chosen placement, by the same rate search and probes "
+                        "(workload, seed, requests per probe, precision) and list beside it")
     p.set_defaults(func=guarded("plan", cmd_plan))
 
     a = one_line_errors(subparsers.add_parser(
@@ -110,9 +114,11 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help="search every unit to convergence: no dominance pruning, no early "
                         "stop against the best unit of its kind (full per-phase rankings)")
     s.add_argument("--joint", action="store_true",
-                   help="also simulate the best Alg. 1 pairs whole at their replica counts")
+                   help="simulate the best --top-k fitting placements of each strategy whole "
+                        "at their replica counts and choose among those simulations")
     s.add_argument("--top-k", type=positive_int, default=2,
-                   help="whole-deployment simulations per algorithm (default 2)")
+                   help="whole-deployment simulations per algorithm or, with --joint, per "
+                        "strategy (default 2)")
     s.add_argument("--lm", type=positive_int, default=512,
                    help="DistServe's L_m for prefill instances (default 512)")
     s.add_argument("--precision", type=positive, default=0.05,
@@ -205,19 +211,59 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(p, args.workers, bar, _strategies(args.strategies),
                       prune=not args.exhaustive)
     print(plan_markdown(result, args.top))
+    against = None
+    if args.against:
+        against = compare_whole(result, args.against, args.workers or 1)
+        print("\n" + against_markdown(against))
     spec = deployment_file(result)
     if args.out:
         write_yaml(args.out, spec, result)
         say(f"wrote {args.out}")
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_json).write_text(json.dumps({**result.to_dict(), "deployment": spec},
+        Path(args.output_json).write_text(json.dumps({**result.to_dict(), "deployment": spec,
+                                                      "against": against},
                                                      indent=2, default=str) + "\n")
         say(f"wrote {args.output_json}")
     if args.plot:
         for path in plot_plan(result, Path(args.plot), args.top):
             say(f"wrote {path}")
     return 0
+
+
+def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str, Any]]:
+    """The chosen placement and each deployment file simulated whole with the plan's probes
+    (:func:`pdserve.planner.search.measure_whole`). A file whose ``simulation:`` latency
+    source differs from the plan's is refused: the comparison would not be like for like."""
+    from pdserve.config import ClusterConfig, load_data_file
+    from pdserve.planner.search import measure_whole
+
+    p = result.problem
+    mine = {"profile": p.profile} if p.profile else {"hardware": p.hardware or "A100-80GB"}
+    deps: list[tuple[str, dict[str, Any]]] = [(f"chosen: {result.best.name}",
+                                               result.best.deployment)]
+    for f in files:
+        d = load_data_file(f, "deployment file")
+        if not isinstance(d, dict):
+            raise ValueError(f"--against {f}: expected a deployment mapping")
+        sim = d.pop("simulation", None) or {}
+        theirs = {k: sim[k] for k in ("profile", "hardware") if sim.get(k)}
+        if theirs and theirs != mine:
+            raise ValueError(f"--against {f}: latency source {theirs} is not the plan's {mine}")
+        ClusterConfig.from_dict(d)  # validates
+        deps.append((Path(f).stem, d))
+    return measure_whole(p, deps, result.best.per_gpu_rps, workers)
+
+
+def against_markdown(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]["per_gpu_rps"]
+    lines = ["| placement (simulated whole, same probes) | GPUs | goodput (req/s) | per GPU | "
+             "chosen / this |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{base / r['per_gpu_rps']:.2f}x" if r["per_gpu_rps"] > 0 else "–"
+        lines.append(f"| {r['name']} | {r['num_gpus']} | {r['goodput_rps']:.3f} | "
+                     f"{r['per_gpu_rps']:.3f} | {ratio} |")
+    return "\n".join(lines)
 
 
 def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:

@@ -37,7 +37,8 @@ hold one longest request) and a unit that misses the SLO even at zero load (each
 on the instance) are not simulated; a unit whose capacity bound is dominated is not simulated,
 and a unit that fails at the rate tying the best per-GPU goodput of its kind so far stops after
 that probe (:meth:`UnitCache.get_bounded`); stopped units that could still make a better Alg. 1
-pair after ``⌈R/g⌉`` rounding are then searched in full (:func:`_research_pairs`). Each probe's
+pair after ``⌈R/g⌉`` rounding, or a node group that could enter Alg. 2's choice, are then
+searched in full (:func:`_research_pairs`, :func:`alg2_search`). Each probe's
 simulation ends as soon as its verdict is certain (:func:`run_probe`,
 :mod:`pdserve.planner.early`). Results are memoised per unit; units run on a process pool, each
 started when a worker is free.
@@ -799,6 +800,74 @@ def alg2_estimate(p: Problem, g: NodeGroup, units: Mapping[Unit, UnitResult]) ->
     return min(g.n_p * a, g.n_d * b)
 
 
+def _group_ceiling(g: NodeGroup, units: Mapping[Unit, UnitResult]) -> float:
+    """The highest per-GPU estimate node group ``g`` can have given what is known of its two
+    units: a searched unit's goodput, or the rate a stopped unit failed at (its goodput lies
+    below it); 0 when a unit is missing, pruned or not known at all."""
+    def top(u: Unit) -> float:
+        r = units.get(u)
+        if r is None:
+            return 0.0
+        if r.goodput_rps > 0:
+            return r.goodput_rps
+        return (r.bound_rps or 0.0) if r.stopped else 0.0
+
+    a, b = top(Unit("prefill", g.tp_p, g.pp)), top(Unit("decode", g.tp_d, g.pp))
+    return min(g.n_p * a, g.n_d * b) / g.num_gpus
+
+
+GroupSim = Callable[[list[tuple[Problem, NodeGroup, float]]], Mapping[NodeGroup, float]]
+
+
+def alg2_search(p: Problem, cache: Any, results: list[UnitResult], tps: Sequence[int],
+                simulate: GroupSim, exact: bool = True
+                ) -> tuple[list[UnitResult], list[NodeGroup], dict[NodeGroup, float],
+                           dict[NodeGroup, float]]:
+    """Algorithm 2 over the phase units: node groups estimated from their units
+    (:func:`alg2_estimate`), ranked per GPU, the best ``p.top_k`` simulated whole
+    (``simulate``; memoised here). Returns ``(results, ranked groups, estimates, simulated
+    goodputs)``; the plan ranks the simulated groups by their simulated goodput and the rest
+    by their estimate.
+
+    ``exact``: make the choice independent of early stops. A stopped unit's goodput is only
+    bounded above, so its groups have no estimate; one of them could still enter the top
+    ``k`` (estimate ≥ the ``k``-th) or win on its estimate (≥ the best value the plan would
+    rank). Every stopped unit in a group whose ceiling (:func:`_group_ceiling`) reaches the
+    lower of those two is searched in full, until no such group is left."""
+    sims: dict[NodeGroup, float] = {}
+    while True:
+        by_unit = {r.unit: r for r in results}
+        groups = [g for g in node_groups(p, tps)
+                  if Unit("prefill", g.tp_p, g.pp) in by_unit
+                  and Unit("decode", g.tp_d, g.pp) in by_unit]
+        est = {g: alg2_estimate(p, g, by_unit) for g in groups}
+        ranked = sorted((g for g in groups if est[g] > 0),
+                        key=lambda g: (-est[g] / g.num_gpus, g.num_gpus))
+        top = ranked[:p.top_k]
+        todo = [(p, g, est[g]) for g in top if g not in sims]
+        if todo:
+            sims.update(simulate(todo))
+        if not exact:
+            return results, ranked, est, sims
+        kth = est[top[-1]] / top[-1].num_gpus if len(top) == p.top_k else 0.0
+        final = max([sims[g] / g.num_gpus for g in top]
+                    + [est[g] / g.num_gpus for g in ranked[p.top_k:]], default=0.0)
+        floor = min(kth, final)
+        redo = set()
+        for g in groups:
+            pair = (by_unit[Unit("prefill", g.tp_p, g.pp)],
+                    by_unit[Unit("decode", g.tp_d, g.pp)])
+            if any(r.stopped for r in pair) and \
+                    (c := _group_ceiling(g, by_unit)) > 0 and c >= floor - 1e-12:
+                redo |= {r.unit for r in pair if r.stopped}
+        if not redo:
+            return results, ranked, est, sims
+        for u in redo:
+            cache.results.pop(u, None)
+        fresh = {r.unit: r for r in cache.get(sorted(redo))}
+        results = [fresh.get(r.unit, r) for r in results]
+
+
 def alg2_placement(p: Problem, g: NodeGroup, goodput: float, simulated: bool,
                    estimate: float) -> Placement:
     k = math.ceil(p.rate / goodput - 1e-9) if goodput > 0 else 0
@@ -839,6 +908,29 @@ def _group_eval(args: tuple[Problem, NodeGroup, float]) -> tuple[NodeGroup, floa
 def _pair_eval(args: tuple[Problem, Placement]) -> tuple[str, float]:
     p, pl = args
     return pl.name, simulate_goodput(p, pl.deployment, 0.9 * pl.estimate_rps)[0]
+
+
+def _whole_eval(args: tuple[Problem, str, dict[str, Any], float]) -> dict[str, Any]:
+    p, name, dep, hi = args
+    goodput, probes = simulate_goodput(p, dep, hi)
+    gpus = ClusterConfig.from_dict(dep).num_gpus
+    return {"name": name, "num_gpus": gpus, "goodput_rps": goodput,
+            "per_gpu_rps": goodput / gpus, "probes": probes}
+
+
+def measure_whole(p: Problem, deployments: Sequence[tuple[str, Mapping[str, Any]]],
+                  per_gpu_guess: float, workers: int = 1) -> list[dict[str, Any]]:
+    """Goodput of each ``(name, deployment)`` simulated whole by :func:`simulate_goodput`: the
+    problem's workload, seed, requests per probe (with the horizon floor), attainment target,
+    precision and early probes, the first bracket at ``per_gpu_guess`` × its GPUs (so the
+    bracket's relative width is the same for every deployment) — the same probes a plan's
+    units get, for comparing a plan's choice with hand-picked placements."""
+    jobs = [(p, name, dict(dep), per_gpu_guess * ClusterConfig.from_dict(dict(dep)).num_gpus)
+            for name, dep in deployments]
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(min(workers, len(jobs))) as ex:
+            return list(ex.map(_whole_eval, jobs))
+    return [_whole_eval(j) for j in jobs]
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -882,8 +974,25 @@ class Plan:
                 "notes": self.notes}
 
 
-def _rank(pls: Iterable[Placement]) -> list[Placement]:
-    return sorted(pls, key=lambda x: (not x.fits, -round(x.per_gpu_rps, 9), x.num_gpus, x.name))
+def _rank(pls: Iterable[Placement], simulated_first: bool = False) -> list[Placement]:
+    return sorted(pls, key=lambda x: (not x.fits, simulated_first and not x.simulated,
+                                      -round(x.per_gpu_rps, 9), x.num_gpus, x.name))
+
+
+def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> None:
+    """``--joint``: simulate ``pls`` whole at their replica counts (first bracket 0.9 × the
+    estimate from units) and keep the simulated goodput. A unit alone and ``n`` replicas of
+    it behind a router are not the same server: on EcoServe's L20 testbed 8 colocated TP4
+    chunked instances of OPT-30B reach 0.24–0.25 req/s per GPU whole against 0.20–0.21 for
+    one alone, with probes of 6–20 request lifetimes (docs/benchmarks.md), while a
+    disaggregated pair there falls short of its estimate."""
+    pls = [pl for pl in pls if pl.fits]  # one that does not fit the cluster is never chosen
+    done = dict(_map(cache, _pair_eval, [(p, pl) for pl in pls]))
+    for pl in pls:
+        gpus = ClusterConfig.from_dict(pl.deployment).num_gpus
+        pl.goodput_rps, pl.simulated = done[pl.name], True
+        pl.note = (f"simulated whole ({gpus} GPUs); estimate from units "
+                   f"{pl.estimate_rps:.3f} req/s")
 
 
 def plan(p: Problem, workers: int | None = None,
@@ -907,8 +1016,12 @@ def plan(p: Problem, workers: int | None = None,
         results = cache.get_bounded(units, early_stop=early_stop) if prune else cache.get(units)
         by_unit = {r.unit: r for r in results}
         placements: list[Placement] = []
-        placements += colocated_placements(p, [r for r in results if r.unit.kind == "colocated"])
-        placements += partial_placements(p, [r for r in results if r.unit.kind == "partial"])
+        colo = _rank(colocated_placements(p, [r for r in results if r.unit.kind == "colocated"]))
+        part = _rank(partial_placements(p, [r for r in results if r.unit.kind == "partial"]))
+        if p.joint:
+            _simulate_whole(p, cache, [pl for pl in colo if pl.fits][:p.top_k]
+                            + [pl for pl in part if pl.fits][:p.top_k])
+        placements += colo + part
         if alg1:
             if prune and early_stop:
                 results = _research_pairs(p, cache, results)
@@ -916,32 +1029,28 @@ def plan(p: Problem, workers: int | None = None,
             pre = [r for r in results if r.unit.kind == "prefill"]
             dec = [r for r in results if r.unit.kind == "decode"]
             pairs = _rank(alg1_placements(p, pre, dec))
-            if p.joint and pairs:
-                jobs = [(p, pl) for pl in pairs[:p.top_k]]
-                done = dict(_map(cache, _pair_eval, jobs))
-                for pl in pairs[:p.top_k]:
-                    n_roles = ClusterConfig.from_dict(pl.deployment)
-                    pl.goodput_rps, pl.simulated = done[pl.name], True
-                    pl.note = (f"simulated whole ({n_roles.num_gpus} GPUs); Alg. 1 estimate "
-                               f"{pl.estimate_rps:.3f} req/s")
+            if p.joint:
+                _simulate_whole(p, cache, [pl for pl in pairs if pl.fits][:p.top_k])
             placements += pairs
         if alg2:
+            def simulate(jobs: list[tuple[Problem, NodeGroup, float]]) -> dict[NodeGroup, float]:
+                return dict(_map(cache, _group_eval, jobs))
+
+            results, ranked, est, sims = alg2_search(p, cache, results, tps, simulate,
+                                                     exact=prune and early_stop)
+            by_unit = {r.unit: r for r in results}
             groups = [g for g in node_groups(p, tps)
                       if Unit("prefill", g.tp_p, g.pp) in by_unit
                       and Unit("decode", g.tp_d, g.pp) in by_unit]
-            est = {g: alg2_estimate(p, g, by_unit) for g in groups}
-            ranked = sorted((g for g in groups if est[g] > 0),
-                            key=lambda g: (-est[g] / g.num_gpus, g.num_gpus))
-            top = ranked[:p.top_k]
-            sims = dict(_map(cache, _group_eval, [(p, g, est[g]) for g in top]))
-            for g in ranked:
-                if g in sims:
+            top = ranked[:p.top_k]  # groups simulated in an earlier round and since overtaken
+            for g in ranked:        # rank by their estimates, as in a search without stops
+                if g in top:
                     placements.append(alg2_placement(p, g, sims[g], True, est[g]))
                 else:
                     placements.append(alg2_placement(p, g, est[g], False, est[g]))
             notes.append(f"Alg. 2: {len(groups)} node configurations, {len(top)} simulated "
                          "whole, the rest estimated from phase units")
-    ranked_all = _rank(placements)
+    ranked_all = _rank(placements, simulated_first=p.joint)
     if not ranked_all:
         pruned = "; ".join(f"{r.unit.label}: {r.pruned}" for r in results if r.pruned)[:600]
         raise ValueError(f"no placement of {p.model} meets TTFT {p.slo.ttft:g} s / TPOT "
