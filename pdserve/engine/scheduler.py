@@ -359,6 +359,23 @@ class Scheduler:
         self.running.append(req)
         return req
 
+    # ------------------------------------------------------------------ simulator fast path
+    def decode_run(self, token_id: int) -> DecodeRun | None:
+        """A :class:`DecodeRun` over the running requests if the next steps are pure decode with
+        an unchanged batch as long as no command arrives (nothing waiting or pending, every
+        running request decoding, no stop token that ``token_id`` could hit), else ``None``.
+        Only the simulator uses it (its executor samples ``token_id`` every step)."""
+        if (self.role not in ("colocated", "decode") or self.waiting or self.pending_kv
+                or not self.running or len(self.running) > self.budget
+                or token_id in self.eos_token_ids):
+            return None
+        for req in self.running:
+            n = req.num_computed_tokens
+            if (n != len(req.all_token_ids) - 1 or n < len(req.prompt_token_ids)
+                    or req.params.stop_token_ids or req.detok is not None):
+                return None
+        return DecodeRun(self, token_id)
+
     # ------------------------------------------------------------------ introspection
     @property
     def num_unfinished(self) -> int:
@@ -379,3 +396,103 @@ class Scheduler:
         queued = len(self.waiting) + len(self.running) + len(self.held) + len(
             self.pending_kv) + len(self.pulling)
         assert queued == len(self.requests), "request table and queues disagree"
+
+
+class DecodeRun:
+    """The next decode steps of a :class:`Scheduler`, advanced one at a time without building
+    batches: the simulator's exact fast path (:meth:`Scheduler.decode_run`).
+
+    A step of an unchanged decode batch does, per request, what :meth:`Scheduler.schedule` and
+    :meth:`Scheduler.update` do: a block when the request crosses into a new one, one computed
+    token, a cached block when one fills, the sampled token and its time. Here a step costs the
+    block events due that step (one request in ``block_size``, by phase) plus O(1); each request's
+    tokens, times and counts are caught up lazily, before its next block event and at
+    :meth:`close`, in the order the step-by-step path would apply them, so the block pool sees
+    the same calls in the same order and every request ends in the same state. A step is
+    :meth:`safe` when no request finishes in it and its blocks fit in the free pool (no
+    preemption); the caller runs any other step through the scheduler.
+    """
+
+    def __init__(self, sched: Scheduler, token_id: int) -> None:
+        self.sched, self.tok = sched, token_id
+        self.reqs = reqs = list(sched.running)
+        bs = self.bs = sched.block_size
+        max_len = sched.config.max_model_len
+        self.j = 0  # steps advanced
+        self.done = [0] * len(reqs)  # steps applied to each request so far
+        self.times: list[float] = []  # end of each step (its tokens' time)
+        self.ctx = [r.num_computed_tokens + 1 for r in reqs]  # decode context lens, step 0
+        # the first step in which some request would finish (stop rules of update())
+        self.limit = min(min(r.params.max_tokens - len(r.output_token_ids),
+                             max_len - len(r.all_token_ids)) for r in reqs) - 1
+        # block events by step phase (j mod block_size), in running order: a new block at steps
+        # j >= first with computed + j == a multiple of bs; a full block to cache when computed
+        # + j + 1 is one
+        self.alloc: list[list[int]] = [[] for _ in range(bs)]
+        self.first = [0] * len(reqs)
+        self.cache: list[list[int]] | None = (
+            [[] for _ in range(bs)] if sched.pool.enable_caching else None)
+        for i, r in enumerate(reqs):
+            c = r.num_computed_tokens
+            self.first[i] = f = len(r.block_ids) * bs - c
+            self.alloc[f % bs].append(i)
+            if self.cache is not None:
+                self.cache[(bs - 1 - c) % bs].append(i)
+
+    def contexts(self) -> list[int]:
+        """The decode context lengths of the next step (the latency model's input)."""
+        j = self.j
+        return [c + j for c in self.ctx] if j else self.ctx
+
+    def _due(self) -> list[int]:
+        j, first = self.j, self.first
+        return [i for i in self.alloc[j % self.bs] if j >= first[i]]
+
+    def safe(self) -> bool:
+        """Whether the next step is pure decode: nothing finishes, every new block fits."""
+        return self.j < self.limit and len(self._due()) <= self.sched.pool.num_free_blocks
+
+    def _catch_up(self, i: int, upto: int) -> Request:
+        r, k = self.reqs[i], upto - self.done[i]
+        if k:
+            r.num_computed_tokens += k
+            toks = [self.tok] * k
+            r.output_token_ids += toks
+            r.all_token_ids += toks
+            r.timeline.token_times += self.times[self.done[i]:upto]
+            self.done[i] = upto
+        return r
+
+    def advance(self, start: float, end: float) -> None:
+        """One step that starts at ``start`` and whose tokens are timed ``end`` (must be
+        :meth:`safe`)."""
+        sched, j = self.sched, self.j
+        sched.step_id += 1
+        if j == 0:  # what schedule() does on a decode step
+            if not sched.chunked and sched.phase != "decode":
+                sched.phase, sched.phase_switch_time = "decode", start
+            for r in self.reqs:
+                if r.timeline.decode_start is None:
+                    r.timeline.decode_start = start
+        allocate = sched.kv.allocate
+        for i in self._due():
+            ok = allocate(self._catch_up(i, j), 1)
+            assert ok, "DecodeRun.advance on a step that is not safe"
+        self.times.append(end)
+        if self.cache is not None:
+            cache = sched.kv.cache_computed
+            for i in self.cache[j % self.bs]:
+                r = self._catch_up(i, j)
+                old = r.num_computed_tokens
+                r.num_computed_tokens = old + 1
+                cache(r, old, old + 1)
+                r.output_token_ids.append(self.tok)
+                r.all_token_ids.append(self.tok)
+                r.timeline.token_times.append(end)
+                self.done[i] = j + 1
+        self.j = j + 1
+
+    def close(self) -> None:
+        """Catch every request up with the steps advanced (before anything else reads them)."""
+        for i in range(len(self.reqs)):
+            self._catch_up(i, self.j)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -35,13 +37,15 @@ from typing import Any, Protocol
 from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import DriverCore, Effect, StartStep
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
-from pdserve.cluster.worker import InstanceWorker
+from pdserve.cluster.worker import InstanceWorker, StepReport
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
 STEP_END, TRANSFER_END, ARRIVAL, SCALE = 0, 1, 2, 3
+# the default of ``Simulator(fast_forward=...)``; PDSERVE_SIM_FAST_FORWARD=0 turns it off
+FAST_FORWARD = os.environ.get("PDSERVE_SIM_FAST_FORWARD", "1") != "0"
 
 
 class StepTimeModel(Protocol):
@@ -67,7 +71,21 @@ class SimExecutor:
             n = sum(1 for s in batch.seqs if s.sample)
             return ExecuteResult([self.token_id] * n, self.latency.batch_time(batch))
         prefills, decodes, n = batch.shape_and_samples()
-        return ExecuteResult([self.token_id] * n, self._step_time(prefills, decodes))
+        return ExecuteResult([self.token_id] * n, self.price(prefills, decodes))
+
+    @property
+    def can_price(self) -> bool:
+        """Whether :meth:`price` prices a batch from its shape (the decode fast path needs it)."""
+        return self._step_time is not None
+
+    def price(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
+        """The step time of a batch of this shape at :attr:`now` (what :meth:`execute` returns
+        as ``elapsed``); the simulator's decode fast path prices its steps with it."""
+        return self._step_time(prefills, decodes)  # type: ignore[misc]
+
+    def peek(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
+        """:meth:`price` without side effects."""
+        return self.price(prefills, decodes)
 
     def export_kv(self, block_ids: list[int]) -> None:
         return None
@@ -113,15 +131,30 @@ class PipelinedExecutor(SimExecutor):
 
     def execute(self, batch: ScheduledBatch) -> ExecuteResult:
         prefills, decodes, n = batch.shape_and_samples()
+        return ExecuteResult([self.token_id] * n, self.price(prefills, decodes))
+
+    @property
+    def can_price(self) -> bool:
+        return True
+
+    def price(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
+        """Enters the batch into the shared stages at :attr:`now` (a side effect)."""
         t = self.pipe.base.step_time(prefills, decodes)
         if t <= 0.0:
-            return ExecuteResult([self.token_id] * n, 0.0)
+            return 0.0
         tokens = sum(k for _, k in prefills) + len(decodes)
         done = self.stages.enter(self.now, t / self.pipe.pp, self.pipe.send_time(tokens))
         extra = 0.0
         if self.over is not None:
             extra = self.over.overhead_s + self.over.per_seq_s * (len(prefills) + len(decodes))
-        return ExecuteResult([self.token_id] * n, done - self.now + extra)
+        return done - self.now + extra
+
+    def peek(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
+        free = self.stages.free[:]
+        try:
+            return self.price(prefills, decodes)
+        finally:
+            self.stages.free[:] = free
 
 
 def pipeline_of(latency: Any) -> tuple[PipelineModel | None, DriverOverhead | None]:
@@ -199,8 +232,12 @@ class Simulator:
                  decode_router: str | Router = "least_load",
                  intra_node_link: Link | None = None, inter_node_link: Link | None = None,
                  kv_dtype: str = "float16", record_batches: bool = False,
-                 controller_kw: dict[str, Any] | None = None) -> None:
+                 controller_kw: dict[str, Any] | None = None,
+                 fast_forward: bool | None = None) -> None:
         self.model = model
+        # the exact decode fast path (:meth:`_fast_forward`); off: every step is scheduled
+        self.fast_forward = (FAST_FORWARD if fast_forward is None else fast_forward)
+        self.num_folded = 0  # steps the fast path advanced without a batch
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
         self.inter = inter_node_link or Link()
@@ -294,6 +331,14 @@ class Simulator:
             n_events += 1
             if prio == STEP_END:
                 iid, rep = data
+                if self.fast_forward:
+                    ff = self._fast_forward(iid, rep, now, stop)
+                    if ff is not None:  # it handled this event and the ones it folded
+                        now, folded, stopped = ff
+                        n_events += folded
+                        if stopped:
+                            break
+                        continue
                 core.step_done(iid, rep, lambda effects, now=now: self._run(effects, now))
             elif prio == TRANSFER_END:
                 rid, dst, payload = data
@@ -326,6 +371,82 @@ class Simulator:
         stats = {iid: i.worker.stats() for iid, i in self.insts.items()}
         return SimResult(records, now, n_events, stats,
                          self._batch_log if self.record_batches else None, stopped)
+
+    def _quiet(self, iid: str, rep: StepReport) -> bool:
+        """Processing ``rep`` (a step's report) leads to the instance's next step and nothing
+        else: no token, pull, import, error or KV event reported, no router queue, no flips, no
+        command waiting for the instance, nothing being removed."""
+        inst = self.insts[iid]
+        return (rep.stepped and rep.has_work and not rep.deltas and not rep.pulls
+                and not rep.imported and not rep.errors and not rep.transfer_failures
+                and not rep.kv_events and rep.role in ("colocated", "decode")
+                and not self.record_batches and not self._removing
+                and not self.controller.queued and self.controller.flips is None
+                and not self.core.queues[iid] and not self.core.loop
+                and not inst.worker.record_events and not inst.worker.stream_tokens
+                and inst.worker.engine.tokenizer is None
+                and inst.worker.engine.config.step_log is None and inst.executor.can_price)
+
+    def _fast_forward(self, iid: str, rep: StepReport, now: float,
+                      stop: Callable[[float], bool] | None) -> tuple[float, int, bool] | None:
+        """The exact decode fast path: handle the step end ``(iid, rep)`` at ``now`` and, while
+        the instance's next step is pure decode with an unchanged batch and its end is the next
+        event of the whole simulation, the step ends after it, without building batches
+        (:class:`~pdserve.engine.scheduler.DecodeRun`). Each folded step is priced by the same
+        executor call at the same start time as the step-by-step path, and each folded event does
+        what that path's event would do: the driver core's accounting, the report's effect on the
+        controller (its stats) and the ``stop`` call. The last step runs through the worker, so
+        its report and heap entry are the real ones. Returns ``(now, extra events, stopped)``,
+        or ``None`` (nothing done) when not even the first step can be folded."""
+        if not self._quiet(iid, rep):
+            return None
+        inst = self.insts[iid]
+        eng, ex = inst.worker.engine, inst.executor
+        sched = eng.scheduler
+        nxt = self._heap[0] if self._heap else (math.inf, 0)
+        t_next, p_next = nxt[0], nxt[1]
+        if not sched.running or sched.waiting:
+            return None
+        ex.now = now  # cheap test first: would the first step's end be the next event?
+        end = now + ex.peek([], [r.num_computed_tokens + 1 for r in sched.running])
+        if not (end < t_next or (end == t_next and p_next > STEP_END)):
+            return None
+        run = sched.decode_run(ex.token_id)
+        if run is None:
+            return None
+        core, ctl = self.core, self.controller
+        t, stats, folded, start, elapsed = now, rep.stats, 0, now, 0.0
+        while True:
+            # the event at t: the instance's last step ended (its report's stats: ``stats``);
+            # the next step starts at t, then the report takes effect, then ``stop(t)``
+            ex.now = t
+            decodes = run.contexts()
+            end = t + ex.peek([], decodes) if run.safe() else math.inf
+            # fold only if the step's end is the next event: before every queued one (a step
+            # end of equal time pops first when the other is not a step end: later sequence)
+            if not (end < t_next or (end == t_next and p_next > STEP_END)):
+                break
+            start, elapsed = t, ex.price([], decodes)
+            run.advance(t, t + elapsed)
+            self.num_folded += 1
+            eng.num_steps += 1
+            eng.busy_time += elapsed
+            core.sent[iid] += 1  # busy stays set: a step is in flight again
+            ctl.instances[iid].stats = stats
+            stats = eng.stats()  # the folded step's report
+            if stop is not None and stop(t):
+                run.close()
+                return t, folded, True
+            t, folded = t + elapsed, folded + 1
+        run.close()
+        if not folded:
+            return None
+        last = StepReport(iid, rep.role, start, elapsed, stepped=True, stats=stats,
+                          has_work=True, has_unfinished=True)  # what the worker reports
+        core.step_done(iid, last, lambda effects: self._run(effects, t))
+        if stop is not None and stop(t):
+            return t, folded, True
+        return t, folded, False
 
     def _run(self, effects: list[Effect], now: float) -> None:
         """Carry out the driver core's effects at virtual time ``now``."""
