@@ -53,7 +53,8 @@ def setups(kind, caching, blocks):
                                   blocks),
                       SimInstance("d1", engine("decode", True, caching, blocks), PROFILE,
                                   blocks, node=1)]
-    pipe = PipelineModel(PROFILE, pp=2, model=MODEL, link=Link(bandwidth_gb_per_s=100.0, latency_s=1e-5))
+    pipe = PipelineModel(PROFILE, pp=2, model=MODEL, link=Link(bandwidth_gb_per_s=100.0,
+                                                                latency_s=1e-5))
     return pre + [SimInstance("d0", engine("decode", True, caching, 2 * blocks), pipe,
                               2 * blocks, num_gpus=2)]
 
