@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,6 +39,7 @@ from pdserve.cluster.routing import InstanceView, Router, make_routers, role_rou
 from pdserve.cluster.worker import InstanceWorker, StepReport
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+from pdserve.engine.scheduler import DecodeRun
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
@@ -82,10 +82,6 @@ class SimExecutor:
         """The step time of a batch of this shape at :attr:`now` (what :meth:`execute` returns
         as ``elapsed``); the simulator's decode fast path prices its steps with it."""
         return self._step_time(prefills, decodes)  # type: ignore[misc]
-
-    def peek(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
-        """:meth:`price` without side effects."""
-        return self.price(prefills, decodes)
 
     def export_kv(self, block_ids: list[int]) -> None:
         return None
@@ -148,13 +144,6 @@ class PipelinedExecutor(SimExecutor):
         if self.over is not None:
             extra = self.over.overhead_s + self.over.per_seq_s * (len(prefills) + len(decodes))
         return done - self.now + extra
-
-    def peek(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
-        free = self.stages.free[:]
-        try:
-            return self.price(prefills, decodes)
-        finally:
-            self.stages.free[:] = free
 
 
 def pipeline_of(latency: Any) -> tuple[PipelineModel | None, DriverOverhead | None]:
@@ -235,9 +224,10 @@ class Simulator:
                  controller_kw: dict[str, Any] | None = None,
                  fast_forward: bool | None = None) -> None:
         self.model = model
-        # the exact decode fast path (:meth:`_fast_forward`); off: every step is scheduled
+        # the exact decode fast path (:meth:`_decode_step`); off: every step is scheduled
         self.fast_forward = (FAST_FORWARD if fast_forward is None else fast_forward)
         self.num_folded = 0  # steps the fast path advanced without a batch
+        self._runs: dict[str, DecodeRun] = {}  # open fast-path runs by instance
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
         self.inter = inter_node_link or Link()
@@ -305,6 +295,7 @@ class Simulator:
 
     def _forget_drained(self, now: float) -> None:
         for iid in [i for i in self._removing if self.core.drained(i)]:
+            self._close(iid)
             self.core.forget(iid)
             self.removals.append((iid, self._removing.pop(iid), now,
                                   self.insts[iid].worker.check_integrity()))
@@ -331,14 +322,6 @@ class Simulator:
             n_events += 1
             if prio == STEP_END:
                 iid, rep = data
-                if self.fast_forward:
-                    ff = self._fast_forward(iid, rep, now, stop)
-                    if ff is not None:  # it handled this event and the ones it folded
-                        now, folded, stopped = ff
-                        n_events += folded
-                        if stopped:
-                            break
-                        continue
                 core.step_done(iid, rep, lambda effects, now=now: self._run(effects, now))
             elif prio == TRANSFER_END:
                 rid, dst, payload = data
@@ -359,6 +342,8 @@ class Simulator:
             if stop is not None and stop(now):
                 stopped = True
                 break
+        for iid in list(self._runs):
+            self._close(iid)
         for rid, req in ({} if stopped else self.controller.requests).items():
             # the event queue ran dry with the request unfinished: the cluster deadlocked
             self._errors.setdefault(rid, f"simulation stalled with the request in stage "
@@ -372,81 +357,42 @@ class Simulator:
         return SimResult(records, now, n_events, stats,
                          self._batch_log if self.record_batches else None, stopped)
 
-    def _quiet(self, iid: str, rep: StepReport) -> bool:
-        """Processing ``rep`` (a step's report) leads to the instance's next step and nothing
-        else: no token, pull, import, error or KV event reported, no router queue, no flips, no
-        command waiting for the instance, nothing being removed."""
-        inst = self.insts[iid]
-        return (rep.stepped and rep.has_work and not rep.deltas and not rep.pulls
-                and not rep.imported and not rep.errors and not rep.transfer_failures
-                and not rep.kv_events and rep.role in ("colocated", "decode")
-                and not self.record_batches and not self._removing
-                and not self.controller.queued and self.controller.flips is None
-                and not self.core.queues[iid] and not self.core.loop
-                and not inst.worker.record_events and not inst.worker.stream_tokens
-                and inst.worker.engine.tokenizer is None
-                and inst.worker.engine.config.step_log is None and inst.executor.can_price)
-
-    def _fast_forward(self, iid: str, rep: StepReport, now: float,
-                      stop: Callable[[float], bool] | None) -> tuple[float, int, bool] | None:
-        """The exact decode fast path: handle the step end ``(iid, rep)`` at ``now`` and, while
-        the instance's next step is pure decode with an unchanged batch and its end is the next
-        event of the whole simulation, the step ends after it, without building batches
-        (:class:`~pdserve.engine.scheduler.DecodeRun`). Each folded step is priced by the same
-        executor call at the same start time as the step-by-step path, and each folded event does
-        what that path's event would do: the driver core's accounting, the report's effect on the
-        controller (its stats) and the ``stop`` call. The last step runs through the worker, so
-        its report and heap entry are the real ones. Returns ``(now, extra events, stopped)``,
-        or ``None`` (nothing done) when not even the first step can be folded."""
-        if not self._quiet(iid, rep):
-            return None
-        inst = self.insts[iid]
-        eng, ex = inst.worker.engine, inst.executor
-        sched = eng.scheduler
-        nxt = self._heap[0] if self._heap else (math.inf, 0)
-        t_next, p_next = nxt[0], nxt[1]
-        if not sched.running or sched.waiting:
-            return None
-        ex.now = now  # cheap test first: would the first step's end be the next event?
-        end = now + ex.peek([], [r.num_computed_tokens + 1 for r in sched.running])
-        if not (end < t_next or (end == t_next and p_next > STEP_END)):
-            return None
-        run = sched.decode_run(ex.token_id)
+    def _decode_step(self, inst: _Inst, now: float) -> StepReport | None:
+        """The exact decode fast path: the step an instance with no new commands starts at
+        ``now``, when it is pure decode with an unchanged batch, advanced by the scheduler's
+        :class:`~pdserve.engine.scheduler.DecodeRun` (no batch built, one price call) instead
+        of :meth:`InstanceWorker.handle`; returns the report ``handle`` would return (no token
+        to report: nothing finishes, no first token, no pull, no KV event), or ``None`` for a
+        step that must run through the worker. The run stays open over the instance's next
+        steps and is closed (its requests caught up) before anything else touches the engine."""
+        iid, w, ex = inst.spec.instance_id, inst.worker, inst.executor
+        run = self._runs.get(iid)
         if run is None:
+            eng = w.engine
+            if (self.record_batches or w.record_events or w.stream_tokens
+                    or eng.tokenizer is not None or eng.config.step_log is not None
+                    or not ex.can_price or self.core.loop):
+                return None
+            run = eng.scheduler.decode_run(ex.token_id)
+            if run is None:
+                return None
+            self._runs[iid] = run
+        if not run.safe():
+            self._close(iid)
             return None
-        core, ctl = self.core, self.controller
-        t, stats, folded, start, elapsed = now, rep.stats, 0, now, 0.0
-        while True:
-            # the event at t: the instance's last step ended (its report's stats: ``stats``);
-            # the next step starts at t, then the report takes effect, then ``stop(t)``
-            ex.now = t
-            decodes = run.contexts()
-            end = t + ex.peek([], decodes) if run.safe() else math.inf
-            # fold only if the step's end is the next event: before every queued one (a step
-            # end of equal time pops first when the other is not a step end: later sequence)
-            if not (end < t_next or (end == t_next and p_next > STEP_END)):
-                break
-            start, elapsed = t, ex.price([], decodes)
-            run.advance(t, t + elapsed)
-            self.num_folded += 1
-            eng.num_steps += 1
-            eng.busy_time += elapsed
-            core.sent[iid] += 1  # busy stays set: a step is in flight again
-            ctl.instances[iid].stats = stats
-            stats = eng.stats()  # the folded step's report
-            if stop is not None and stop(t):
-                run.close()
-                return t, folded, True
-            t, folded = t + elapsed, folded + 1
-        run.close()
-        if not folded:
-            return None
-        last = StepReport(iid, rep.role, start, elapsed, stepped=True, stats=stats,
-                          has_work=True, has_unfinished=True)  # what the worker reports
-        core.step_done(iid, last, lambda effects: self._run(effects, t))
-        if stop is not None and stop(t):
-            return t, folded, True
-        return t, folded, False
+        eng = w.engine
+        elapsed = ex.price([], run.contexts())
+        run.advance(now, now + elapsed)
+        self.num_folded += 1
+        eng.num_steps += 1
+        eng.busy_time += elapsed
+        return StepReport(iid, w.role, now, elapsed, stepped=True, stats=eng.stats(),
+                          has_work=True, has_unfinished=True)
+
+    def _close(self, iid: str) -> None:
+        run = self._runs.pop(iid, None)
+        if run is not None:
+            run.close()
 
     def _run(self, effects: list[Effect], now: float) -> None:
         """Carry out the driver core's effects at virtual time ``now``."""
@@ -454,7 +400,12 @@ class Simulator:
             if isinstance(e, StartStep):
                 inst = self.insts[e.instance_id]
                 inst.executor.now = now
-                rep = inst.worker.handle(e.commands, now)
+                rep = None
+                if self.fast_forward and not e.commands:
+                    rep = self._decode_step(inst, now)
+                if rep is None:
+                    self._close(e.instance_id)
+                    rep = inst.worker.handle(e.commands, now)
                 if rep.stepped:
                     if self.record_batches:
                         self._batch_log.append((e.instance_id, now, rep.batch))
@@ -464,6 +415,7 @@ class Simulator:
                                         lambda effects: self._run(effects, now))
             elif isinstance(e, Transfer):
                 src, dst = self.insts[e.src], self.insts[e.dst]
+                self._close(e.src)
                 payload = src.worker.export_kv(e.request_id, e.first_block)
                 nbytes = (payload.num_blocks * dst.spec.engine.cache.block_size
                           * self.model.kv_bytes_per_token(self.kv_dtype))
