@@ -80,16 +80,68 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
 
 
+class Blocks(list):
+    """The pool's blocks by id, each created on first use: ``blocks[i]`` and iteration behave as
+    a full list of ``n`` blocks, but a pool of which a short run touches a few hundred blocks
+    does not build the other tens of thousands (the simulator builds hundreds of pools)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def _grow(self, upto: int) -> None:
+        for i in range(list.__len__(self), upto):
+            self.append(Block(i))
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if type(i) is int and 0 <= i < self.n:
+            if i >= list.__len__(self):
+                self._grow(i + 1)
+            return list.__getitem__(self, i)
+        self._grow(self.n)
+        return list.__getitem__(self, i)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self._grow(self.n)
+        return list.__iter__(self)
+
+
 class FreeBlockQueue:
-    """Intrusive doubly linked list of free blocks with O(1) append, popleft and remove."""
+    """Intrusive doubly linked list of free blocks with O(1) append, popleft and remove.
+
+    Given :class:`Blocks`, the queue starts as every block in id order without linking them:
+    blocks ``fresh..n-1`` (never taken yet) are its head, in order, ahead of the linked ones
+    (blocks freed later go to the tail), so ``popleft`` takes them by index. Removing one of
+    them from the middle (never on the allocation path: only cached blocks are revived) links
+    them first."""
 
     def __init__(self, blocks: list[Block]) -> None:
         self._head = Block(-1)
         self._tail = Block(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self.size = 0
-        for b in blocks:
-            self.append(b)
+        self._blocks, self._fresh, self._n = blocks, 0, 0
+        if isinstance(blocks, Blocks):
+            self._n = self.size = len(blocks)
+        else:
+            for b in blocks:
+                self.append(b)
+
+    def _link_fresh(self) -> None:
+        """Link the fresh blocks at the head, in order (the eager queue's layout)."""
+        first = self._head.next
+        prev = self._head
+        for i in range(self._fresh, self._n):
+            b = self._blocks[i]
+            prev.next, b.prev = b, prev
+            prev = b
+        prev.next = first
+        assert first is not None
+        first.prev = prev
+        self._fresh = self._n
 
     def append(self, block: Block) -> None:
         last = self._tail.prev
@@ -98,18 +150,27 @@ class FreeBlockQueue:
         self.size += 1
 
     def remove(self, block: Block) -> None:
+        if block.prev is None and self._fresh <= block.block_id < self._n:
+            self._link_fresh()
         assert block.prev is not None and block.next is not None, f"{block} is not queued"
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.size -= 1
 
     def popleft(self) -> Block:
+        if self._fresh < self._n:
+            block = self._blocks[self._fresh]
+            self._fresh += 1
+            self.size -= 1
+            return block
         block = self._head.next
         assert block is not None and block is not self._tail, "free queue is empty"
         self.remove(block)
         return block
 
     def __iter__(self):
+        for i in range(self._fresh, self._n):
+            yield self._blocks[i]
         b = self._head.next
         while b is not None and b is not self._tail:
             yield b
@@ -131,7 +192,7 @@ class BlockPool:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.record_events = record_events
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = Blocks(num_blocks)
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, Block] = {}
         self.events: list[KVEvent] = []
