@@ -158,9 +158,15 @@ class FreeBlockQueue:
         self.size -= 1
 
     def popleft(self) -> Block:
-        if self._fresh < self._n:
-            block = self._blocks[self._fresh]
-            self._fresh += 1
+        f = self._fresh
+        if f < self._n:  # a fresh block (hot: built here when nothing asked for it before)
+            blocks = self._blocks
+            if f < list.__len__(blocks):
+                block = list.__getitem__(blocks, f)
+            else:
+                block = Block(f)
+                list.append(blocks, block)
+            self._fresh = f + 1
             self.size -= 1
             return block
         block = self._head.next

@@ -362,19 +362,15 @@ class Scheduler:
     # ------------------------------------------------------------------ simulator fast path
     def decode_run(self, token_id: int) -> DecodeRun | None:
         """A :class:`DecodeRun` over the running requests if the next steps are pure decode with
-        an unchanged batch as long as no command arrives (nothing waiting or pending, every
-        running request decoding, no stop token that ``token_id`` could hit), else ``None``.
-        Only the simulator uses it (its executor samples ``token_id`` every step)."""
-        if (self.role not in ("colocated", "decode") or self.waiting or self.pending_kv
-                or not self.running or len(self.running) > self.budget
+        an unchanged batch as long as no command arrives (nothing waiting, every running
+        request decoding, no stop token that ``token_id`` could hit), else ``None``. Only the
+        simulator uses it (its executor samples ``token_id`` every step); it runs the worker's
+        :meth:`reserve_pulls` around each step itself, as the worker does."""
+        if (self.role not in ("colocated", "decode") or self.waiting or not self.running
                 or token_id in self.eos_token_ids):
             return None
-        for req in self.running:
-            n = req.num_computed_tokens
-            if (n != len(req.all_token_ids) - 1 or n < len(req.prompt_token_ids)
-                    or req.params.stop_token_ids or req.detok is not None):
-                return None
-        return DecodeRun(self, token_id)
+        run = DecodeRun(self, token_id)
+        return run if run.sync() else None
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -415,34 +411,57 @@ class DecodeRun:
 
     def __init__(self, sched: Scheduler, token_id: int) -> None:
         self.sched, self.tok = sched, token_id
-        self.reqs = reqs = list(sched.running)
-        bs = self.bs = sched.block_size
-        max_len = sched.config.max_model_len
+        self.bs = bs = sched.block_size
         self.j = 0  # steps advanced
-        self.done = [0] * len(reqs)  # steps applied to each request so far
+        self.reqs: list[Request] = []  # the batch, in running order
+        self.done: list[int] = []  # steps applied to each request so far
         self.times: list[float] = []  # end of each step (its tokens' time)
-        self.ctx = [r.num_computed_tokens + 1 for r in reqs]  # decode context lens, step 0
-        # the first step in which some request would finish (stop rules of update())
-        self.limit = min(min(r.params.max_tokens - len(r.output_token_ids),
-                             max_len - len(r.all_token_ids)) for r in reqs) - 1
+        self.ctx: list[int] = []  # context len of each request at step 0 (shifted by its join)
+        self.starting: list[Request] = []  # joined since the last step
+        self.limit = 1 << 62  # the first step in which a request finishes (update's stop rules)
         # block events by step phase (j mod block_size), in running order: a new block at steps
         # j >= first with computed + j == a multiple of bs; a full block to cache when computed
         # + j + 1 is one
         self.alloc: list[list[int]] = [[] for _ in range(bs)]
-        self.first = [0] * len(reqs)
+        self.first: list[int] = []
         self.cache: list[list[int]] | None = (
             [[] for _ in range(bs)] if sched.pool.enable_caching else None)
-        for i, r in enumerate(reqs):
+
+    def sync(self) -> bool:
+        """Take the requests appended to the running list since the last step (a KV import
+        on a decode instance); ``False`` if the batch changed any other way or is not pure
+        decode (the run must then be closed)."""
+        sched, reqs, j = self.sched, self.reqs, self.j
+        running, n = sched.running, len(reqs)
+        if (sched.waiting or len(running) < n or len(running) > sched.budget
+                or (n and running[n - 1] is not reqs[-1])):
+            return False
+        new = running[n:]
+        for r in new:
             c = r.num_computed_tokens
-            self.first[i] = f = len(r.block_ids) * bs - c
+            if (c != len(r.all_token_ids) - 1 or c < len(r.prompt_token_ids)
+                    or r.params.stop_token_ids or r.detok is not None):
+                return False
+        bs, max_len = self.bs, sched.config.max_model_len
+        self.starting += new
+        for i, r in enumerate(new, n):
+            c = r.num_computed_tokens
+            reqs.append(r)
+            self.done.append(j)
+            self.ctx.append(c + 1 - j)
+            self.limit = min(self.limit, j - 1 + min(r.params.max_tokens - len(r.output_token_ids),
+                                                     max_len - len(r.all_token_ids)))
+            f = j + len(r.block_ids) * bs - c
+            self.first.append(f)
             self.alloc[f % bs].append(i)
             if self.cache is not None:
-                self.cache[(bs - 1 - c) % bs].append(i)
+                self.cache[(bs - 1 - c + j) % bs].append(i)
+        return True
 
     def contexts(self) -> list[int]:
         """The decode context lengths of the next step (the latency model's input)."""
         j = self.j
-        return [c + j for c in self.ctx] if j else self.ctx
+        return [c + j for c in self.ctx]
 
     def _due(self) -> list[int]:
         j, first = self.j, self.first
@@ -468,12 +487,13 @@ class DecodeRun:
         :meth:`safe`)."""
         sched, j = self.sched, self.j
         sched.step_id += 1
-        if j == 0:  # what schedule() does on a decode step
-            if not sched.chunked and sched.phase != "decode":
-                sched.phase, sched.phase_switch_time = "decode", start
-            for r in self.reqs:
+        if not sched.chunked and sched.phase != "decode":  # as schedule() on a decode step
+            sched.phase, sched.phase_switch_time = "decode", start
+        if self.starting:  # their first decode step
+            for r in self.starting:
                 if r.timeline.decode_start is None:
                     r.timeline.decode_start = start
+            self.starting = []
         allocate = sched.kv.allocate
         for i in self._due():
             ok = allocate(self._catch_up(i, j), 1)
@@ -494,5 +514,7 @@ class DecodeRun:
 
     def close(self) -> None:
         """Catch every request up with the steps advanced (before anything else reads them)."""
+        j, done = self.j, self.done
         for i in range(len(self.reqs)):
-            self._catch_up(i, self.j)
+            if done[i] != j:
+                self._catch_up(i, j)

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import DriverCore, Effect, StartStep
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
-from pdserve.cluster.worker import InstanceWorker, StepReport
+from pdserve.cluster.worker import AddTransfer, Command, ImportKV, InstanceWorker, StepReport
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.scheduler import DecodeRun
@@ -357,22 +357,61 @@ class Simulator:
         return SimResult(records, now, n_events, stats,
                          self._batch_log if self.record_batches else None, stopped)
 
-    def _decode_step(self, inst: _Inst, now: float) -> StepReport | None:
-        """The exact decode fast path: the step an instance with no new commands starts at
-        ``now``, when it is pure decode with an unchanged batch, advanced by the scheduler's
-        :class:`~pdserve.engine.scheduler.DecodeRun` (no batch built, one price call) instead
-        of :meth:`InstanceWorker.handle`; returns the report ``handle`` would return (no token
-        to report: nothing finishes, no first token, no pull, no KV event), or ``None`` for a
-        step that must run through the worker. The run stays open over the instance's next
-        steps and is closed (its requests caught up) before anything else touches the engine."""
-        iid, w, ex = inst.spec.instance_id, inst.worker, inst.executor
+    def _handle(self, inst: _Inst, commands: list[Command], now: float) -> StepReport:
+        """:meth:`InstanceWorker.handle` (the same calls in the same order: commands, KV pulls,
+        the step, KV pulls, stats) with the exact decode fast path for the step: when the step
+        is pure decode with an unchanged batch, the scheduler's
+        :class:`~pdserve.engine.scheduler.DecodeRun` advances it (no batch is built, one price
+        call) and there is no token to report (nothing finishes, no first token). The run stays
+        open over the instance's next steps; it is rebuilt after commands and closed (its
+        requests caught up) before anything else reads them."""
+        w, iid = inst.worker, inst.spec.instance_id
+        eng = w.engine
+        if (w.role not in ("colocated", "decode") or self.record_batches or w.record_events
+                or w.stream_tokens or eng.tokenizer is not None or eng.config.step_log is not None
+                or not inst.executor.can_price or self.controller.flips is not None):
+            self._close(iid)
+            return w.handle(commands, now)
+        rep = StepReport(iid, w.role, now)
+        if commands:
+            # adding a transfer or importing its KV does not read the running requests
+            if not all(type(c) in (AddTransfer, ImportKV) for c in commands):
+                self._close(iid)
+            for cmd in commands:
+                w._apply(cmd, now, rep)
+            run = self._runs.get(iid)
+            if run is not None and not run.sync():
+                self._close(iid)
+        decode = w.role == "decode"
+        # admission reads only counts and the pool (not the running requests' lazy tokens)
+        lazy_ok = eng.scheduler.admission.name in ("greedy", "reserve-static")
+        if decode:
+            if not lazy_ok:
+                self._close(iid)
+            rep.pulls = eng.reserve_pulls(now)
+        elapsed = self._decode_step(inst, now)
+        if elapsed is not None:
+            rep.elapsed, rep.stepped = elapsed, True
+        elif eng.has_work():
+            res = eng.step(now)
+            rep.elapsed = res.elapsed
+            rep.stepped = not res.batch.empty
+            w._deltas(res, rep)
+        if decode:
+            if not lazy_ok:
+                self._close(iid)
+            rep.pulls += eng.reserve_pulls(now + rep.elapsed)
+        rep.stats = eng.stats()
+        rep.has_work = eng.has_work()
+        rep.has_unfinished = eng.has_unfinished()
+        return rep
+
+    def _decode_step(self, inst: _Inst, now: float) -> float | None:
+        """Advance the instance's next step with its :class:`DecodeRun` (opened if need be);
+        its elapsed time, or ``None`` (run closed) when the step must be scheduled."""
+        iid, ex, eng = inst.spec.instance_id, inst.executor, inst.worker.engine
         run = self._runs.get(iid)
         if run is None:
-            eng = w.engine
-            if (self.record_batches or w.record_events or w.stream_tokens
-                    or eng.tokenizer is not None or eng.config.step_log is not None
-                    or not ex.can_price or self.core.loop):
-                return None
             run = eng.scheduler.decode_run(ex.token_id)
             if run is None:
                 return None
@@ -380,14 +419,12 @@ class Simulator:
         if not run.safe():
             self._close(iid)
             return None
-        eng = w.engine
         elapsed = ex.price([], run.contexts())
         run.advance(now, now + elapsed)
         self.num_folded += 1
         eng.num_steps += 1
         eng.busy_time += elapsed
-        return StepReport(iid, w.role, now, elapsed, stepped=True, stats=eng.stats(),
-                          has_work=True, has_unfinished=True)
+        return elapsed
 
     def _close(self, iid: str) -> None:
         run = self._runs.pop(iid, None)
@@ -400,12 +437,8 @@ class Simulator:
             if isinstance(e, StartStep):
                 inst = self.insts[e.instance_id]
                 inst.executor.now = now
-                rep = None
-                if self.fast_forward and not e.commands:
-                    rep = self._decode_step(inst, now)
-                if rep is None:
-                    self._close(e.instance_id)
-                    rep = inst.worker.handle(e.commands, now)
+                rep = (self._handle(inst, e.commands, now) if self.fast_forward
+                       else inst.worker.handle(e.commands, now))
                 if rep.stepped:
                     if self.record_batches:
                         self._batch_log.append((e.instance_id, now, rep.batch))
