@@ -444,18 +444,22 @@ class DecodeRun:
                 return False
         bs, max_len = self.bs, sched.config.max_model_len
         self.starting += new
-        for i, r in enumerate(new, n):
-            c = r.num_computed_tokens
-            reqs.append(r)
-            self.done.append(j)
-            self.ctx.append(c + 1 - j)
-            self.limit = min(self.limit, j - 1 + min(r.params.max_tokens - len(r.output_token_ids),
-                                                     max_len - len(r.all_token_ids)))
-            f = j + len(r.block_ids) * bs - c
-            self.first.append(f)
-            self.alloc[f % bs].append(i)
-            if self.cache is not None:
-                self.cache[(bs - 1 - c + j) % bs].append(i)
+        reqs += new
+        cs = [r.num_computed_tokens for r in new]
+        self.done += [j] * len(new)
+        self.ctx += [c + 1 - j for c in cs]
+        firsts = [j + len(r.block_ids) * bs - c for r, c in zip(new, cs)]
+        self.first += firsts
+        if new:  # all_token_ids holds c + 1 tokens
+            left = min(min([r.params.max_tokens - len(r.output_token_ids) for r in new]),
+                       max_len - 1 - max(cs))
+            self.limit = min(self.limit, j - 1 + left)
+        alloc, cache = self.alloc, self.cache
+        for i, f in enumerate(firsts, n):
+            alloc[f % bs].append(i)
+        if cache is not None:
+            for i, c in enumerate(cs, n):
+                cache[(bs - 1 - c + j) % bs].append(i)
         return True
 
     def contexts(self) -> list[int]:
