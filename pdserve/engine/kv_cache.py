@@ -174,6 +174,19 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def take_fresh(self, n: int) -> list[Block]:
+        """Pop up to ``n`` blocks from the fresh head at once (what ``popleft`` would give)."""
+        f = self._fresh
+        k = min(n, self._n - f)
+        if k <= 0:
+            return []
+        blocks, have = self._blocks, list.__len__(self._blocks)
+        if f + k > have:
+            list.extend(blocks, [Block(i) for i in range(max(have, f), f + k)])
+        self._fresh = f + k
+        self.size -= k
+        return list.__getitem__(blocks, slice(f, f + k))
+
     def __iter__(self):
         for i in range(self._fresh, self._n):
             yield self._blocks[i]
@@ -236,8 +249,12 @@ class BlockPool:
         """Take ``n`` blocks from the head of the free queue, evicting their cached KV."""
         if n > self.free_queue.size:
             raise ValueError(f"cannot allocate {n} blocks, only {self.free_queue.size} free")
-        out = []
-        for _ in range(n):
+        out = self.free_queue.take_fresh(n)  # the never-used head of the queue, at once
+        for b in out:
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+        for _ in range(n - len(out)):
             b = self.free_queue.popleft()
             if b.block_hash is not None:
                 self._evict(b)
