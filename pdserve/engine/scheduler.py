@@ -418,7 +418,8 @@ class DecodeRun:
         self.times: list[float] = []  # end of each step (its tokens' time)
         self.ctx: list[int] = []  # context len of each request at step 0 (shifted by its join)
         self.starting: list[Request] = []  # joined since the last step
-        self.limit = 1 << 62  # the first step in which a request finishes (update's stop rules)
+        self.lims: list[int] = []  # the step in which each request finishes
+        self.limit = 1 << 62  # the first of them
         # block events by step phase (j mod block_size), in running order: a new block at steps
         # j >= first with computed + j == a multiple of bs; a full block to cache when computed
         # + j + 1 is one
@@ -450,10 +451,12 @@ class DecodeRun:
         self.ctx += [c + 1 - j for c in cs]
         firsts = [j + len(r.block_ids) * bs - c for r, c in zip(new, cs)]
         self.first += firsts
-        if new:  # all_token_ids holds c + 1 tokens
-            left = min(min([r.params.max_tokens - len(r.output_token_ids) for r in new]),
-                       max_len - 1 - max(cs))
-            self.limit = min(self.limit, j - 1 + left)
+        # the step in which each finishes (update's stop rules; all_token_ids holds c + 1)
+        lims = [j - 1 + min(r.params.max_tokens - len(r.output_token_ids), max_len - 1 - c)
+                for r, c in zip(new, cs)]
+        self.lims += lims
+        if lims:
+            self.limit = min(self.limit, min(lims))
         alloc, cache = self.alloc, self.cache
         for i, f in enumerate(firsts, n):
             alloc[f % bs].append(i)
@@ -472,8 +475,9 @@ class DecodeRun:
         return [i for i in self.alloc[j % self.bs] if j >= first[i]]
 
     def safe(self) -> bool:
-        """Whether the next step is pure decode: nothing finishes, every new block fits."""
-        return self.j < self.limit and len(self._due()) <= self.sched.pool.num_free_blocks
+        """Whether the next step is pure decode with every new block fitting the free pool (no
+        preemption). Requests may finish in it, after which the run must be closed."""
+        return self.j <= self.limit and len(self._due()) <= self.sched.pool.num_free_blocks
 
     def _catch_up(self, i: int, upto: int) -> Request:
         r, k = self.reqs[i], upto - self.done[i]
@@ -486,9 +490,10 @@ class DecodeRun:
             self.done[i] = upto
         return r
 
-    def advance(self, start: float, end: float) -> None:
+    def advance(self, start: float, end: float) -> list[Request]:
         """One step that starts at ``start`` and whose tokens are timed ``end`` (must be
-        :meth:`safe`)."""
+        :meth:`safe`). Returns the requests that finished in it (update's order; the run is
+        then stale and must be closed)."""
         sched, j = self.sched, self.j
         sched.step_id += 1
         if not sched.chunked and sched.phase != "decode":  # as schedule() on a decode step
@@ -515,6 +520,17 @@ class DecodeRun:
                 r.timeline.token_times.append(end)
                 self.done[i] = j + 1
         self.j = j + 1
+        if j < self.limit:
+            return []
+        # update() interleaves these finishes with the other requests' cached blocks; freeing
+        # and caching touch disjoint state (ref counts and the free queue; the hash index)
+        done = []
+        for i, lim in enumerate(self.lims):
+            if lim == j:
+                r = self._catch_up(i, j + 1)
+                sched.finish(r, S.FINISHED_LENGTH, end)
+                done.append(r)
+        return done
 
     def close(self) -> None:
         """Catch every request up with the steps advanced (before anything else reads them)."""

@@ -39,6 +39,7 @@ from pdserve.cluster.routing import InstanceView, Router, make_routers, role_rou
 from pdserve.cluster.worker import AddTransfer, Command, ImportKV, InstanceWorker, StepReport
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+from pdserve.engine.engine import StepResult
 from pdserve.engine.scheduler import DecodeRun
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
@@ -389,7 +390,7 @@ class Simulator:
             if not lazy_ok:
                 self._close(iid)
             rep.pulls = eng.reserve_pulls(now)
-        elapsed = self._decode_step(inst, now)
+        elapsed = self._decode_step(inst, now, rep)
         if elapsed is not None:
             rep.elapsed, rep.stepped = elapsed, True
         elif eng.has_work():
@@ -406,9 +407,10 @@ class Simulator:
         rep.has_unfinished = eng.has_unfinished()
         return rep
 
-    def _decode_step(self, inst: _Inst, now: float) -> float | None:
+    def _decode_step(self, inst: _Inst, now: float, rep: StepReport) -> float | None:
         """Advance the instance's next step with its :class:`DecodeRun` (opened if need be);
-        its elapsed time, or ``None`` (run closed) when the step must be scheduled."""
+        its elapsed time, or ``None`` (run closed) when the step must be scheduled. Requests
+        that finish in it are reported by the worker's own code (``_deltas``)."""
         iid, ex, eng = inst.spec.instance_id, inst.executor, inst.worker.engine
         run = self._runs.get(iid)
         if run is None:
@@ -420,10 +422,15 @@ class Simulator:
             self._close(iid)
             return None
         elapsed = ex.price([], run.contexts())
-        run.advance(now, now + elapsed)
+        finished = run.advance(now, now + elapsed)
         self.num_folded += 1
         eng.num_steps += 1
         eng.busy_time += elapsed
+        if finished:
+            self._close(iid)
+            res = StepResult(ScheduledBatch(eng.scheduler.step_id), elapsed, finished,
+                             [""] * len(finished))
+            inst.worker._deltas(res, rep)
         return elapsed
 
     def _close(self, iid: str) -> None:
