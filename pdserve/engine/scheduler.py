@@ -66,6 +66,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.phase = "idle"  # prefill | decode: what the last batch did (EcoServe §4.2.1)
         self.phase_switch_time = 0.0
+        self.open_run: DecodeRun | None = None  # the simulator's fast path (decode_run)
 
     def _configure(self, config: SchedulerConfig) -> None:
         """Role-dependent settings (also applied by :meth:`reconfigure` on an instance flip)."""
@@ -140,6 +141,8 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        if self.open_run is not None:  # the running requests are read: catch them up
+            self.open_run.close()
         running, bs, seqs = self.running, self.block_size, batch.seqs
         append, seq = seqs.append, ScheduledSeq
         # hot loop; preemption pops only from the tail, which list iteration tolerates
@@ -370,7 +373,10 @@ class Scheduler:
                 or token_id in self.eos_token_ids):
             return None
         run = DecodeRun(self, token_id)
-        return run if run.sync() else None
+        if not run.sync():
+            return None
+        self.open_run = run
+        return run
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -380,6 +386,8 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Block pool invariants plus: every live request's blocks are referenced exactly as often
         as tables name them, and tables cover the computed tokens."""
+        if self.open_run is not None:
+            self.open_run.close()
         self.pool.check_integrity()
         refs: dict[int, int] = {}
         for req in self.requests.values():
@@ -434,7 +442,7 @@ class DecodeRun:
         decode (the run must then be closed)."""
         sched, reqs, j = self.sched, self.reqs, self.j
         running, n = sched.running, len(reqs)
-        if (sched.waiting or len(running) < n or len(running) > sched.budget
+        if (len(running) < n or len(running) > sched.budget
                 or (n and running[n - 1] is not reqs[-1])):
             return False
         new = running[n:]
@@ -477,7 +485,8 @@ class DecodeRun:
     def safe(self) -> bool:
         """Whether the next step is pure decode with every new block fitting the free pool (no
         preemption). Requests may finish in it, after which the run must be closed."""
-        return self.j <= self.limit and len(self._due()) <= self.sched.pool.num_free_blocks
+        return (not self.sched.waiting and self.j <= self.limit
+                and len(self._due()) <= self.sched.pool.num_free_blocks)
 
     def _catch_up(self, i: int, upto: int) -> Request:
         r, k = self.reqs[i], upto - self.done[i]
@@ -533,7 +542,10 @@ class DecodeRun:
         return done
 
     def close(self) -> None:
-        """Catch every request up with the steps advanced (before anything else reads them)."""
+        """Catch every request up with the steps advanced (before anything else reads them);
+        the scheduler no longer has an open run."""
+        if self.sched.open_run is self:
+            self.sched.open_run = None
         j, done = self.j, self.done
         for i in range(len(self.reqs)):
             if done[i] != j:

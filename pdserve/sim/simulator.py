@@ -36,11 +36,17 @@ from typing import Any, Protocol
 from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import DriverCore, Effect, StartStep
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
-from pdserve.cluster.worker import AddTransfer, Command, ImportKV, InstanceWorker, StepReport
+from pdserve.cluster.worker import (
+    AddRequest,
+    AddTransfer,
+    Command,
+    ImportKV,
+    InstanceWorker,
+    StepReport,
+)
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.engine import StepResult
-from pdserve.engine.scheduler import DecodeRun
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
@@ -228,7 +234,6 @@ class Simulator:
         # the exact decode fast path (:meth:`_decode_step`); off: every step is scheduled
         self.fast_forward = (FAST_FORWARD if fast_forward is None else fast_forward)
         self.num_folded = 0  # steps the fast path advanced without a batch
-        self._runs: dict[str, DecodeRun] = {}  # open fast-path runs by instance
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
         self.inter = inter_node_link or Link()
@@ -343,7 +348,7 @@ class Simulator:
             if stop is not None and stop(now):
                 stopped = True
                 break
-        for iid in list(self._runs):
+        for iid in self.insts:
             self._close(iid)
         for rid, req in ({} if stopped else self.controller.requests).items():
             # the event queue ran dry with the request unfinished: the cluster deadlocked
@@ -375,14 +380,11 @@ class Simulator:
             return w.handle(commands, now)
         rep = StepReport(iid, w.role, now)
         if commands:
-            # adding a transfer or importing its KV does not read the running requests
-            if not all(type(c) in (AddTransfer, ImportKV) for c in commands):
+            # adding a request or a transfer, importing KV: no running request is read
+            if not all(type(c) in (AddRequest, AddTransfer, ImportKV) for c in commands):
                 self._close(iid)
             for cmd in commands:
                 w._apply(cmd, now, rep)
-            run = self._runs.get(iid)
-            if run is not None and not run.sync():
-                self._close(iid)
         decode = w.role == "decode"
         # admission reads only counts and the pool (not the running requests' lazy tokens)
         lazy_ok = eng.scheduler.admission.name in ("greedy", "reserve-static")
@@ -412,14 +414,16 @@ class Simulator:
         its elapsed time, or ``None`` (run closed) when the step must be scheduled. Requests
         that finish in it are reported by the worker's own code (``_deltas``)."""
         iid, ex, eng = inst.spec.instance_id, inst.executor, inst.worker.engine
-        run = self._runs.get(iid)
+        sched = eng.scheduler
+        run = sched.open_run
+        if run is not None and not run.sync():  # the batch changed other than by imports
+            run.close()
+            run = None
         if run is None:
-            run = eng.scheduler.decode_run(ex.token_id)
+            run = sched.decode_run(ex.token_id)
             if run is None:
                 return None
-            self._runs[iid] = run
-        if not run.safe():
-            self._close(iid)
+        if not run.safe():  # a scheduled step; the scheduler closes the run if it reads it
             return None
         elapsed = ex.price([], run.contexts())
         finished = run.advance(now, now + elapsed)
@@ -434,7 +438,7 @@ class Simulator:
         return elapsed
 
     def _close(self, iid: str) -> None:
-        run = self._runs.pop(iid, None)
+        run = self.insts[iid].worker.engine.scheduler.open_run
         if run is not None:
             run.close()
 
