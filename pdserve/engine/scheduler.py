@@ -424,7 +424,8 @@ class DecodeRun:
         self.reqs: list[Request] = []  # the batch, in running order
         self.done: list[int] = []  # steps applied to each request so far
         self.times: list[float] = []  # end of each step (its tokens' time)
-        self.ctx: list[int] = []  # context len of each request at step 0 (shifted by its join)
+        self.live: list[int] = []  # the running (unfinished) requests' indices, in order
+        self.ctx: list[int] = []  # their context lens at step 0 (shifted by their joins)
         self.starting: list[Request] = []  # joined since the last step
         self.lims: list[int] = []  # the step in which each request finishes
         self.limit = 1 << 62  # the first of them
@@ -435,17 +436,18 @@ class DecodeRun:
         self.first: list[int] = []
         self.cache: list[list[int]] | None = (
             [[] for _ in range(bs)] if sched.pool.enable_caching else None)
+        self.cphase: list[int] = []
 
     def sync(self) -> bool:
         """Take the requests appended to the running list since the last step (a KV import
         on a decode instance); ``False`` if the batch changed any other way or is not pure
         decode (the run must then be closed)."""
-        sched, reqs, j = self.sched, self.reqs, self.j
-        running, n = sched.running, len(reqs)
-        if (len(running) < n or len(running) > sched.budget
-                or (n and running[n - 1] is not reqs[-1])):
+        sched, reqs, j, live = self.sched, self.reqs, self.j, self.live
+        running, n, m = sched.running, len(reqs), len(live)
+        if (len(running) < m or len(running) > sched.budget
+                or (m and running[m - 1] is not reqs[live[-1]])):
             return False
-        new = running[n:]
+        new = running[m:]
         for r in new:
             c = r.num_computed_tokens
             if (c != len(r.all_token_ids) - 1 or c < len(r.prompt_token_ids)
@@ -456,6 +458,7 @@ class DecodeRun:
         reqs += new
         cs = [r.num_computed_tokens for r in new]
         self.done += [j] * len(new)
+        live += range(n, n + len(new))
         self.ctx += [c + 1 - j for c in cs]
         firsts = [j + len(r.block_ids) * bs - c for r, c in zip(new, cs)]
         self.first += firsts
@@ -468,9 +471,11 @@ class DecodeRun:
         alloc, cache = self.alloc, self.cache
         for i, f in enumerate(firsts, n):
             alloc[f % bs].append(i)
+        cph = [(bs - 1 - c + j) % bs for c in cs]
+        self.cphase += cph
         if cache is not None:
-            for i, c in enumerate(cs, n):
-                cache[(bs - 1 - c + j) % bs].append(i)
+            for i, q in enumerate(cph, n):
+                cache[q].append(i)
         return True
 
     def contexts(self) -> list[int]:
@@ -484,8 +489,8 @@ class DecodeRun:
 
     def safe(self) -> bool:
         """Whether the next step is pure decode with every new block fitting the free pool (no
-        preemption). Requests may finish in it, after which the run must be closed."""
-        return (not self.sched.waiting and self.j <= self.limit
+        preemption); requests may finish in it."""
+        return (bool(self.live) and not self.sched.waiting and self.j <= self.limit
                 and len(self._due()) <= self.sched.pool.num_free_blocks)
 
     def _catch_up(self, i: int, upto: int) -> Request:
@@ -501,8 +506,8 @@ class DecodeRun:
 
     def advance(self, start: float, end: float) -> list[Request]:
         """One step that starts at ``start`` and whose tokens are timed ``end`` (must be
-        :meth:`safe`). Returns the requests that finished in it (update's order; the run is
-        then stale and must be closed)."""
+        :meth:`safe`). Returns the requests that finished in it, in update's order; the run
+        goes on with the others."""
         sched, j = self.sched, self.j
         sched.step_id += 1
         if not sched.chunked and sched.phase != "decode":  # as schedule() on a decode step
@@ -533,12 +538,18 @@ class DecodeRun:
             return []
         # update() interleaves these finishes with the other requests' cached blocks; freeing
         # and caching touch disjoint state (ref counts and the free queue; the hash index)
-        done = []
-        for i, lim in enumerate(self.lims):
-            if lim == j:
-                r = self._catch_up(i, j + 1)
-                sched.finish(r, S.FINISHED_LENGTH, end)
-                done.append(r)
+        done, lims, never = [], self.lims, 1 << 62
+        for i in [i for i in self.live if lims[i] == j]:
+            r = self._catch_up(i, j + 1)
+            sched.finish(r, S.FINISHED_LENGTH, end)
+            done.append(r)
+            pos = self.live.index(i)  # the run goes on without it
+            del self.live[pos], self.ctx[pos]
+            self.alloc[self.first[i] % self.bs].remove(i)
+            if self.cache is not None:
+                self.cache[self.cphase[i]].remove(i)
+            lims[i] = self.first[i] = self.done[i] = never
+        self.limit = min(lims)
         return done
 
     def close(self) -> None:
@@ -548,5 +559,5 @@ class DecodeRun:
             self.sched.open_run = None
         j, done = self.j, self.done
         for i in range(len(self.reqs)):
-            if done[i] != j:
+            if done[i] < j:  # (a finished request's is "never")
                 self._catch_up(i, j)

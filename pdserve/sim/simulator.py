@@ -411,9 +411,10 @@ class Simulator:
 
     def _decode_step(self, inst: _Inst, now: float, rep: StepReport) -> float | None:
         """Advance the instance's next step with its :class:`DecodeRun` (opened if need be);
-        its elapsed time, or ``None`` (run closed) when the step must be scheduled. Requests
-        that finish in it are reported by the worker's own code (``_deltas``)."""
-        iid, ex, eng = inst.spec.instance_id, inst.executor, inst.worker.engine
+        its elapsed time, or ``None`` when the step must be scheduled (the scheduler catches the
+        run up if it reads the running requests). Requests that finish in it are reported by
+        the worker's own code (``_deltas``)."""
+        ex, eng = inst.executor, inst.worker.engine
         sched = eng.scheduler
         run = sched.open_run
         if run is not None and not run.sync():  # the batch changed other than by imports
@@ -431,7 +432,6 @@ class Simulator:
         eng.num_steps += 1
         eng.busy_time += elapsed
         if finished:
-            self._close(iid)
             res = StepResult(ScheduledBatch(eng.scheduler.step_id), elapsed, finished,
                              [""] * len(finished))
             inst.worker._deltas(res, rep)
