@@ -413,8 +413,11 @@ class DecodeRun:
     tokens, times and counts are caught up lazily, before its next block event and at
     :meth:`close`, in the order the step-by-step path would apply them, so the block pool sees
     the same calls in the same order and every request ends in the same state. A step is
-    :meth:`safe` when no request finishes in it and its blocks fit in the free pool (no
-    preemption); the caller runs any other step through the scheduler.
+    :meth:`safe` when nothing waits and its blocks fit in the free pool (no preemption);
+    requests that reach their length finish in it as in :meth:`Scheduler.update`. The caller
+    runs any other step through the scheduler, which catches the run up (:meth:`close`)
+    before it reads the running requests (``Scheduler.open_run``); requests appended to the
+    running list meanwhile (a KV import, a prefill-only step) join the run (:meth:`sync`).
     """
 
     def __init__(self, sched: Scheduler, token_id: int) -> None:
