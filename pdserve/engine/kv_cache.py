@@ -80,62 +80,40 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
 
 
-class Blocks(list):
-    """The pool's blocks by id, each created on first use: ``blocks[i]`` and iteration behave as
-    a full list of ``n`` blocks, but a pool of which a short run touches a few hundred blocks
-    does not build the other tens of thousands (the simulator builds hundreds of pools)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-
-    def _grow(self, upto: int) -> None:
-        for i in range(list.__len__(self), upto):
-            self.append(Block(i))
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if type(i) is int and 0 <= i < self.n:
-            if i >= list.__len__(self):
-                self._grow(i + 1)
-            return list.__getitem__(self, i)
-        self._grow(self.n)
-        return list.__getitem__(self, i)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self):
-        self._grow(self.n)
-        return list.__iter__(self)
-
-
 class FreeBlockQueue:
     """Intrusive doubly linked list of free blocks with O(1) append, popleft and remove.
 
-    Given :class:`Blocks`, the queue starts as every block in id order without linking them:
-    blocks ``fresh..n-1`` (never taken yet) are its head, in order, ahead of the linked ones
-    (blocks freed later go to the tail), so ``popleft`` takes them by index. Removing one of
+    ``lazy``: the queue starts as every block of ``blocks`` in id order without linking them,
+    and ``blocks`` may hold ``None`` for a block not built yet (:class:`BlockPool`): blocks
+    ``fresh..n-1`` (never taken) are its head, in order, ahead of the linked ones (blocks freed
+    later go to the tail), so ``popleft`` takes them by index, building them. Removing one of
     them from the middle (never on the allocation path: only cached blocks are revived) links
     them first."""
 
-    def __init__(self, blocks: list[Block]) -> None:
+    def __init__(self, blocks: list[Block], lazy: bool = False) -> None:
         self._head = Block(-1)
         self._tail = Block(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self.size = 0
         self._blocks, self._fresh, self._n = blocks, 0, 0
-        if isinstance(blocks, Blocks):
+        if lazy:
             self._n = self.size = len(blocks)
         else:
             for b in blocks:
                 self.append(b)
+
+    def _get(self, i: int) -> Block:
+        b = self._blocks[i]
+        if b is None:
+            b = self._blocks[i] = Block(i)
+        return b
 
     def _link_fresh(self) -> None:
         """Link the fresh blocks at the head, in order (the eager queue's layout)."""
         first = self._head.next
         prev = self._head
         for i in range(self._fresh, self._n):
-            b = self._blocks[i]
+            b = self._get(i)
             prev.next, b.prev = b, prev
             prev = b
         prev.next = first
@@ -159,16 +137,10 @@ class FreeBlockQueue:
 
     def popleft(self) -> Block:
         f = self._fresh
-        if f < self._n:  # a fresh block (hot: built here when nothing asked for it before)
-            blocks = self._blocks
-            if f < list.__len__(blocks):
-                block = list.__getitem__(blocks, f)
-            else:
-                block = Block(f)
-                list.append(blocks, block)
+        if f < self._n:  # a fresh block
             self._fresh = f + 1
             self.size -= 1
-            return block
+            return self._get(f)
         block = self._head.next
         assert block is not None and block is not self._tail, "free queue is empty"
         self.remove(block)
@@ -180,16 +152,18 @@ class FreeBlockQueue:
         k = min(n, self._n - f)
         if k <= 0:
             return []
-        blocks, have = self._blocks, list.__len__(self._blocks)
-        if f + k > have:
-            list.extend(blocks, [Block(i) for i in range(max(have, f), f + k)])
+        out = self._blocks[f:f + k]
+        if None in out:
+            for t in range(k):
+                if out[t] is None:
+                    out[t] = self._blocks[f + t] = Block(f + t)
         self._fresh = f + k
         self.size -= k
-        return list.__getitem__(blocks, slice(f, f + k))
+        return out
 
     def __iter__(self):
         for i in range(self._fresh, self._n):
-            yield self._blocks[i]
+            yield self._get(i)
         b = self._head.next
         while b is not None and b is not self._tail:
             yield b
@@ -211,10 +185,21 @@ class BlockPool:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.record_events = record_events
-        self.blocks = Blocks(num_blocks)
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # blocks are built on first use (None until then; the simulator builds hundreds of
+        # pools of up to ~20k blocks, most never touched): :meth:`materialize` builds them all
+        self.blocks: list[Block] = [None] * num_blocks  # type: ignore[list-item]
+        self.free_queue = FreeBlockQueue(self.blocks, lazy=True)
         self.cached: dict[int, Block] = {}
         self.events: list[KVEvent] = []
+
+    def materialize(self) -> list[Block]:
+        """Build every block not built yet; returns :attr:`blocks`."""
+        blocks = self.blocks
+        if None in blocks:
+            for i, b in enumerate(blocks):
+                if b is None:
+                    blocks[i] = Block(i)
+        return blocks
 
     # ---- queries ----
     @property
@@ -307,6 +292,7 @@ class BlockPool:
     # ---- invariants ----
     def check_integrity(self) -> None:
         """Assert ``free + cached + used == total``, ref counts >= 0, every block in one place."""
+        self.materialize()
         queued = list(self.free_queue)
         ids = [b.block_id for b in queued]
         assert len(ids) == len(set(ids)) == self.free_queue.size, "free queue corrupt"

@@ -450,6 +450,8 @@ class DecodeRun:
         if (len(running) < m or len(running) > sched.budget
                 or (m and running[m - 1] is not reqs[live[-1]])):
             return False
+        if len(running) == m:
+            return True
         new = running[m:]
         for r in new:
             c = r.num_computed_tokens

@@ -76,7 +76,7 @@ def state(sim, res):
     for iid, inst in sim.insts.items():
         s = inst.worker.engine.scheduler
         pools[iid] = (
-            [(b.block_id, b.ref_cnt, b.block_hash, b.token_ids) for b in s.pool.blocks],
+            [(b.block_id, b.ref_cnt, b.block_hash, b.token_ids) for b in s.pool.materialize()],
             [b.block_id for b in s.pool.free_queue], sorted(s.pool.cached),
             {rid: (list(r.block_ids), list(r.block_hashes), r.num_computed_tokens,
                    list(r.all_token_ids), list(r.timeline.token_times))
