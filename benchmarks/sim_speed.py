@@ -2,6 +2,10 @@
 A100 profile). Target: <= 20 s on one core.
 
     python benchmarks/sim_speed.py [--num-requests 10000] [--rate 4] [--profile FILE]
+                                   [--step-by-step]
+
+``--step-by-step`` turns the simulator's exact decode fast path off (every step scheduled), the
+"before" of docs/benchmarks.md "Simulator speed"; both give the same records.
 
 Prints the wall and CPU time of the simulation (the workload is built before the clock starts),
 the number of events and events per second, and the SLO attainment as a sanity check.
@@ -28,6 +32,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="req/s (default 4)")
     ap.add_argument("--profile", default=os.environ.get("PDSERVE_DISTSERVE_PROFILE",
                                                         DEFAULT_PROFILE))
+    ap.add_argument("--step-by-step", action="store_true",
+                    help="no decode fast path: schedule every step")
     ap.add_argument("--output-json")
     args = ap.parse_args()
 
@@ -38,6 +44,7 @@ def main() -> None:
     w = make_workload("chatbot", args.num_requests, rate=args.rate, seed=0, max_model_len=2048)
     built = build_simulator(setup)
     reqs = to_sim_requests(w.requests, built.model.vocab_size)
+    built.simulator.fast_forward = not args.step_by_step
     t_build = time.perf_counter() - t0
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -47,14 +54,16 @@ def main() -> None:
     s = summarize(to_records(w.requests, res), w.default_slo, 0.9, built.simulator.num_gpus)
     out = {"num_requests": len(reqs), "rate": args.rate, "setup": built.describe,
            "workload_build_s": t_build, "wall_s": wall, "cpu_s": cpu, "events": res.num_events,
-           "events_per_s": res.num_events / wall, "virtual_s": res.duration,
+           "events_per_s": res.num_events / wall,
+           "folded_steps": built.simulator.num_folded, "virtual_s": res.duration,
            "output_tokens": sum(r.output_len for r in w.requests), "num_failed": s.num_failed,
            "attainment": s.attainment, "p90_ttft_s": s.ttft.p90, "p90_tpot_s": s.tpot.p90}
     print(f"{len(reqs)} chatbot requests at {args.rate} req/s on 2P+2D "
           f"(OPT-13B, DistServe A100 profile), {res.duration:.0f} virtual s")
     print(f"simulation: {wall:.2f} s wall, {cpu:.2f} s CPU, {res.num_events} events, "
           f"{res.num_events / wall:,.0f} events/s ({out['output_tokens'] / wall:,.0f} "
-          f"tokens/s); workload build {t_build:.2f} s")
+          f"tokens/s); workload build {t_build:.2f} s; "
+          f"{built.simulator.num_folded} steps on the decode fast path")
     print(f"failed {s.num_failed}, attainment {s.attainment:.1%}, P90 TTFT {s.ttft.p90:.3f} s, "
           f"P90 TPOT {s.tpot.p90:.4f} s")
     if args.output_json:

@@ -81,15 +81,45 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Intrusive doubly linked list of free blocks with O(1) append, popleft and remove."""
+    """Intrusive doubly linked list of free blocks with O(1) append, popleft and remove.
 
-    def __init__(self, blocks: list[Block]) -> None:
+    ``lazy``: the queue starts as every block of ``blocks`` in id order without linking them,
+    and ``blocks`` may hold ``None`` for a block not built yet (:class:`BlockPool`): blocks
+    ``fresh..n-1`` (never taken) are its head, in order, ahead of the linked ones (blocks freed
+    later go to the tail), so ``popleft`` takes them by index, building them. Removing one of
+    them from the middle (never on the allocation path: only cached blocks are revived) links
+    them first."""
+
+    def __init__(self, blocks: list[Block], lazy: bool = False) -> None:
         self._head = Block(-1)
         self._tail = Block(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self.size = 0
-        for b in blocks:
-            self.append(b)
+        self._blocks, self._fresh, self._n = blocks, 0, 0
+        if lazy:
+            self._n = self.size = len(blocks)
+        else:
+            for b in blocks:
+                self.append(b)
+
+    def _get(self, i: int) -> Block:
+        b = self._blocks[i]
+        if b is None:
+            b = self._blocks[i] = Block(i)
+        return b
+
+    def _link_fresh(self) -> None:
+        """Link the fresh blocks at the head, in order (the eager queue's layout)."""
+        first = self._head.next
+        prev = self._head
+        for i in range(self._fresh, self._n):
+            b = self._get(i)
+            prev.next, b.prev = b, prev
+            prev = b
+        prev.next = first
+        assert first is not None
+        first.prev = prev
+        self._fresh = self._n
 
     def append(self, block: Block) -> None:
         last = self._tail.prev
@@ -98,18 +128,42 @@ class FreeBlockQueue:
         self.size += 1
 
     def remove(self, block: Block) -> None:
+        if block.prev is None and self._fresh <= block.block_id < self._n:
+            self._link_fresh()
         assert block.prev is not None and block.next is not None, f"{block} is not queued"
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.size -= 1
 
     def popleft(self) -> Block:
+        f = self._fresh
+        if f < self._n:  # a fresh block
+            self._fresh = f + 1
+            self.size -= 1
+            return self._get(f)
         block = self._head.next
         assert block is not None and block is not self._tail, "free queue is empty"
         self.remove(block)
         return block
 
+    def take_fresh(self, n: int) -> list[Block]:
+        """Pop up to ``n`` blocks from the fresh head at once (what ``popleft`` would give)."""
+        f = self._fresh
+        k = min(n, self._n - f)
+        if k <= 0:
+            return []
+        out = self._blocks[f:f + k]
+        if None in out:
+            for t in range(k):
+                if out[t] is None:
+                    out[t] = self._blocks[f + t] = Block(f + t)
+        self._fresh = f + k
+        self.size -= k
+        return out
+
     def __iter__(self):
+        for i in range(self._fresh, self._n):
+            yield self._get(i)
         b = self._head.next
         while b is not None and b is not self._tail:
             yield b
@@ -131,10 +185,21 @@ class BlockPool:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.record_events = record_events
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # blocks are built on first use (None until then; the simulator builds hundreds of
+        # pools of up to ~20k blocks, most never touched): :meth:`materialize` builds them all
+        self.blocks: list[Block] = [None] * num_blocks  # type: ignore[list-item]
+        self.free_queue = FreeBlockQueue(self.blocks, lazy=True)
         self.cached: dict[int, Block] = {}
         self.events: list[KVEvent] = []
+
+    def materialize(self) -> list[Block]:
+        """Build every block not built yet; returns :attr:`blocks`."""
+        blocks = self.blocks
+        if None in blocks:
+            for i, b in enumerate(blocks):
+                if b is None:
+                    blocks[i] = Block(i)
+        return blocks
 
     # ---- queries ----
     @property
@@ -169,8 +234,12 @@ class BlockPool:
         """Take ``n`` blocks from the head of the free queue, evicting their cached KV."""
         if n > self.free_queue.size:
             raise ValueError(f"cannot allocate {n} blocks, only {self.free_queue.size} free")
-        out = []
-        for _ in range(n):
+        out = self.free_queue.take_fresh(n)  # the never-used head of the queue, at once
+        for b in out:
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+        for _ in range(n - len(out)):
             b = self.free_queue.popleft()
             if b.block_hash is not None:
                 self._evict(b)
@@ -223,6 +292,7 @@ class BlockPool:
     # ---- invariants ----
     def check_integrity(self) -> None:
         """Assert ``free + cached + used == total``, ref counts >= 0, every block in one place."""
+        self.materialize()
         queued = list(self.free_queue)
         ids = [b.block_id for b in queued]
         assert len(ids) == len(set(ids)) == self.free_queue.size, "free queue corrupt"

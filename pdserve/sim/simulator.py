@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -35,13 +36,23 @@ from typing import Any, Protocol
 from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import DriverCore, Effect, StartStep
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
-from pdserve.cluster.worker import InstanceWorker
+from pdserve.cluster.worker import (
+    AddRequest,
+    AddTransfer,
+    Command,
+    ImportKV,
+    InstanceWorker,
+    StepReport,
+)
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+from pdserve.engine.engine import StepResult
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
 STEP_END, TRANSFER_END, ARRIVAL, SCALE = 0, 1, 2, 3
+# the default of ``Simulator(fast_forward=...)``; PDSERVE_SIM_FAST_FORWARD=0 turns it off
+FAST_FORWARD = os.environ.get("PDSERVE_SIM_FAST_FORWARD", "1") != "0"
 
 
 class StepTimeModel(Protocol):
@@ -67,7 +78,17 @@ class SimExecutor:
             n = sum(1 for s in batch.seqs if s.sample)
             return ExecuteResult([self.token_id] * n, self.latency.batch_time(batch))
         prefills, decodes, n = batch.shape_and_samples()
-        return ExecuteResult([self.token_id] * n, self._step_time(prefills, decodes))
+        return ExecuteResult([self.token_id] * n, self.price(prefills, decodes))
+
+    @property
+    def can_price(self) -> bool:
+        """Whether :meth:`price` prices a batch from its shape (the decode fast path needs it)."""
+        return self._step_time is not None
+
+    def price(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
+        """The step time of a batch of this shape at :attr:`now` (what :meth:`execute` returns
+        as ``elapsed``); the simulator's decode fast path prices its steps with it."""
+        return self._step_time(prefills, decodes)  # type: ignore[misc]
 
     def export_kv(self, block_ids: list[int]) -> None:
         return None
@@ -113,15 +134,23 @@ class PipelinedExecutor(SimExecutor):
 
     def execute(self, batch: ScheduledBatch) -> ExecuteResult:
         prefills, decodes, n = batch.shape_and_samples()
+        return ExecuteResult([self.token_id] * n, self.price(prefills, decodes))
+
+    @property
+    def can_price(self) -> bool:
+        return True
+
+    def price(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
+        """Enters the batch into the shared stages at :attr:`now` (a side effect)."""
         t = self.pipe.base.step_time(prefills, decodes)
         if t <= 0.0:
-            return ExecuteResult([self.token_id] * n, 0.0)
+            return 0.0
         tokens = sum(k for _, k in prefills) + len(decodes)
         done = self.stages.enter(self.now, t / self.pipe.pp, self.pipe.send_time(tokens))
         extra = 0.0
         if self.over is not None:
             extra = self.over.overhead_s + self.over.per_seq_s * (len(prefills) + len(decodes))
-        return ExecuteResult([self.token_id] * n, done - self.now + extra)
+        return done - self.now + extra
 
 
 def pipeline_of(latency: Any) -> tuple[PipelineModel | None, DriverOverhead | None]:
@@ -199,8 +228,12 @@ class Simulator:
                  decode_router: str | Router = "least_load",
                  intra_node_link: Link | None = None, inter_node_link: Link | None = None,
                  kv_dtype: str = "float16", record_batches: bool = False,
-                 controller_kw: dict[str, Any] | None = None) -> None:
+                 controller_kw: dict[str, Any] | None = None,
+                 fast_forward: bool | None = None) -> None:
         self.model = model
+        # the exact decode fast path (:meth:`_decode_step`); off: every step is scheduled
+        self.fast_forward = (FAST_FORWARD if fast_forward is None else fast_forward)
+        self.num_folded = 0  # steps the fast path advanced without a batch
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
         self.inter = inter_node_link or Link()
@@ -268,6 +301,7 @@ class Simulator:
 
     def _forget_drained(self, now: float) -> None:
         for iid in [i for i in self._removing if self.core.drained(i)]:
+            self._close(iid)
             self.core.forget(iid)
             self.removals.append((iid, self._removing.pop(iid), now,
                                   self.insts[iid].worker.check_integrity()))
@@ -314,6 +348,8 @@ class Simulator:
             if stop is not None and stop(now):
                 stopped = True
                 break
+        for iid in self.insts:
+            self._close(iid)
         for rid, req in ({} if stopped else self.controller.requests).items():
             # the event queue ran dry with the request unfinished: the cluster deadlocked
             self._errors.setdefault(rid, f"simulation stalled with the request in stage "
@@ -327,13 +363,93 @@ class Simulator:
         return SimResult(records, now, n_events, stats,
                          self._batch_log if self.record_batches else None, stopped)
 
+    def _handle(self, inst: _Inst, commands: list[Command], now: float) -> StepReport:
+        """:meth:`InstanceWorker.handle` (the same calls in the same order: commands, KV pulls,
+        the step, KV pulls, stats) with the exact decode fast path for the step: when the step
+        is pure decode with an unchanged batch, the scheduler's
+        :class:`~pdserve.engine.scheduler.DecodeRun` advances it (no batch is built, one price
+        call) and there is no token to report (nothing finishes, no first token). The run stays
+        open over the instance's next steps; it is rebuilt after commands and closed (its
+        requests caught up) before anything else reads them."""
+        w, iid = inst.worker, inst.spec.instance_id
+        eng = w.engine
+        if (w.role not in ("colocated", "decode") or self.record_batches or w.record_events
+                or w.stream_tokens or eng.tokenizer is not None or eng.config.step_log is not None
+                or not inst.executor.can_price or self.controller.flips is not None):
+            self._close(iid)
+            return w.handle(commands, now)
+        rep = StepReport(iid, w.role, now)
+        if commands:
+            # adding a request or a transfer, importing KV: no running request is read
+            if not all(type(c) in (AddRequest, AddTransfer, ImportKV) for c in commands):
+                self._close(iid)
+            for cmd in commands:
+                w._apply(cmd, now, rep)
+        decode = w.role == "decode"
+        # admission reads only counts and the pool (not the running requests' lazy tokens)
+        lazy_ok = eng.scheduler.admission.name in ("greedy", "reserve-static")
+        if decode:
+            if not lazy_ok:
+                self._close(iid)
+            rep.pulls = eng.reserve_pulls(now)
+        elapsed = self._decode_step(inst, now, rep)
+        if elapsed is not None:
+            rep.elapsed, rep.stepped = elapsed, True
+        elif eng.has_work():
+            res = eng.step(now)
+            rep.elapsed = res.elapsed
+            rep.stepped = not res.batch.empty
+            w._deltas(res, rep)
+        if decode:
+            if not lazy_ok:
+                self._close(iid)
+            rep.pulls += eng.reserve_pulls(now + rep.elapsed)
+        rep.stats = eng.stats()
+        rep.has_work = eng.has_work()
+        rep.has_unfinished = eng.has_unfinished()
+        return rep
+
+    def _decode_step(self, inst: _Inst, now: float, rep: StepReport) -> float | None:
+        """Advance the instance's next step with its :class:`DecodeRun` (opened if need be);
+        its elapsed time, or ``None`` when the step must be scheduled (the scheduler catches the
+        run up if it reads the running requests). Requests that finish in it are reported by
+        the worker's own code (``_deltas``)."""
+        ex, eng = inst.executor, inst.worker.engine
+        sched = eng.scheduler
+        run = sched.open_run
+        if run is not None and not run.sync():  # the batch changed other than by imports
+            run.close()
+            run = None
+        if run is None:
+            run = sched.decode_run(ex.token_id)
+            if run is None:
+                return None
+        if not run.safe():  # a scheduled step; the scheduler closes the run if it reads it
+            return None
+        elapsed = ex.price([], run.contexts())
+        finished = run.advance(now, now + elapsed)
+        self.num_folded += 1
+        eng.num_steps += 1
+        eng.busy_time += elapsed
+        if finished:
+            res = StepResult(ScheduledBatch(eng.scheduler.step_id), elapsed, finished,
+                             [""] * len(finished))
+            inst.worker._deltas(res, rep)
+        return elapsed
+
+    def _close(self, iid: str) -> None:
+        run = self.insts[iid].worker.engine.scheduler.open_run
+        if run is not None:
+            run.close()
+
     def _run(self, effects: list[Effect], now: float) -> None:
         """Carry out the driver core's effects at virtual time ``now``."""
         for e in effects:
             if isinstance(e, StartStep):
                 inst = self.insts[e.instance_id]
                 inst.executor.now = now
-                rep = inst.worker.handle(e.commands, now)
+                rep = (self._handle(inst, e.commands, now) if self.fast_forward
+                       else inst.worker.handle(e.commands, now))
                 if rep.stepped:
                     if self.record_batches:
                         self._batch_log.append((e.instance_id, now, rep.batch))
@@ -343,6 +459,7 @@ class Simulator:
                                         lambda effects: self._run(effects, now))
             elif isinstance(e, Transfer):
                 src, dst = self.insts[e.src], self.insts[e.dst]
+                self._close(e.src)
                 payload = src.worker.export_kv(e.request_id, e.first_block)
                 nbytes = (payload.num_blocks * dst.spec.engine.cache.block_size
                           * self.model.kv_bytes_per_token(self.kv_dtype))
