@@ -11,7 +11,7 @@ serializable dataclasses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine, EngineStats, KVPayload, StepResult
@@ -133,6 +133,21 @@ class StepReport:
     applied: int = 0
 
 
+class StepShortcut(Protocol):
+    """Takes an instance's step without the scheduler building a batch — the simulator's exact
+    decode fast path (:class:`pdserve.sim.simulator.DecodeShortcut`). :meth:`InstanceWorker.handle`
+    tells it before applying commands and before anything reads the running requests (so it
+    can bring them up to date), and asks it first for each step: ``(elapsed, result)`` when it
+    took the step (``result`` carrying the requests that finished in it, or ``None``), or
+    ``None`` to let the engine step."""
+
+    def before_commands(self, commands: list[Command]) -> None: ...
+
+    def before_read(self) -> None: ...
+
+    def step(self, now: float) -> tuple[float, StepResult | None] | None: ...
+
+
 class InstanceWorker:
     """An :class:`Engine` plus the command protocol; sans-IO (no network, no clock)."""
 
@@ -155,15 +170,29 @@ class InstanceWorker:
     def num_kv_blocks(self) -> int:
         return self.engine.scheduler.pool.num_blocks
 
-    def handle(self, commands: list[Command], now: float, step: bool = True) -> StepReport:
+    def handle(self, commands: list[Command], now: float, step: bool = True,
+               shortcut: StepShortcut | None = None) -> StepReport:
+        """Apply ``commands``, reserve KV pulls, take one engine step (``step``), reserve
+        again, and report. ``shortcut`` may take the step instead of the engine (see
+        :class:`StepShortcut`)."""
         eng = self.engine
         rep = StepReport(self.instance_id, self.role, now)
+        if shortcut is not None:
+            shortcut.before_commands(commands)
         for cmd in commands:
             self._apply(cmd, now, rep)
         rep.role = self.role  # a SetRole took effect
         if self.role == "decode":
+            if shortcut is not None:
+                shortcut.before_read()
             rep.pulls = eng.reserve_pulls(now)
-        if step and eng.has_work():
+        taken = shortcut.step(now) if shortcut is not None and step else None
+        if taken is not None:
+            rep.elapsed, res = taken
+            rep.stepped = True
+            if res is not None:
+                self._deltas(res, rep)
+        elif step and eng.has_work():
             res = eng.step(now)
             rep.elapsed = res.elapsed
             rep.stepped = not res.batch.empty
@@ -171,6 +200,8 @@ class InstanceWorker:
                 rep.batch = [(s.request_id, s.start, s.num_tokens) for s in res.batch.seqs]
             self._deltas(res, rep)
         if self.role == "decode":  # blocks freed by this step may admit pending transfers
+            if shortcut is not None:
+                shortcut.before_read()
             rep.pulls += eng.reserve_pulls(now + rep.elapsed)
         rep.stats = eng.stats()
         if self.record_events:

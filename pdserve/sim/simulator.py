@@ -217,6 +217,62 @@ class _Inst:
     worker: InstanceWorker
     executor: SimExecutor
     pp: int = 1
+    shortcut: DecodeShortcut | None = None
+
+
+class DecodeShortcut:
+    """The exact decode fast path of one simulated instance, as the worker's
+    :class:`~pdserve.cluster.worker.StepShortcut`: when the step is pure decode with an
+    unchanged batch, the scheduler's :class:`~pdserve.engine.scheduler.DecodeRun` advances it
+    (no batch is built, one price call; the same block-pool calls in the same order). The run
+    stays open over the instance's next steps; it is closed (its requests caught up) before
+    commands other than new requests, transfers and imports, and before a decode instance's
+    KV pulls when admission reads more than counts and the pool."""
+
+    def __init__(self, sim: Simulator, inst: _Inst) -> None:
+        self.sim, self.inst = sim, inst
+
+    def _close(self) -> None:
+        run = self.inst.worker.engine.scheduler.open_run
+        if run is not None:
+            run.close()
+
+    def before_commands(self, commands: list[Command]) -> None:
+        # adding a request or a transfer, importing KV: no running request is read
+        if not all(type(c) in (AddRequest, AddTransfer, ImportKV) for c in commands):
+            self._close()
+
+    def before_read(self) -> None:
+        # admission reads only counts and the pool (not the running requests' lazy tokens)
+        if self.inst.worker.engine.scheduler.admission.name not in ("greedy",
+                                                                    "reserve-static"):
+            self._close()
+
+    def step(self, now: float) -> tuple[float, StepResult | None] | None:
+        """Advance the instance's next step with its :class:`DecodeRun` (opened if need be):
+        its elapsed time and the requests that finished in it, or ``None`` when the step must
+        be scheduled (the scheduler catches the run up if it reads the running requests)."""
+        ex, eng = self.inst.executor, self.inst.worker.engine
+        sched = eng.scheduler
+        run = sched.open_run
+        if run is not None and not run.sync():  # the batch changed other than by imports
+            run.close()
+            run = None
+        if run is None:
+            run = sched.decode_run(ex.token_id)
+            if run is None:
+                return None
+        if not run.safe():  # a scheduled step; the scheduler closes the run if it reads it
+            return None
+        elapsed = ex.price([], run.contexts())
+        finished = run.advance(now, now + elapsed)
+        self.sim.num_folded += 1
+        eng.num_steps += 1
+        eng.busy_time += elapsed
+        if not finished:
+            return elapsed, None
+        return elapsed, StepResult(ScheduledBatch(sched.step_id), elapsed, finished,
+                                   [""] * len(finished))
 
 
 class Simulator:
@@ -231,7 +287,7 @@ class Simulator:
                  controller_kw: dict[str, Any] | None = None,
                  fast_forward: bool | None = None) -> None:
         self.model = model
-        # the exact decode fast path (:meth:`_decode_step`); off: every step is scheduled
+        # the exact decode fast path (:class:`DecodeShortcut`); off: every step is scheduled
         self.fast_forward = (FAST_FORWARD if fast_forward is None else fast_forward)
         self.num_folded = 0  # steps the fast path advanced without a batch
         self.kv_dtype = kv_dtype
@@ -364,78 +420,18 @@ class Simulator:
                          self._batch_log if self.record_batches else None, stopped)
 
     def _handle(self, inst: _Inst, commands: list[Command], now: float) -> StepReport:
-        """:meth:`InstanceWorker.handle` (the same calls in the same order: commands, KV pulls,
-        the step, KV pulls, stats) with the exact decode fast path for the step: when the step
-        is pure decode with an unchanged batch, the scheduler's
-        :class:`~pdserve.engine.scheduler.DecodeRun` advances it (no batch is built, one price
-        call) and there is no token to report (nothing finishes, no first token). The run stays
-        open over the instance's next steps; it is rebuilt after commands and closed (its
-        requests caught up) before anything else reads them."""
-        w, iid = inst.worker, inst.spec.instance_id
+        """:meth:`InstanceWorker.handle`, with the exact decode fast path
+        (:class:`DecodeShortcut`) taking the steps it can where nothing else needs the batch."""
+        w = inst.worker
         eng = w.engine
         if (w.role not in ("colocated", "decode") or self.record_batches or w.record_events
                 or w.stream_tokens or eng.tokenizer is not None or eng.config.step_log is not None
                 or not inst.executor.can_price or self.controller.flips is not None):
-            self._close(iid)
+            self._close(inst.spec.instance_id)
             return w.handle(commands, now)
-        rep = StepReport(iid, w.role, now)
-        if commands:
-            # adding a request or a transfer, importing KV: no running request is read
-            if not all(type(c) in (AddRequest, AddTransfer, ImportKV) for c in commands):
-                self._close(iid)
-            for cmd in commands:
-                w._apply(cmd, now, rep)
-        decode = w.role == "decode"
-        # admission reads only counts and the pool (not the running requests' lazy tokens)
-        lazy_ok = eng.scheduler.admission.name in ("greedy", "reserve-static")
-        if decode:
-            if not lazy_ok:
-                self._close(iid)
-            rep.pulls = eng.reserve_pulls(now)
-        elapsed = self._decode_step(inst, now, rep)
-        if elapsed is not None:
-            rep.elapsed, rep.stepped = elapsed, True
-        elif eng.has_work():
-            res = eng.step(now)
-            rep.elapsed = res.elapsed
-            rep.stepped = not res.batch.empty
-            w._deltas(res, rep)
-        if decode:
-            if not lazy_ok:
-                self._close(iid)
-            rep.pulls += eng.reserve_pulls(now + rep.elapsed)
-        rep.stats = eng.stats()
-        rep.has_work = eng.has_work()
-        rep.has_unfinished = eng.has_unfinished()
-        return rep
-
-    def _decode_step(self, inst: _Inst, now: float, rep: StepReport) -> float | None:
-        """Advance the instance's next step with its :class:`DecodeRun` (opened if need be);
-        its elapsed time, or ``None`` when the step must be scheduled (the scheduler catches the
-        run up if it reads the running requests). Requests that finish in it are reported by
-        the worker's own code (``_deltas``)."""
-        ex, eng = inst.executor, inst.worker.engine
-        sched = eng.scheduler
-        run = sched.open_run
-        if run is not None and not run.sync():  # the batch changed other than by imports
-            run.close()
-            run = None
-        if run is None:
-            run = sched.decode_run(ex.token_id)
-            if run is None:
-                return None
-        if not run.safe():  # a scheduled step; the scheduler closes the run if it reads it
-            return None
-        elapsed = ex.price([], run.contexts())
-        finished = run.advance(now, now + elapsed)
-        self.num_folded += 1
-        eng.num_steps += 1
-        eng.busy_time += elapsed
-        if finished:
-            res = StepResult(ScheduledBatch(eng.scheduler.step_id), elapsed, finished,
-                             [""] * len(finished))
-            inst.worker._deltas(res, rep)
-        return elapsed
+        if inst.shortcut is None:
+            inst.shortcut = DecodeShortcut(self, inst)
+        return w.handle(commands, now, shortcut=inst.shortcut)
 
     def _close(self, iid: str) -> None:
         run = self.insts[iid].worker.engine.scheduler.open_run
