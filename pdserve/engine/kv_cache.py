@@ -235,9 +235,7 @@ class BlockPool:
         if n > self.free_queue.size:
             raise ValueError(f"cannot allocate {n} blocks, only {self.free_queue.size} free")
         out = self.free_queue.take_fresh(n)  # the never-used head of the queue, at once
-        for b in out:
-            if b.block_hash is not None:
-                self._evict(b)
+        for b in out:  # never used, so never cached: nothing to evict
             b.ref_cnt = 1
         for _ in range(n - len(out)):
             b = self.free_queue.popleft()

@@ -141,8 +141,7 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        if self.open_run is not None:  # the running requests are read: catch them up
-            self.open_run.close()
+        self.close_run()  # the running requests are read: catch them up
         running, bs, seqs = self.running, self.block_size, batch.seqs
         append, seq = seqs.append, ScheduledSeq
         # hot loop; preemption pops only from the tail, which list iteration tolerates
@@ -378,6 +377,11 @@ class Scheduler:
         self.open_run = run
         return run
 
+    def close_run(self) -> None:
+        """Catch up the requests of the open :class:`DecodeRun`, if any, and close it."""
+        if self.open_run is not None:
+            self.open_run.close()
+
     # ------------------------------------------------------------------ introspection
     @property
     def num_unfinished(self) -> int:
@@ -386,8 +390,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Block pool invariants plus: every live request's blocks are referenced exactly as often
         as tables name them, and tables cover the computed tokens."""
-        if self.open_run is not None:
-            self.open_run.close()
+        self.close_run()
         self.pool.check_integrity()
         refs: dict[int, int] = {}
         for req in self.requests.values():
@@ -530,14 +533,8 @@ class DecodeRun:
         if self.cache is not None:
             cache = sched.kv.cache_computed
             for i in self.cache[j % self.bs]:
-                r = self._catch_up(i, j)
-                old = r.num_computed_tokens
-                r.num_computed_tokens = old + 1
-                cache(r, old, old + 1)
-                r.output_token_ids.append(self.tok)
-                r.all_token_ids.append(self.tok)
-                r.timeline.token_times.append(end)
-                self.done[i] = j + 1
+                old = self._catch_up(i, j).num_computed_tokens
+                cache(self._catch_up(i, j + 1), old, old + 1)  # this step's token, then cache
         self.j = j + 1
         if j < self.limit:
             return []

@@ -232,21 +232,16 @@ class DecodeShortcut:
     def __init__(self, sim: Simulator, inst: _Inst) -> None:
         self.sim, self.inst = sim, inst
 
-    def _close(self) -> None:
-        run = self.inst.worker.engine.scheduler.open_run
-        if run is not None:
-            run.close()
-
     def before_commands(self, commands: list[Command]) -> None:
         # adding a request or a transfer, importing KV: no running request is read
         if not all(type(c) in (AddRequest, AddTransfer, ImportKV) for c in commands):
-            self._close()
+            self.inst.worker.engine.scheduler.close_run()
 
     def before_read(self) -> None:
         # admission reads only counts and the pool (not the running requests' lazy tokens)
-        if self.inst.worker.engine.scheduler.admission.name not in ("greedy",
-                                                                    "reserve-static"):
-            self._close()
+        sched = self.inst.worker.engine.scheduler
+        if sched.admission.name not in ("greedy", "reserve-static"):
+            sched.close_run()
 
     def step(self, now: float) -> tuple[float, StepResult | None] | None:
         """Advance the instance's next step with its :class:`DecodeRun` (opened if need be):
@@ -434,9 +429,7 @@ class Simulator:
         return w.handle(commands, now, shortcut=inst.shortcut)
 
     def _close(self, iid: str) -> None:
-        run = self.insts[iid].worker.engine.scheduler.open_run
-        if run is not None:
-            run.close()
+        self.insts[iid].worker.engine.scheduler.close_run()
 
     def _run(self, effects: list[Effect], now: float) -> None:
         """Carry out the driver core's effects at virtual time ``now``."""

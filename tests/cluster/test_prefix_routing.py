@@ -313,21 +313,12 @@ def test_simulated_cluster_keeps_the_index_exact(router, monkeypatch):
     controller; with small caches (evictions) every request finishes and the router's index
     holds exactly the blocks each instance's pool caches. Each prompt is hashed once: the
     engines take the chain the router made and hash only the blocks their outputs fill."""
-    import pdserve.engine.kv_manager as kv_manager
     from pdserve.config import ClusterConfig
-    from pdserve.engine.kv_cache import hash_blocks
     from pdserve.sim.simulator import SimRequest
     from pdserve.sim.target import SimulationConfig, build_simulator
+    from tests.engine.test_kv_hash_once import spy
 
-    engine_hashed = []
-
-    def counting(token_ids, block_size, hashes=None):
-        before = len(hashes) if hashes else 0
-        out = hash_blocks(token_ids, block_size, hashes)
-        engine_hashed.append(len(out) - before)
-        return out
-
-    monkeypatch.setattr(kv_manager, "hash_blocks", counting)
+    engine_hashed = spy(monkeypatch)
 
     sim = build_simulator(SimulationConfig(ClusterConfig.from_dict(
         {"model": "opt-13b", "num_instances": 2, "prefill_router": router,
