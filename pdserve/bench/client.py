@@ -97,6 +97,20 @@ async def fetch_model_info(base_url: str, api_key: str | None = None,
         raise ConnectionError(f"{url} did not list any model") from None
 
 
+async def fetch_metrics(base_url: str, api_key: str | None = None,
+                        timeout: float = 10.0) -> str:
+    """The server's Prometheus ``/metrics`` text (pdserve and vLLM serve it)."""
+    url = normalize_base_url(base_url) + "/metrics"
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as c:
+            r = await c.get(url, headers=_headers(api_key))
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"scraping {url} failed: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"scraping {url} failed: HTTP {r.status_code}")
+    return r.text
+
+
 def reconcile_token_times(chunk_times: Sequence[float], chunk_texts: Sequence[str],
                           last_finished: bool,
                           usage_tokens: int | None) -> tuple[list[float], str | None]:

@@ -17,11 +17,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-import httpx
-
 from pdserve.bench.client import (
     ClientConfig,
-    _headers,
+    fetch_metrics,
     fetch_model_info,
     normalize_base_url,
     run_requests,
@@ -97,15 +95,8 @@ class HttpTarget:
             await asyncio.sleep(self.scrape_interval)
 
     async def _scrape_once(self, out: list[str]) -> None:
-        url = f"{self.config.base_url}/metrics"
-        try:
-            async with httpx.AsyncClient(timeout=10.0) as client:
-                resp = await client.get(url, headers=_headers(self.config.api_key))
-        except httpx.HTTPError as e:
-            raise RuntimeError(f"scraping {url} failed: {type(e).__name__}: {e}") from None
-        if resp.status_code != 200:
-            raise RuntimeError(f"scraping {url} failed: HTTP {resp.status_code}")
-        out.append(json.dumps({"time": time.time(), "metrics": resp.text}) + "\n")
+        text = await fetch_metrics(self.config.base_url, self.config.api_key)
+        out.append(json.dumps({"time": time.time(), "metrics": text}) + "\n")
 
 
 TargetFactory = Callable[[Any], Target]

@@ -313,18 +313,14 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
             ms += from_profile(prof, cfg, [s for s in shapes if s.kind != "mixed"])
         else:
             ms += from_distserve_json(p, [args.model] if args.model else None)
-    for p in args.step_log or []:
-        if not args.model:
-            raise ValueError(f"--step-log {p}: pass --model (catalogue name or directory)")
-        ms += from_step_log(p, args.model, args.tp, args.dtype)
-    for p in args.timelines or []:
-        if not args.model:
-            raise ValueError(f"--timelines {p}: pass --model (catalogue name or directory)")
-        ms += from_request_timelines(p, args.model, args.tp, args.dtype)
-    for p in args.metrics_log or []:
-        if not args.model:
-            raise ValueError(f"--metrics-log {p}: pass --model (catalogue name or directory)")
-        ms += from_metrics_log(p, args.model, args.tp, args.dtype)
+    # serving logs of one instance: step log, client timelines, Prometheus scrapes
+    for flag, paths, read in (("--step-log", args.step_log, from_step_log),
+                              ("--timelines", args.timelines, from_request_timelines),
+                              ("--metrics-log", args.metrics_log, from_metrics_log)):
+        for p in paths or []:
+            if not args.model:
+                raise ValueError(f"{flag} {p}: pass --model (catalogue name or directory)")
+            ms += read(p, args.model, args.tp, args.dtype)
     if args.splitwise:
         ms += drop_unphysical(device, from_splitwise(args.splitwise, args.splitwise_hardware))
     if args.vidur:
