@@ -31,8 +31,8 @@ BLOCKS, BS, STEP = 64, 4, 0.002
 
 
 def fake_client(spec: InstanceSpec) -> InProcessInstance:
-    return InProcessInstance(InstanceWorker(spec.instance_id, spec.engine,
-                                            executor=FakeExecutor(BLOCKS, BS, VOCAB, STEP)))
+    executor = FakeExecutor(BLOCKS, BS, VOCAB, STEP, sleep=True)  # paced: tests watch load
+    return InProcessInstance(InstanceWorker(spec.instance_id, spec.engine, executor=executor))
 
 
 def runtime(strategy: str = "colocated", n: int = 2, p: int = 1, d: int = 1,

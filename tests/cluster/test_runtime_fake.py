@@ -1,7 +1,6 @@
 """The asyncio runtime and controller driven with the deterministic fake executor (no torch)."""
 
 import asyncio
-import time
 
 import pytest
 
@@ -84,13 +83,7 @@ def slow_down(rt, iid: str, seconds: float = 0.005) -> None:
     """Make an instance's steps take ``seconds``: its loop steps on its own, and the fake
     executor alone takes microseconds, so a request could finish before a test kills it."""
     ex = rt.instances[iid].client.worker.engine.executor
-    execute = ex.execute
-
-    def slow(batch):
-        time.sleep(seconds)
-        return execute(batch)
-
-    ex.execute = slow
+    ex.step_time, ex.sleep = seconds, True
 
 
 async def test_dead_decode_instance_recomputes_elsewhere():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 
 
@@ -15,14 +17,19 @@ def next_token(context: list[int], vocab: int) -> int:
 
 class FakeExecutor:
     """Checks that every step computes exactly the positions the KV says are missing, tracks
-    which token each KV slot holds, and 'samples' :func:`next_token` of the context."""
+    which token each KV slot holds, and 'samples' :func:`next_token` of the context.
+
+    ``step_time`` is the elapsed time each step reports; with ``sleep`` a step also takes that
+    long, so a live test can watch requests in flight (unpaced, a request finishes in
+    microseconds, before a poll sees it)."""
 
     def __init__(self, num_kv_blocks: int, block_size: int, vocab: int = 50,
-                 step_time: float = 0.01) -> None:
+                 step_time: float = 0.01, sleep: bool = False) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.vocab = vocab
         self.step_time = step_time
+        self.sleep = sleep
         self.slots: dict[int, int] = {}  # slot -> token id whose KV it holds
         self.batches: list[list[tuple[str, int, int]]] = []
         self.eos_token_ids = ()
@@ -31,6 +38,8 @@ class FakeExecutor:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, batch: ScheduledBatch) -> ExecuteResult:
+        if self.sleep:
+            time.sleep(self.step_time)
         self.batches.append([(s.request_id, s.start, s.num_tokens) for s in batch.seqs])
         sampled = []
         for s in batch.seqs:
