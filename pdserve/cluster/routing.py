@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.engine import EngineStats
@@ -96,6 +97,13 @@ def require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+@cache
+def _parameters(cls: type) -> frozenset[str]:
+    """The names a router's constructor takes (once per class: ``inspect.signature`` of a
+    class without ``__init__`` builds a throwaway class each call)."""
+    return frozenset(inspect.signature(cls).parameters)
+
+
 def make_routers(prefill: str | Router, decode: str | Router,
                  prefill_time: Any = None, **options: Any) -> tuple[Router, Router]:
     """A deployment's prefill (or colocated) and decode routers. A router that prices prefills
@@ -109,7 +117,7 @@ def make_routers(prefill: str | Router, decode: str | Router,
         if not isinstance(r, str):
             return r
         cls = ROUTERS.get(r)
-        takes = inspect.signature(cls).parameters if cls is not None else {}
+        takes = _parameters(cls) if cls is not None else frozenset()
         return make_router(r, **{k: v for k, v in given.items() if k in takes})
 
     return one(prefill), one(decode)

@@ -211,8 +211,7 @@ class InstanceWorker:
         if self.role == "temporal":
             s = eng.scheduler
             rep.phase, rep.phase_switch_time = s.phase, s.phase_switch_time
-            rep.progress = [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids))
-                            for r in s.running if r.output_token_ids]
+            rep.progress = s.decode_progress()
         return rep
 
     def _apply(self, cmd: Command, now: float, rep: StepReport) -> None:

@@ -6,9 +6,9 @@ A block holds ``block_size`` tokens of KV. A block is in exactly one of three st
     cached  ref_cnt == 0, has a hash         (in the free queue, revivable by a prefix hit)
     free    ref_cnt == 0, no hash            (in the free queue)
 
-The free queue is an intrusive doubly linked list ordered by release time: allocation pops the
-head (least recently released), so cached blocks are evicted in LRU order, and a prefix hit
-unlinks a cached block from the middle in O(1). Full blocks are identified by a chained hash
+The free queue is ordered by release time (an ``OrderedDict``, a linked list in C): allocation
+pops the head (least recently released), so cached blocks are evicted in LRU order, and a prefix
+hit takes a cached block from the middle in O(1). Full blocks are identified by a chained hash
 ``hash((parent_hash, tokens))``; every hit also compares the stored tokens, so a hash collision
 can never serve wrong KV. Python's hash of int tuples is stable across processes, so hashes from
 different instances can be compared by a cluster-wide prefix index (fed by :attr:`events`).
@@ -16,6 +16,7 @@ different instances can be compared by a cluster-wide prefix index (fed by :attr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,34 +67,32 @@ KVEvent = BlockStored | BlockRemoved
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
-        self.prev: Block | None = None
-        self.next: Block | None = None
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
 
 
 class FreeBlockQueue:
-    """Intrusive doubly linked list of free blocks with O(1) append, popleft and remove.
+    """Free blocks in release order with O(1) append, popleft and remove: an ``OrderedDict``
+    by block id (a linked list in C; blocks hold no links, so they form no reference cycles
+    and a dropped pool is freed by reference counting alone).
 
-    ``lazy``: the queue starts as every block of ``blocks`` in id order without linking them,
+    ``lazy``: the queue starts as every block of ``blocks`` in id order without entering them,
     and ``blocks`` may hold ``None`` for a block not built yet (:class:`BlockPool`): blocks
-    ``fresh..n-1`` (never taken) are its head, in order, ahead of the linked ones (blocks freed
-    later go to the tail), so ``popleft`` takes them by index, building them. Removing one of
-    them from the middle (never on the allocation path: only cached blocks are revived) links
-    them first."""
+    ``fresh..n-1`` (never taken) are its head, in order, ahead of the entered ones (blocks
+    freed later go to the tail), so ``popleft`` takes them by index, building them. Removing
+    one of them (never on the allocation path: only cached blocks are revived) enters them
+    first."""
 
     def __init__(self, blocks: list[Block], lazy: bool = False) -> None:
-        self._head = Block(-1)
-        self._tail = Block(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
+        self._q: OrderedDict[int, Block] = OrderedDict()
         self.size = 0
         self._blocks, self._fresh, self._n = blocks, 0, 0
         if lazy:
@@ -108,31 +107,24 @@ class FreeBlockQueue:
             b = self._blocks[i] = Block(i)
         return b
 
-    def _link_fresh(self) -> None:
-        """Link the fresh blocks at the head, in order (the eager queue's layout)."""
-        first = self._head.next
-        prev = self._head
-        for i in range(self._fresh, self._n):
-            b = self._get(i)
-            prev.next, b.prev = b, prev
-            prev = b
-        prev.next = first
-        assert first is not None
-        first.prev = prev
+    def _enter_fresh(self) -> None:
+        """Enter the fresh blocks at the head, in order."""
+        q = self._q
+        for i in range(self._n - 1, self._fresh - 1, -1):
+            q[i] = self._get(i)
+            q.move_to_end(i, last=False)
         self._fresh = self._n
 
     def append(self, block: Block) -> None:
-        last = self._tail.prev
-        assert last is not None
-        last.next, block.prev, block.next, self._tail.prev = block, last, self._tail, block
+        self._q[block.block_id] = block
         self.size += 1
 
     def remove(self, block: Block) -> None:
-        if block.prev is None and self._fresh <= block.block_id < self._n:
-            self._link_fresh()
-        assert block.prev is not None and block.next is not None, f"{block} is not queued"
-        block.prev.next, block.next.prev = block.next, block.prev
-        block.prev = block.next = None
+        i = block.block_id
+        if self._fresh <= i < self._n:
+            self._enter_fresh()
+        assert i in self._q, f"{block} is not queued"
+        del self._q[i]
         self.size -= 1
 
     def popleft(self) -> Block:
@@ -141,10 +133,9 @@ class FreeBlockQueue:
             self._fresh = f + 1
             self.size -= 1
             return self._get(f)
-        block = self._head.next
-        assert block is not None and block is not self._tail, "free queue is empty"
-        self.remove(block)
-        return block
+        assert self._q, "free queue is empty"
+        self.size -= 1
+        return self._q.popitem(last=False)[1]
 
     def take_fresh(self, n: int) -> list[Block]:
         """Pop up to ``n`` blocks from the fresh head at once (what ``popleft`` would give)."""
@@ -164,10 +155,7 @@ class FreeBlockQueue:
     def __iter__(self):
         for i in range(self._fresh, self._n):
             yield self._get(i)
-        b = self._head.next
-        while b is not None and b is not self._tail:
-            yield b
-            b = b.next
+        yield from self._q.values()
 
     def __len__(self) -> int:
         return self.size

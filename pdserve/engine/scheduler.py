@@ -368,7 +368,7 @@ class Scheduler:
         request decoding, no stop token that ``token_id`` could hit), else ``None``. Only the
         simulator uses it (its executor samples ``token_id`` every step); it runs the worker's
         :meth:`reserve_pulls` around each step itself, as the worker does."""
-        if (self.role not in ("colocated", "decode") or self.waiting or not self.running
+        if (self.role == "prefill" or self.waiting or not self.running
                 or token_id in self.eos_token_ids):
             return None
         run = DecodeRun(self, token_id)
@@ -376,6 +376,15 @@ class Scheduler:
             return None
         self.open_run = run
         return run
+
+    def decode_progress(self) -> list[tuple[str, float, int]]:
+        """Every running request past its first token: ``(id, first token time, tokens
+        generated)``, in running order (a temporal instance's report to its macro router),
+        counting the open :class:`DecodeRun`'s steps without catching it up."""
+        if self.open_run is not None:
+            return self.open_run.progress()
+        return [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids))
+                for r in self.running if r.output_token_ids]
 
     def close_run(self) -> None:
         """Catch up the requests of the open :class:`DecodeRun`, if any, and close it."""
@@ -500,6 +509,16 @@ class DecodeRun:
         preemption); requests may finish in it."""
         return (bool(self.live) and not self.sched.waiting and self.j <= self.limit
                 and len(self._due()) <= self.sched.pool.num_free_blocks)
+
+    def progress(self) -> list[tuple[str, float, int]]:
+        """:meth:`Scheduler.decode_progress` with the run open: the run's requests lead the
+        running list (in its order); requests appended since the last step follow."""
+        j, reqs, done = self.j, self.reqs, self.done
+        out = [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids) + j - done[i])
+               for i in self.live for r in (reqs[i],)]
+        out += [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids))
+                for r in self.sched.running[len(self.live):] if r.output_token_ids]
+        return out
 
     def _catch_up(self, i: int, upto: int) -> Request:
         r, k = self.reqs[i], upto - self.done[i]

@@ -60,6 +60,7 @@ from pdserve.bench.metrics import SLO, RequestRecord, meets
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, Link, ModelConfig
 from pdserve.sim.models import get_model_config
+from pdserve.sim.simulator import gc_paused
 
 KINDS = ("colocated", "prefill", "decode", "partial")
 STRATEGIES = ("colocated", "disaggregated", "partial")
@@ -444,9 +445,10 @@ def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
         return res
 
     def at_rate(rate: float) -> AttainmentResult:
-        dep = unit_deployment(p, u, *_helpers(p, rate))
-        w = _unit_workload(p, u, rate)
-        return run_probe(p, dep, w.retimed(rate).requests, rate, u.kind, p.early_probes)
+        with gc_paused():  # a probe builds millions of objects and no reference cycle
+            dep = unit_deployment(p, u, *_helpers(p, rate))
+            w = _unit_workload(p, u, rate)
+            return run_probe(p, dep, w.retimed(rate).requests, rate, u.kind, p.early_probes)
 
     def row(q: Any, phase: str) -> dict[str, Any]:
         return {"rate": q.rate, "attainment": q.attainment, "passed": q.passed, "phase": phase,
@@ -889,8 +891,9 @@ def alg2_placement(p: Problem, g: NodeGroup, goodput: float, simulated: bool,
 def simulate_goodput(p: Problem, dep: Mapping[str, Any], hi: float) -> tuple[float, list[Any]]:
     """Goodput (both SLOs per request) of a whole deployment, by the rate search."""
     def at_rate(rate: float) -> AttainmentResult:
-        w = base_workload(p, probe_requests(p, rate))
-        return run_probe(p, dep, w.retimed(rate).requests, rate, "both", p.early_probes)
+        with gc_paused():
+            w = base_workload(p, probe_requests(p, rate))
+            return run_probe(p, dep, w.retimed(rate).requests, rate, "both", p.early_probes)
 
     g = search_goodput(at_rate, hi=hi, precision=p.precision * hi, max_probes=p.max_probes,
                        growth=1.6, num_gpus=ClusterConfig.from_dict(dep).num_gpus)

@@ -26,10 +26,12 @@ times step ends (which free resources and emit tokens) precede transfers and arr
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -46,7 +48,7 @@ from pdserve.cluster.worker import (
 )
 from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
-from pdserve.engine.engine import StepResult
+from pdserve.engine.engine import Engine, StepResult
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
@@ -220,6 +222,23 @@ class _Inst:
     shortcut: DecodeShortcut | None = None
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector. A run allocates millions of objects that all
+    live until it ends (blocks, requests, timelines), so every collection during it traverses
+    live objects in vain, and the older generations' grow with the heap: a third of a plan's
+    CPU time went there (docs/benchmarks.md). Refcounting still frees what is acyclic; the
+    run's own cycles (the block pool's linked free list, the simulator's back references) are
+    collected once it is garbage, at the next collection after the run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class DecodeShortcut:
     """The exact decode fast path of one simulated instance, as the worker's
     :class:`~pdserve.cluster.worker.StepShortcut`: when the step is pure decode with an
@@ -229,17 +248,20 @@ class DecodeShortcut:
     commands other than new requests, transfers and imports, and before a decode instance's
     KV pulls when admission reads more than counts and the pool."""
 
-    def __init__(self, sim: Simulator, inst: _Inst) -> None:
-        self.sim, self.inst = sim, inst
+    def __init__(self, engine: Engine, executor: SimExecutor) -> None:
+        # no reference back to the simulator or its instance: a finished simulation is then
+        # acyclic and freed by reference counting, without the cyclic collector
+        self.engine, self.executor = engine, executor
+        self.num_folded = 0  # steps advanced without a batch
 
     def before_commands(self, commands: list[Command]) -> None:
         # adding a request or a transfer, importing KV: no running request is read
         if not all(type(c) in (AddRequest, AddTransfer, ImportKV) for c in commands):
-            self.inst.worker.engine.scheduler.close_run()
+            self.engine.scheduler.close_run()
 
     def before_read(self) -> None:
         # admission reads only counts and the pool (not the running requests' lazy tokens)
-        sched = self.inst.worker.engine.scheduler
+        sched = self.engine.scheduler
         if sched.admission.name not in ("greedy", "reserve-static"):
             sched.close_run()
 
@@ -247,7 +269,7 @@ class DecodeShortcut:
         """Advance the instance's next step with its :class:`DecodeRun` (opened if need be):
         its elapsed time and the requests that finished in it, or ``None`` when the step must
         be scheduled (the scheduler catches the run up if it reads the running requests)."""
-        ex, eng = self.inst.executor, self.inst.worker.engine
+        ex, eng = self.executor, self.engine
         sched = eng.scheduler
         run = sched.open_run
         if run is not None and not run.sync():  # the batch changed other than by imports
@@ -261,7 +283,7 @@ class DecodeShortcut:
             return None
         elapsed = ex.price([], run.contexts())
         finished = run.advance(now, now + elapsed)
-        self.sim.num_folded += 1
+        self.num_folded += 1
         eng.num_steps += 1
         eng.busy_time += elapsed
         if not finished:
@@ -284,7 +306,6 @@ class Simulator:
         self.model = model
         # the exact decode fast path (:class:`DecodeShortcut`); off: every step is scheduled
         self.fast_forward = (FAST_FORWARD if fast_forward is None else fast_forward)
-        self.num_folded = 0  # steps the fast path advanced without a batch
         self.kv_dtype = kv_dtype
         self.intra = intra_node_link or Link()
         self.inter = inter_node_link or Link()
@@ -361,6 +382,11 @@ class Simulator:
     def _push(self, t: float, prio: int, data: Any) -> None:
         heapq.heappush(self._heap, (t, prio, next(self._seq), data))
 
+    @property
+    def num_folded(self) -> int:
+        """Steps the decode fast path advanced without a batch."""
+        return sum(i.shortcut.num_folded for i in self.insts.values() if i.shortcut is not None)
+
     def run(self, requests: Sequence[SimRequest],
             progress: Callable[[int], None] | None = None,
             stop: Callable[[float], bool] | None = None) -> SimResult:
@@ -368,7 +394,15 @@ class Simulator:
         ``stop(now)`` is called after every event; when it returns true the run ends there
         (``SimResult.stopped``; unfinished requests keep their state, no error is recorded) —
         a caller that can already decide what it measures (the planner's probes,
-        :class:`pdserve.planner.early.AttainmentWatch`) saves the rest of the run."""
+        :class:`pdserve.planner.early.AttainmentWatch`) saves the rest of the run.
+
+        The cyclic garbage collector is paused for the run (:func:`gc_paused`)."""
+        with gc_paused():
+            return self._run_events(requests, progress, stop)
+
+    def _run_events(self, requests: Sequence[SimRequest],
+                    progress: Callable[[int], None] | None,
+                    stop: Callable[[float], bool] | None) -> SimResult:
         for r in requests:
             self._push(r.arrival, ARRIVAL, r)
         now, n_events, done = 0.0, 0, 0
@@ -419,13 +453,13 @@ class Simulator:
         (:class:`DecodeShortcut`) taking the steps it can where nothing else needs the batch."""
         w = inst.worker
         eng = w.engine
-        if (w.role not in ("colocated", "decode") or self.record_batches or w.record_events
+        if (w.role == "prefill" or self.record_batches or w.record_events
                 or w.stream_tokens or eng.tokenizer is not None or eng.config.step_log is not None
                 or not inst.executor.can_price or self.controller.flips is not None):
             self._close(inst.spec.instance_id)
             return w.handle(commands, now)
         if inst.shortcut is None:
-            inst.shortcut = DecodeShortcut(self, inst)
+            inst.shortcut = DecodeShortcut(eng, inst.executor)
         return w.handle(commands, now, shortcut=inst.shortcut)
 
     def _close(self, iid: str) -> None:
