@@ -134,10 +134,19 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def segment_tokens(seed: int, key: int, length: int, vocab_size: int,
                    low: int = 4) -> np.ndarray:
     """The first ``length`` tokens of stream ``(seed, key)``, uniform in ``[low, vocab_size)``."""
-    base = _mix(np.array([seed & _MASK], dtype=np.uint64) ^ _mix(
-        np.array([key & _MASK], dtype=np.uint64)))
+    return segments_tokens(seed, [(key, length)], vocab_size, low)
+
+
+def segments_tokens(seed: int, segments: Sequence[tuple[int, int]], vocab_size: int,
+                    low: int = 4) -> np.ndarray:
+    """:func:`segment_tokens` of each ``(key, length)``, concatenated, in one pass."""
+    keys = np.array([k & _MASK for k, _ in segments], dtype=np.uint64)
+    lens = np.array([n for _, n in segments], dtype=np.int64)
+    base = _mix(np.array([seed & _MASK], dtype=np.uint64) ^ _mix(keys))
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
     with np.errstate(over="ignore"):
-        x = _mix(base + np.arange(length, dtype=np.uint64))
+        pos = (np.arange(int(lens.sum()), dtype=np.int64) - starts).astype(np.uint64)
+        x = _mix(np.repeat(base, lens) + pos)
     return (x % np.uint64(vocab_size - low)).astype(np.int64) + low
 
 
@@ -232,7 +241,7 @@ def make_workload(
     block_size = scaling.block_size = None if sel.block_size is None else _scale_len(
         sel.block_size, s)
 
-    requests = []
+    shapes, all_segs = [], []  # (input, output) per request; its segments, in order
     for i in range(num_requests):
         orig_in = int(sel.input_lens[i])
         segs = (sel.segments[i] if sel.segments is not None
@@ -243,12 +252,19 @@ def make_workload(
         if max_model_len is not None and inp + out > max_model_len:
             inp, out = _clip(inp, out, max_model_len)
             scaling.num_clipped += 1
-        segs = _truncate_segments(segs, inp)
+        shapes.append((inp, out))
+        if real_ids is None:
+            all_segs += _truncate_segments(segs, inp)
+    # every synthetic prompt's tokens at once (a request's ids are its segments' streams)
+    tokens = ([] if real_ids is not None or not all_segs
+              else segments_tokens(seed, all_segs, vocab_size, token_low).tolist())
+    requests, at = [], 0
+    for i, (inp, out) in enumerate(shapes):
+        orig_in = int(sel.input_lens[i])
         if real_ids is not None:
             ids = real_ids[i][:inp]
         else:
-            ids = np.concatenate([segment_tokens(seed, k, n, vocab_size, token_low)
-                                  for k, n in segs]).tolist()
+            ids, at = tokens[at:at + inp], at + inp
         text = None
         if texts is not None:
             text = texts[i]
