@@ -441,6 +441,10 @@ class DecodeRun:
         self.times: list[float] = []  # end of each step (its tokens' time)
         self.live: list[int] = []  # the running (unfinished) requests' indices, in order
         self.ctx: list[int] = []  # their context lens at step 0 (shifted by their joins)
+        # their ids, first token times and tokens generated at step 0 (for progress())
+        self.ids: list[str] = []
+        self.firsts: list[float] = []
+        self.outs: list[int] = []
         self.starting: list[Request] = []  # joined since the last step
         self.lims: list[int] = []  # the step in which each request finishes
         self.limit = 1 << 62  # the first of them
@@ -477,6 +481,10 @@ class DecodeRun:
         self.done += [j] * len(new)
         live += range(n, n + len(new))
         self.ctx += [c + 1 - j for c in cs]
+        self.ids += [r.request_id for r in new]
+        # (an imported request's timeline may not hold its first token: only read on temporal)
+        self.firsts += [(r.timeline.token_times or (0.0,))[0] for r in new]
+        self.outs += [len(r.output_token_ids) - j for r in new]
         firsts = [j + len(r.block_ids) * bs - c for r, c in zip(new, cs)]
         self.first += firsts
         # the step in which each finishes (update's stop rules; all_token_ids holds c + 1)
@@ -513,9 +521,8 @@ class DecodeRun:
     def progress(self) -> list[tuple[str, float, int]]:
         """:meth:`Scheduler.decode_progress` with the run open: the run's requests lead the
         running list (in its order); requests appended since the last step follow."""
-        j, reqs, done = self.j, self.reqs, self.done
-        out = [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids) + j - done[i])
-               for i in self.live for r in (reqs[i],)]
+        j = self.j
+        out = list(zip(self.ids, self.firsts, [n + j for n in self.outs]))
         out += [(r.request_id, r.timeline.token_times[0], len(r.output_token_ids))
                 for r in self.sched.running[len(self.live):] if r.output_token_ids]
         return out
@@ -565,7 +572,7 @@ class DecodeRun:
             sched.finish(r, S.FINISHED_LENGTH, end)
             done.append(r)
             pos = self.live.index(i)  # the run goes on without it
-            del self.live[pos], self.ctx[pos]
+            del self.live[pos], self.ctx[pos], self.ids[pos], self.firsts[pos], self.outs[pos]
             self.alloc[self.first[i] % self.bs].remove(i)
             if self.cache is not None:
                 self.cache[self.cphase[i]].remove(i)
