@@ -113,9 +113,10 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--exhaustive", action="store_true",
                    help="search every unit to convergence: no dominance pruning, no early "
                         "stop against the best unit of its kind (full per-phase rankings)")
-    s.add_argument("--joint", action="store_true",
+    s.add_argument("--joint", action=argparse.BooleanOptionalAction, default=True,
                    help="simulate the best --top-k fitting placements of each strategy whole "
-                        "at their replica counts and choose among those simulations")
+                        "at their replica counts and choose among those simulations (default "
+                        "on; --no-joint ranks by estimates from units simulated alone)")
     s.add_argument("--top-k", type=positive_int, default=2,
                    help="whole-deployment simulations per algorithm or, with --joint, per "
                         "strategy (default 2)")

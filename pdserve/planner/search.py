@@ -99,7 +99,7 @@ class Problem:
     max_probes: int = 10
     max_tp: int | None = None
     max_pp: int | None = None
-    joint: bool = False
+    joint: bool = True  # simulate the best placements of each strategy whole (_simulate_whole)
     top_k: int = 2
     traces_dir: str | None = None
     output_scale: float = 1.0  # every output length times this (the advisor's length ratio)
@@ -990,12 +990,27 @@ def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> N
     one alone, with probes of 6–20 request lifetimes (docs/benchmarks.md), while a
     disaggregated pair there falls short of its estimate."""
     pls = [pl for pl in pls if pl.fits]  # one that does not fit the cluster is never chosen
-    done = dict(_map(cache, _pair_eval, [(p, pl) for pl in pls]))
+    one = {id(pl) for pl in pls if _one_unit(pl)}
+    done = dict(_map(cache, _pair_eval, [(p, pl) for pl in pls if id(pl) not in one]))
     for pl in pls:
         gpus = ClusterConfig.from_dict(pl.deployment).num_gpus
-        pl.goodput_rps, pl.simulated = done[pl.name], True
+        pl.simulated = True
+        if id(pl) in one:  # the whole deployment is the unit its goodput was simulated on
+            pl.note = f"one unit: simulated whole as the unit ({gpus} GPUs)"
+            continue
+        pl.goodput_rps = done[pl.name]
         pl.note = (f"simulated whole ({gpus} GPUs); estimate from units "
                    f"{pl.estimate_rps:.3f} req/s")
+
+
+def _one_unit(pl: Placement) -> bool:
+    """Whether ``pl`` is a single colocated instance or a single PaDG macro instance: the
+    deployment its unit was simulated as (no KV moves, no router choice between replicas),
+    so the unit's rate search already is its whole simulation."""
+    d = pl.deployment
+    if pl.strategy == "colocated":
+        return d["num_instances"] == 1
+    return pl.strategy == "partial" and d["num_instances"] == d["macro_instance_size"]
 
 
 def plan(p: Problem, workers: int | None = None,

@@ -1,14 +1,17 @@
-"""``--joint``: the best placements of every strategy are simulated whole and the choice is
-made among those simulations, not among estimates from units simulated alone. Stand-ins give
-the unit goodputs and the whole-deployment goodputs, worked by hand, so no simulator runs.
+"""``--joint`` (the default): the best placements of every strategy are simulated whole and
+the choice is made among those simulations, not among estimates from units simulated alone.
+Stand-ins give the unit goodputs and the whole-deployment goodputs, worked by hand, so no
+simulator runs.
 
-Rate 2 on one node of 4 GPUs, top 1 per strategy. Colocated TP1 chunked alone: 1.0 req/s
-(1.0 per GPU), so 2 replicas on 2 GPUs, estimated 2.0 — but 2 replicas behind a router reach
-2.4 whole (1.2 per GPU: a request can go to the emptier instance; EcoServe's L20 testbed shows
+Rate 4 on one node of 8 GPUs, top 1 per strategy. Colocated TP1 chunked alone: 1.0 req/s
+(1.0 per GPU), so 4 replicas on 4 GPUs, estimated 4.0 — but 4 replicas behind a router reach
+4.8 whole (1.2 per GPU: a request can go to the emptier instance; EcoServe's L20 testbed shows
 this, docs/benchmarks.md). PaDG: one macro instance of 2 × TP1 alone reaches 2.2 (1.1 per GPU,
-the best estimate) but 1.8 whole (0.9 per GPU): an estimate that does not hold whole. From
-estimates the plan picks PaDG at 1.1; from whole simulations, colocated at 1.2 — and whole
-simulations are what hand-picked placements are measured by when compared with the plan."""
+the best estimate), so 2 macro instances, but they reach 3.6 whole (0.9 per GPU): an estimate
+that does not hold whole. From estimates the plan picks PaDG at 1.1; from whole simulations,
+colocated at 1.2 — and whole simulations are what hand-picked placements are measured by when
+compared with the plan. A placement of one unit is not simulated again: its unit's rate search
+was its whole simulation."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pdserve.bench.metrics import SLO
 from pdserve.planner.search import Problem, Unit, UnitResult, plan
 
 UNITS = {Unit("colocated", 1, 1, True): 1.0, Unit("partial", 1, 1, size=2): 2.2}
-WHOLE = {"colocated 2x(TP1 PP1 chunked)": 2.4, "partial 1x[2x temporal (TP1 PP1)]": 1.8}
+WHOLE = {"colocated 4x(TP1 PP1 chunked)": 4.8, "partial 2x[2x temporal (TP1 PP1)]": 3.6}
 
 
 @pytest.fixture
@@ -46,15 +49,15 @@ def stand_ins(monkeypatch):
     return simulated
 
 
-def _problem(joint: bool) -> Problem:
+def _problem(joint: bool = True) -> Problem:
     return Problem(model="opt-13b", hardware="L20", workload="chatbot", slo=SLO(5.0, 0.1),
-                   rate=2.0, nodes=1, gpus_per_node=4, max_pp=1, top_k=1, joint=joint)
+                   rate=4.0, nodes=1, gpus_per_node=8, max_pp=1, top_k=1, joint=joint)
 
 
 def test_joint_chooses_among_whole_simulations(stand_ins):
-    r = plan(_problem(True), 1, strategies=["colocated", "partial"])
+    r = plan(_problem(), 1, strategies=["colocated", "partial"])
     assert sorted(stand_ins) == sorted(WHOLE)
-    assert r.best.name == "colocated 2x(TP1 PP1 chunked)" and r.best.simulated
+    assert r.best.name == "colocated 4x(TP1 PP1 chunked)" and r.best.simulated
     assert r.best.per_gpu_rps == pytest.approx(1.2)
     assert r.best_partial.per_gpu_rps == pytest.approx(0.9)
 
@@ -62,42 +65,60 @@ def test_joint_chooses_among_whole_simulations(stand_ins):
 def test_without_joint_the_estimates_decide(stand_ins):
     r = plan(_problem(False), 1, strategies=["colocated", "partial"])
     assert stand_ins == []
-    assert r.best.name == "partial 1x[2x temporal (TP1 PP1)]"
+    assert r.best.name == "partial 2x[2x temporal (TP1 PP1)]"
     assert r.best.per_gpu_rps == pytest.approx(1.1)
 
 
 def test_an_estimate_not_simulated_does_not_outrank_whole_simulations(stand_ins, monkeypatch):
     """Top 1 per strategy: colocated TP1 prefill-first (1.3 alone, the best colocated
-    estimate) is simulated whole at 2 replicas, 2.2 = 1.1 per GPU; TP1 chunked (1.2 alone,
-    1.2 per GPU) is not simulated. Its estimate is not a measurement of 2 replicas, so under
-    ``--joint`` it ranks after every whole simulation: the choice is prefill-first at 1.1."""
+    estimate) is simulated whole at 4 replicas, 4.4 = 1.1 per GPU; TP1 chunked (1.2 alone,
+    1.2 per GPU at 4 replicas) is not simulated. Its estimate is not a measurement of 4
+    replicas, so under ``--joint`` it ranks after every whole simulation: the choice is
+    prefill-first at 1.1."""
     UNITS.clear()
     UNITS.update({Unit("colocated", 1, 1, False): 1.3, Unit("colocated", 1, 1, True): 1.2,
                   Unit("partial", 1, 1, size=2): 2.2})
-    WHOLE["colocated 2x(TP1 PP1)"] = 2.2
+    WHOLE["colocated 4x(TP1 PP1)"] = 4.4
     try:
-        r = plan(_problem(True), 1, strategies=["colocated", "partial"])
+        r = plan(_problem(), 1, strategies=["colocated", "partial"])
     finally:
         UNITS.clear()
         UNITS.update({Unit("colocated", 1, 1, True): 1.0, Unit("partial", 1, 1, size=2): 2.2})
-        del WHOLE["colocated 2x(TP1 PP1)"]
-    assert sorted(stand_ins) == ["colocated 2x(TP1 PP1)", "partial 1x[2x temporal (TP1 PP1)]"]
-    assert r.best.name == "colocated 2x(TP1 PP1)" and r.best.per_gpu_rps == pytest.approx(1.1)
-    chunked = next(a for a in r.alternatives if a.name == "colocated 2x(TP1 PP1 chunked)")
+        del WHOLE["colocated 4x(TP1 PP1)"]
+    assert sorted(stand_ins) == ["colocated 4x(TP1 PP1)", "partial 2x[2x temporal (TP1 PP1)]"]
+    assert r.best.name == "colocated 4x(TP1 PP1)" and r.best.per_gpu_rps == pytest.approx(1.1)
+    chunked = next(a for a in r.alternatives if a.name == "colocated 4x(TP1 PP1 chunked)")
     assert not chunked.simulated and chunked.per_gpu_rps == pytest.approx(1.2)
 
 
 def test_a_placement_that_does_not_fit_is_not_simulated(stand_ins):
-    """Rate 5: colocated TP1 chunked needs ⌈5 / 1.0⌉ = 5 GPUs of the 4, so it is never chosen
-    and not simulated; PaDG at 2.6 per macro instance needs 2 of them, 4 GPUs: simulated,
-    4.4 whole = 1.1 per GPU, chosen."""
+    """Rate 9: colocated TP1 chunked needs ⌈9 / 1.0⌉ = 9 GPUs of the 8, so it is never chosen
+    and not simulated; PaDG at 2.6 per macro instance needs 4 of them, 8 GPUs: simulated,
+    8.8 whole = 1.1 per GPU, chosen."""
     UNITS[Unit("partial", 1, 1, size=2)] = 2.6
-    WHOLE["partial 2x[2x temporal (TP1 PP1)]"] = 4.4
+    WHOLE["partial 4x[2x temporal (TP1 PP1)]"] = 8.8
     try:
-        r = plan(replace(_problem(True), rate=5.0), 1, strategies=["colocated", "partial"])
+        r = plan(replace(_problem(), rate=9.0), 1, strategies=["colocated", "partial"])
     finally:
         UNITS[Unit("partial", 1, 1, size=2)] = 2.2
-        del WHOLE["partial 2x[2x temporal (TP1 PP1)]"]
-    assert stand_ins == ["partial 2x[2x temporal (TP1 PP1)]"]
-    assert r.best.name == "partial 2x[2x temporal (TP1 PP1)]"
+        del WHOLE["partial 4x[2x temporal (TP1 PP1)]"]
+    assert stand_ins == ["partial 4x[2x temporal (TP1 PP1)]"]
+    assert r.best.name == "partial 4x[2x temporal (TP1 PP1)]"
     assert r.best.per_gpu_rps == pytest.approx(1.1) and r.best_colocated is None
+
+
+def test_one_unit_is_not_simulated_again(stand_ins):
+    """Rate 2: one PaDG macro instance (2.2 alone) or 2 colocated replicas. The macro
+    instance is the deployment its unit was simulated as, so only the replicas are simulated
+    whole (2.4 on 2 GPUs, 1.2 per GPU: chosen); the macro instance keeps its unit's 2.2
+    (1.1 per GPU) as its whole simulation."""
+    WHOLE["colocated 2x(TP1 PP1 chunked)"] = 2.4
+    try:
+        r = plan(replace(_problem(), rate=2.0), 1, strategies=["colocated", "partial"])
+    finally:
+        del WHOLE["colocated 2x(TP1 PP1 chunked)"]
+    assert stand_ins == ["colocated 2x(TP1 PP1 chunked)"]
+    assert r.best.name == "colocated 2x(TP1 PP1 chunked)"
+    assert r.best_partial.name == "partial 1x[2x temporal (TP1 PP1)]"
+    assert r.best_partial.simulated and r.best_partial.per_gpu_rps == pytest.approx(1.1)
+    assert r.best_partial.note.startswith("one unit")
