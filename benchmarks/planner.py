@@ -100,7 +100,8 @@ def cmd_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     nodes=4, gpus_per_node=8, affinity="low",
                                     num_requests=args.num_requests)),
     ]
-    return [summary(n, *timed_plan(replace(p, early_probes=not args.no_early_probes),
+    return [summary(n, *timed_plan(replace(p, early_probes=not args.no_early_probes,
+                                           joint=not args.no_joint),
                                    args.workers, _strats(args), not args.exhaustive,
                                    not args.no_early_stop))
             for n, p in cases if not args.only or args.only in n]
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="scaling: req/s to serve (units do not depend on it; 1 fits 1x4)")
     ap.add_argument("--no-early-stop", action="store_true",
                     help="timing: dominance pruning only (the search before early stops)")
+    ap.add_argument("--no-joint", action="store_true",
+                    help="timing: rank by unit estimates (pdserve plan --no-joint)")
     ap.add_argument("--no-early-probes", action="store_true",
                     help="timing/table3: simulate every probe to the end (no exact early "
                          "verdict, Problem.early_probes)")
