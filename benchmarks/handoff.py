@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.cluster.instances import init_ray
 from pdserve.cluster.runtime import ClusterRuntime, build_runtime
 from pdserve.config import ClusterConfig, EngineConfig, ModelConfig, cdiv
 from pdserve.request import SamplingParams
@@ -161,15 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         for backend in backends:
             if backend == "ray":
-                import ray
-
-                ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-                         logging_level=logging.WARNING)
+                init_ray(None, 3)
             try:
                 results.append(asyncio.run(measure(backend, model, lengths, args.repeats,
                                                    args.seed)))
             finally:
                 if backend == "ray":
+                    import ray
+
                     ray.shutdown()
     print(table(results))
     print(f"({time.monotonic() - t0:.0f} s)")

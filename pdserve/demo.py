@@ -153,8 +153,10 @@ async def _demo(args: argparse.Namespace, slo: Any,
     started_ray = False
     try:
         if backend == "ray":
+            from pdserve.cluster.instances import init_ray
+
             with _step(console, "starting a local Ray instance..."):
-                started_ray = _start_ray(sum(d.config.num_gpus for d in deps))
+                started_ray = init_ray(None, sum(d.config.num_gpus for d in deps))
         with _step(console, f"loading {sum(d.config.num_gpus for d in deps)} model instances "
                             f"({'Ray actors' if backend == 'ray' else 'in process'})..."):
             await asyncio.gather(*(_start(d) for d in deps))
@@ -224,17 +226,6 @@ def _default_model() -> str:
     from pdserve.model.tiny import default_model_dir
 
     return default_model_dir()
-
-
-def _start_ray(num_instances: int) -> bool:
-    """Start a local Ray instance with one CPU slot per instance; ``False`` if one was up."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(num_cpus=num_instances, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.ERROR)
-    return True
 
 
 async def _start(dep: Deployment) -> None:

@@ -447,16 +447,20 @@ async def _await(ref: Any) -> Any:
         raise InstanceDeadError(str(e)) from e
 
 
-def init_ray(address: str | None, num_instances: int) -> None:
-    """Join ``address`` or start a local Ray instance with room for every instance actor.
+def init_ray(address: str | None, num_instances: int) -> bool:
+    """Join ``address`` or start a local Ray instance with room for every instance actor;
+    ``True`` when this call started Ray.
 
-    Ray's own warnings (e.g. about token authentication) are silenced: pdserve reports what
-    goes wrong itself. A cluster that refuses the connection is a ``RuntimeError`` saying what
-    to check."""
+    A local Ray starts its workers at normal priority: Ray's default (niceness 15, meant for
+    background tasks) leaves an instance actor a few per cent of a core whenever any other
+    process wants one, and on a shared machine the serving loop then crawls. A joined cluster
+    keeps its own setting (``RAY_worker_niceness`` on its nodes). Ray's own warnings (e.g.
+    about token authentication) are silenced: pdserve reports what goes wrong itself. A cluster
+    that refuses the connection is a ``RuntimeError`` saying what to check."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     quiet = {"ignore_reinit_error": True, "log_to_driver": False,
              "logging_level": logging.ERROR}
     try:
@@ -464,9 +468,10 @@ def init_ray(address: str | None, num_instances: int) -> None:
             ray.init(address=address, **quiet)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, num_instances), include_dashboard=False,
-                     **quiet)
+                     _system_config={"worker_niceness": 0}, **quiet)
     except Exception as e:  # ConnectionError, RuntimeError, auth and version errors
         raise RuntimeError(ray_connect_hint(address, e)) from None
+    return True
 
 
 def ray_connect_hint(address: str | None, error: BaseException) -> str:

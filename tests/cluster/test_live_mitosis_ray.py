@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from pdserve.cluster.instances import init_ray
 from pdserve.cluster.runtime import build_runtime
 from pdserve.config import ClusterConfig
 from pdserve.llm import LLM
@@ -27,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.ray
 async def test_mitosis_moves_ray_actor_handles_under_load(model_dir: str) -> None:
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_ray(None, 4)
     ps = [p for _ in range(3) for p in prompts()]  # 18 requests
     params = SamplingParams(max_tokens=N_TOK, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in LLM(model_dir, num_kv_blocks=96, max_model_len=256).generate(
@@ -49,7 +50,9 @@ async def test_mitosis_moves_ray_actor_handles_under_load(model_dir: str) -> Non
             return [o async for o in rt.generate(f"r{i}", p, params)][-1].token_ids
 
         tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(ps)]
+        deadline = asyncio.get_running_loop().time() + 60
         while not router._ready:
+            assert asyncio.get_running_loop().time() < deadline, "no routing decision in 60 s"
             await asyncio.sleep(0.001)
         # set up at the first routing decision: one instance routed, the others parked
         assert router.mitosis.groups == [["temporal-0"]]

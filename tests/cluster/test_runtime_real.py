@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.cluster.instances import init_ray
 from pdserve.cluster.runtime import build_runtime
 from pdserve.config import ClusterConfig
 from pdserve.llm import LLM
@@ -133,7 +134,7 @@ def ray_instances(model_dir: str) -> Any:
     ray = pytest.importorskip("ray")
     from pdserve.cluster.instances import RayInstance
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_ray(None, 4)
     try:
         cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir),
                                        "strategy": "disaggregated", "num_prefill": 2,
@@ -144,6 +145,19 @@ def ray_instances(model_dir: str) -> Any:
         yield {iid: RayInstance(a, iid, info) for (iid, a), info in zip(actors.items(), infos)}
     finally:
         ray.shutdown()
+
+
+@pytest.mark.ray
+def test_ray_instance_actors_run_at_normal_priority(ray_instances: dict[str, Any]) -> None:
+    """Ray starts workers at niceness 15; an instance actor there gets a few per cent of a core
+    whenever another process wants one. The local Ray that pdserve starts keeps them at 0."""
+    import os
+
+    import ray
+
+    nice = ray.get([i.actor.__ray_call__.remote(lambda _self: os.nice(0))
+                    for i in ray_instances.values()])
+    assert nice == [0] * len(ray_instances)
 
 
 @pytest.mark.ray
