@@ -1031,6 +1031,9 @@ def plan(p: Problem, workers: int | None = None,
     alg2 = "disaggregated" in strategies and p.affinity == "low"
     alg1 = "disaggregated" in strategies and p.affinity == "high"
     with UnitCache(p, workers, on_unit) as cache:
+        if prune:
+            for r in unpaired_units(p, units):
+                cache._store(r)
         results = cache.get_bounded(units, early_stop=early_stop) if prune else cache.get(units)
         by_unit = {r.unit: r for r in results}
         placements: list[Placement] = []
@@ -1086,6 +1089,32 @@ def plan(p: Problem, workers: int | None = None,
     part = next((x for x in fitting if x.strategy == "partial"), None)
     return Plan(p, best, fitting[1:], colo, dis, sorted(results, key=lambda r: r.unit),
                 time.perf_counter() - t0, notes, part)
+
+
+def unpaired_units(p: Problem, units: Sequence[Unit]) -> list[UnitResult]:
+    """The phase units no disaggregated placement on ``p``'s cluster can hold, as pruned
+    results: with high node affinity (Alg. 1) the unit and the smallest unit of the other
+    phase together need more GPUs than the cluster has; with low affinity (Alg. 2) a node
+    cannot hold the unit's segment beside the other phase's narrowest one (the two segments of
+    a stage share a node). Every placement holding such a unit holds at least one instance of
+    the other phase too, so none would fit and none could be chosen; :func:`plan` skips them
+    when it prunes (``prune=False`` keeps the full per-phase rankings)."""
+    low = p.affinity == "low"
+    out = []
+    for kind, other in (("prefill", "decode"), ("decode", "prefill")):
+        theirs = [u for u in units if u.kind == other]
+        if not theirs:
+            continue
+        least = min(u.tp if low else u.num_gpus for u in theirs)
+        room = p.gpus_per_node if low else p.num_gpus
+        for u in units:
+            need = (u.tp if low else u.num_gpus) + least
+            if u.kind == kind and need > room:
+                where = "a node" if low else "the cluster"
+                out.append(UnitResult(u, pruned=(
+                    f"no room beside the smallest {other} unit: {need} GPUs"
+                    f"{' per node' if low else ''}, {where} has {room}")))
+    return out
 
 
 def candidate_units(p: Problem, strategies: Sequence[str] = STRATEGIES) -> list[Unit]:

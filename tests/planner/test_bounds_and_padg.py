@@ -19,6 +19,7 @@ from pdserve.planner.search import (
     evaluate_unit,
     partial_placements,
     plan,
+    unpaired_units,
 )
 
 from .test_mdl_optimum import closed_form_goodput
@@ -90,6 +91,28 @@ def test_padg_candidates_fit_the_cluster(const_profile):
                                                       "partial"}
     with pytest.raises(ValueError, match="'padg'"):
         candidate_units(p, ("padg",))
+
+
+def test_phase_units_without_room_for_the_other_phase_are_not_searched(const_profile):
+    """Hand-worked: on 1 x 4 GPUs a disaggregated placement holds at least one instance of
+    each phase, so a prefill or decode unit of 4 GPUs (TP4, TP2 PP2, TP1 PP4) has no room
+    beside the other phase's smallest (TP1, 1 GPU); the 2-GPU units keep theirs. With low
+    affinity on 2 x 4 GPUs a stage's two segments share a node: TP4 leaves no GPU of the
+    node for the other phase, whatever its PP."""
+    prof = const_profile({1: 60.0, 2: 40.0, 4: 30.0})
+    p = Problem(model="opt-13b", profile=prof, nodes=1, gpus_per_node=4)
+    units = candidate_units(p, ("disaggregated",))
+    cut = {(r.unit.kind, r.unit.tp, r.unit.pp) for r in unpaired_units(p, units)}
+    assert cut == {(k, tp, pp) for k in ("prefill", "decode")
+                   for tp, pp in ((4, 1), (2, 2), (1, 4))}
+    assert all("no room beside the smallest" in r.pruned for r in unpaired_units(p, units))
+    low = Problem(model="opt-13b", profile=prof, nodes=2, gpus_per_node=4, affinity="low")
+    units = candidate_units(low, ("disaggregated",))
+    cut = {(r.unit.kind, r.unit.tp) for r in unpaired_units(low, units)}
+    assert cut == {("prefill", 4), ("decode", 4)}
+    assert len(unpaired_units(low, units)) == 2 * len({u.pp for u in units})
+    # one phase alone (no pair to make): nothing to cut
+    assert unpaired_units(p, [u for u in units if u.kind == "prefill"]) == []
 
 
 def test_padg_placement_replicates_macro_instances():
