@@ -69,26 +69,45 @@ def test_without_joint_the_estimates_decide(stand_ins):
     assert r.best.per_gpu_rps == pytest.approx(1.1)
 
 
-def test_an_estimate_not_simulated_does_not_outrank_whole_simulations(stand_ins, monkeypatch):
-    """Top 1 per strategy: colocated TP1 prefill-first (1.3 alone, the best colocated
-    estimate) is simulated whole at 4 replicas, 4.4 = 1.1 per GPU; TP1 chunked (1.2 alone,
-    1.2 per GPU at 4 replicas) is not simulated. Its estimate is not a measurement of 4
-    replicas, so under ``--joint`` it ranks after every whole simulation: the choice is
-    prefill-first at 1.1."""
+def test_estimates_above_the_best_whole_simulation_are_simulated_too(stand_ins, monkeypatch):
+    """Top 1 per strategy, so at most 3 simulated whole per strategy. Colocated estimates per
+    GPU: TP1 prefill-first 1.3 (4 replicas), TP1 chunked 1.25 (4), TP2 prefill-first 1.2
+    (2 replicas of 2.4), TP2 chunked 1.15 (2 of 2.3); whole, each reaches 1.0, 1.1, 1.05 per
+    GPU. Round 1 simulates the first (1.0); the second's estimate beats that, so round 2
+    simulates it (1.1); the third's 1.2 beats 1.1 (round 3: 1.05). The fourth's 1.15 would
+    too, but three is the cap: it stays an estimate, and an estimate is not a measurement of
+    the deployment, so under ``--joint`` it ranks after every whole simulation (PaDG's
+    0.9 included). The choice is TP1 chunked at 1.1."""
+    units = {Unit("colocated", 1, 1, False): 1.3, Unit("colocated", 1, 1, True): 1.25,
+             Unit("colocated", 2, 1, False): 2.4, Unit("colocated", 2, 1, True): 2.3,
+             Unit("partial", 1, 1, size=2): 2.2}
+    whole = {"colocated 4x(TP1 PP1)": 4.0, "colocated 4x(TP1 PP1 chunked)": 4.4,
+             "colocated 2x(TP2 PP1)": 4.2}
+    # capacity bounds high enough that no unit is pruned as dominated
+    monkeypatch.setattr(search, "unit_model",
+                        lambda p, u: SimpleNamespace(capacity_rps=10.0 * u.num_gpus))
+    saved = dict(UNITS), dict(WHOLE)
     UNITS.clear()
-    UNITS.update({Unit("colocated", 1, 1, False): 1.3, Unit("colocated", 1, 1, True): 1.2,
-                  Unit("partial", 1, 1, size=2): 2.2})
-    WHOLE["colocated 4x(TP1 PP1)"] = 4.4
+    UNITS.update(units)
+    WHOLE.update(whole)
     try:
         r = plan(_problem(), 1, strategies=["colocated", "partial"])
     finally:
         UNITS.clear()
-        UNITS.update({Unit("colocated", 1, 1, True): 1.0, Unit("partial", 1, 1, size=2): 2.2})
-        del WHOLE["colocated 4x(TP1 PP1)"]
-    assert sorted(stand_ins) == ["colocated 4x(TP1 PP1)", "partial 2x[2x temporal (TP1 PP1)]"]
-    assert r.best.name == "colocated 4x(TP1 PP1)" and r.best.per_gpu_rps == pytest.approx(1.1)
-    chunked = next(a for a in r.alternatives if a.name == "colocated 4x(TP1 PP1 chunked)")
-    assert not chunked.simulated and chunked.per_gpu_rps == pytest.approx(1.2)
+        UNITS.update(saved[0])
+        WHOLE.clear()
+        WHOLE.update(saved[1])
+    # round by round: colocated and PaDG side by side, then colocated alone
+    assert stand_ins == ["colocated 4x(TP1 PP1)", "partial 2x[2x temporal (TP1 PP1)]",
+                         "colocated 4x(TP1 PP1 chunked)", "colocated 2x(TP2 PP1)"]
+    assert r.best.name == "colocated 4x(TP1 PP1 chunked)"
+    assert r.best.per_gpu_rps == pytest.approx(1.1)
+    names = [x.name for x in [r.best, *r.alternatives]]
+    assert names[:4] == ["colocated 4x(TP1 PP1 chunked)", "colocated 2x(TP2 PP1)",
+                         "colocated 4x(TP1 PP1)", "partial 2x[2x temporal (TP1 PP1)]"]
+    last = next(a for a in r.alternatives if a.name == "colocated 2x(TP2 PP1 chunked)")
+    assert not last.simulated and last.per_gpu_rps == pytest.approx(1.15)
+    assert names.index(last.name) == 4
 
 
 def test_a_placement_that_does_not_fit_is_not_simulated(stand_ins):
