@@ -25,6 +25,7 @@ from pdserve.flags import (
     positive_int,
     say,
 )
+from pdserve.planner.search import Problem
 from pdserve.sim.cli import add_latency_source_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
@@ -73,26 +74,29 @@ def register(subparsers: Any) -> None:
 
 def add_problem_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and latency source")
-    m.add_argument("--model", default="opt-13b", metavar="NAME|DIR",
-                   help="catalogue model or a directory with config.json (default opt-13b)")
+    m.add_argument("--model", default=Problem.model, metavar="NAME|DIR",
+                   help=f"catalogue model or a directory with config.json (default "
+                        f"{Problem.model})")
     add_latency_source_flags(m)
     w = p.add_argument_group("workload and SLO")
-    w.add_argument("--workload", default="distserve-chatbot", metavar="NAME[:k=v]|FILE.jsonl",
-                   help="any bench workload or trace file (default distserve-chatbot)")
-    w.add_argument("--num-requests", type=positive_int, default=300,
-                   help="requests per simulated probe (default 300)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--workload", default=Problem.workload, metavar="NAME[:k=v]|FILE.jsonl",
+                   help=f"any bench workload or trace file (default {Problem.workload})")
+    w.add_argument("--num-requests", type=positive_int, default=Problem.num_requests,
+                   help=f"requests per simulated probe, at least (default "
+                        f"{Problem.num_requests})")
+    w.add_argument("--seed", type=int, default=Problem.seed)
     w.add_argument("--traces-dir")
     w.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
                    help="TTFT objective (default: the workload's)")
     w.add_argument("--slo-tpot", type=positive, metavar="SECONDS", help="TPOT objective")
-    w.add_argument("--attainment", type=positive, default=0.9,
-                   help="target share of requests meeting both SLOs (default 0.9)")
-    w.add_argument("--rate", type=positive, default=1.0,
-                   help="traffic to serve, req/s (default 1)")
+    w.add_argument("--attainment", type=positive, default=Problem.target,
+                   help=f"target share of requests meeting both SLOs (default "
+                        f"{Problem.target:g})")
+    w.add_argument("--rate", type=positive, default=Problem.rate,
+                   help=f"traffic to serve, req/s (default {Problem.rate:g})")
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=positive_int, default=1)
-    c.add_argument("--gpus-per-node", type=positive_int, default=8)
+    c.add_argument("--nodes", type=positive_int, default=Problem.nodes)
+    c.add_argument("--gpus-per-node", type=positive_int, default=Problem.gpus_per_node)
     c.add_argument("--gpu-memory-gib", type=positive,
                    help="memory of one GPU (default: the latency source's device)")
     c.add_argument("--intra-node-link", type=link_value, metavar="GBps[:ms]|NAME",
@@ -100,42 +104,43 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-node-link", type=link_value, metavar="GBps[:ms]|NAME",
                    help="KV link between nodes (default: ib-hdr with high affinity, eth-25g "
                         "with low)")
-    c.add_argument("--affinity", choices=("high", "low"), default="high",
+    c.add_argument("--affinity", choices=("high", "low"), default=Problem.affinity,
                    help="node affinity: high = fast cross-node network (Alg. 1), low = KV must "
                         "stay on the intra-node link (Alg. 2) (default high)")
     s = p.add_argument_group("search")
     s.add_argument("--strategies", default="colocated,disaggregated,partial",
                    help="which strategies to search: colocated (NoDG), disaggregated (FuDG), "
                         "partial (EcoServe PaDG) (default all three)")
-    s.add_argument("--macro-size", type=positive_int, default=2,
-                   help="temporal instances per PaDG macro instance (default 2, EcoServe's "
-                        "N_l)")
+    s.add_argument("--macro-size", type=positive_int, default=Problem.macro_size,
+                   help=f"temporal instances per PaDG macro instance (default "
+                        f"{Problem.macro_size}, EcoServe's N_l)")
     s.add_argument("--exhaustive", action="store_true",
                    help="search every unit to convergence: no dominance pruning, no early "
                         "stop against the best unit of its kind (full per-phase rankings)")
-    s.add_argument("--joint", action=argparse.BooleanOptionalAction, default=True,
+    s.add_argument("--joint", action=argparse.BooleanOptionalAction, default=Problem.joint,
                    help="simulate the best --top-k fitting placements of each strategy whole "
                         "at their replica counts and choose among those simulations (default "
                         "on; --no-joint ranks by estimates from units simulated alone)")
-    s.add_argument("--top-k", type=positive_int, default=2,
-                   help="whole-deployment simulations per algorithm or, with --joint, per "
-                        "strategy (default 2)")
-    s.add_argument("--lm", type=positive_int, default=512,
-                   help="DistServe's L_m for prefill instances (default 512)")
-    s.add_argument("--precision", type=positive, default=0.05,
-                   help="relative width of each goodput bracket (default 0.05)")
-    s.add_argument("--max-probes", type=positive_int, default=8)
+    s.add_argument("--top-k", type=positive_int, default=Problem.top_k,
+                   help=f"whole-deployment simulations per algorithm or, with --joint, per "
+                        f"strategy, in rounds while a next estimate beats the best whole "
+                        f"result (default {Problem.top_k})")
+    s.add_argument("--lm", type=positive_int, default=Problem.lm,
+                   help=f"DistServe's L_m for prefill instances (default {Problem.lm})")
+    s.add_argument("--precision", type=positive, default=Problem.precision,
+                   help=f"relative width of each goodput bracket (default {Problem.precision:g})")
+    s.add_argument("--max-probes", type=positive_int, default=Problem.max_probes,
+                   help=f"probes per rate search (default {Problem.max_probes})")
     s.add_argument("--max-tp", type=positive_int)
     s.add_argument("--max-pp", type=positive_int)
     s.add_argument("--workers", type=positive_int, help="processes (default: up to 2 cores)")
     add_engine_flags(p, _EXCLUDE)
 
 
-def problem_from_args(args: argparse.Namespace, **over: Any) -> Any:
+def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
     from pdserve.bench.metrics import SLO
     from pdserve.bench.workloads import make_workload
     from pdserve.config import Link
-    from pdserve.planner.search import Problem
     from pdserve.sim.hardware import get_link
     from pdserve.sim.models import get_model_config
 
