@@ -453,8 +453,9 @@ def init_ray(address: str | None, num_instances: int) -> bool:
 
     A local Ray starts its workers at normal priority: Ray's default (niceness 15, meant for
     background tasks) leaves an instance actor a few per cent of a core whenever any other
-    process wants one, and on a shared machine the serving loop then crawls. A joined cluster
-    keeps its own setting (``RAY_worker_niceness`` on its nodes). Ray's own warnings (e.g.
+    process wants one, and on a shared machine the serving loop then crawls. Ray's own
+    ``RAY_worker_niceness``, when set, still decides; a joined cluster keeps its nodes'
+    setting. Ray's own warnings (e.g.
     about token authentication) are silenced: pdserve reports what goes wrong itself. A cluster
     that refuses the connection is a ``RuntimeError`` saying what to check."""
     import ray
@@ -467,8 +468,10 @@ def init_ray(address: str | None, num_instances: int) -> bool:
         if address:
             ray.init(address=address, **quiet)
         else:
+            nice = ({} if "RAY_worker_niceness" in os.environ  # Ray's own variable decides
+                    else {"_system_config": {"worker_niceness": 0}})
             ray.init(num_cpus=max(os.cpu_count() or 1, num_instances), include_dashboard=False,
-                     _system_config={"worker_niceness": 0}, **quiet)
+                     **nice, **quiet)
     except Exception as e:  # ConnectionError, RuntimeError, auth and version errors
         raise RuntimeError(ray_connect_hint(address, e)) from None
     return True

@@ -44,3 +44,17 @@ def test_ray_warnings_are_silenced_and_a_local_cluster_fits_the_instances(
     fake_ray.clear()
     instances.init_ray("127.0.0.1:6379", 2)
     assert fake_ray["address"] == "127.0.0.1:6379" and fake_ray["logging_level"] >= logging.ERROR
+
+
+def test_a_local_ray_runs_instance_actors_at_normal_priority_unless_told_otherwise(
+        fake_ray: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    instances.init_ray(None, 2)
+    assert fake_ray["_system_config"] == {"worker_niceness": 0}
+    fake_ray.clear()
+    monkeypatch.setenv("RAY_worker_niceness", "15")  # Ray's own variable: Ray reads it
+    instances.init_ray(None, 2)
+    assert "_system_config" not in fake_ray
+    fake_ray.clear()
+    instances.init_ray("127.0.0.1:6379", 2)  # a cluster's nodes keep their own setting
+    assert "_system_config" not in fake_ray
