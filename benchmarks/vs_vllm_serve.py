@@ -7,7 +7,8 @@ For every repeat, each system in turn (the order rotated per repeat):
    directory, under the same served model name; the script waits until ``/v1/models`` answers;
 2. a few requests of another seed warm it up (not measured);
 3. for each machine condition (``quiet``; then ``busy``: one ``python -c 'while 1: pass'``
-   started by this script beside the server) and each of ``--rates``, the same workload runs
+   started by this script beside the server; ``busy2``: two of them, so the server competes
+   for every core of a 2-core machine) and each of ``--rates``, the same workload runs
    through :mod:`pdserve.bench`'s runner (the code behind ``pdserve bench``): open-loop Poisson
    arrivals, the same seeded prompt token ids, ``max_tokens`` = the requested length with
    ``ignore_eos`` (both servers honour it, so both produce the same token counts; the script
@@ -61,7 +62,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ("pdserve", "pdserve-inproc", "vllm")
-CONDITIONS = ("quiet", "busy")
+CONDITIONS = ("quiet", "busy", "busy2")
+BUSY_PROCESSES = {"quiet": 0, "busy": 1, "busy2": 2}  # busy2: one busy loop per core here
 METRICS = ("ttft", "itl", "tpot", "e2e")
 STATS = ("mean", "median", "p90", "p99")
 
@@ -76,7 +78,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(default: smollm2)")
     p.add_argument("--systems", type=_list, default=["pdserve", "vllm"],
                    help=f"comma list of {', '.join(SYSTEMS)} (default: pdserve,vllm)")
-    p.add_argument("--conditions", type=_list, default=list(CONDITIONS))
+    p.add_argument("--conditions", type=_list, default=["quiet", "busy"],
+                   help="quiet, busy (one busy process beside the server), busy2 (two: the "
+                        "server competes for every core) (default quiet,busy)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--first-repeat", type=int, default=0,
                    help="index of the first repeat (rotates the order; to add repeats later)")
@@ -427,10 +431,10 @@ def bench_server(server: ServerProcess, plan: BenchPlan, step_log: str | None,
     warm_up(target, plan)
     out = []
     for ci, cond in enumerate(conditions):
-        busy = subprocess.Popen(busy_cmd) if cond == "busy" else None
+        busy = [subprocess.Popen(busy_cmd) for _ in range(BUSY_PROCESSES[cond])]
         try:
-            if busy is not None:
-                time.sleep(2.0)  # let the scheduler spread the newcomer
+            if busy:
+                time.sleep(2.0)  # let the scheduler spread the newcomers
             for i, rate in enumerate(plan.rates):
                 w = workload(target, plan, ci * len(plan.rates) + i, rate)
                 before = len(read_lines(step_log))
@@ -443,9 +447,9 @@ def bench_server(server: ServerProcess, plan: BenchPlan, step_log: str | None,
                             {k: round(v, 3) for k, v in by_proc.items() if v >= 0.01},
                             "steps": step_stats(read_lines(step_log)[before:])})
         finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
+            for b in busy:
+                b.kill()
+                b.wait()
     return out
 
 

@@ -288,9 +288,12 @@ class Embedding(nn.Module):
 
 # Rows of a matmul for which a pre-packed oneDNN weight beats torch's F.linear (MKL) on CPU in
 # float32: decode-sized batches. Measured on the 56M llama's and SmolLM2-135M's shapes (2-core
-# AMD EPYC, AVX2): 1.2-3x faster at 8-64 rows (lm_head about 2x), slightly slower at 1 row,
-# equal or slower at prefill sizes (2,048 rows); docs/benchmarks.md, "Engine profile".
-PACKED_ROWS = (2, 256)
+# AMD EPYC, AVX2): 1.2-3x faster at 8-64 rows (lm_head about 2x), equal or slower at prefill
+# sizes (2,048 rows); docs/benchmarks.md, "Engine profile". One row counts too: timed alone, a
+# small weight stays in cache and MKL's matrix-vector product looks faster, but in a decode
+# step every weight comes from memory once, and oneDNN's blocked layout streams it faster
+# (SmolLM2 batch-1 decode on an AVX-512 EPYC: 37 -> 21 ms per token, one thread).
+PACKED_ROWS = (1, 256)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -124,7 +124,7 @@ def test_packed_linear_matches_f_linear_and_is_used_for_decode_rows(monkeypatch)
         with torch.inference_mode():
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias),
                                        rtol=1e-5, atol=1e-5)
-    assert calls == [2, 17, 256]  # single rows and prefill sizes stay on F.linear
+    assert calls == [1, 2, 17, 256]  # decode batches, one row included; prefill on F.linear
     monkeypatch.setenv("PDSERVE_ONEDNN_LINEAR", "0")
     lin.prepack()
     assert lin.packed is None
