@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,12 +291,16 @@ class Embedding(nn.Module):
 
 # Rows of a matmul for which a pre-packed oneDNN weight beats torch's F.linear (MKL) on CPU in
 # float32: decode-sized batches. Measured on the 56M llama's and SmolLM2-135M's shapes (2-core
-# AMD EPYC, AVX2): 1.2-3x faster at 8-64 rows (lm_head about 2x), equal or slower at prefill
-# sizes (2,048 rows); docs/benchmarks.md, "Engine profile". One row counts too: timed alone, a
-# small weight stays in cache and MKL's matrix-vector product looks faster, but in a decode
-# step every weight comes from memory once, and oneDNN's blocked layout streams it faster
-# (SmolLM2 batch-1 decode on an AVX-512 EPYC: 37 -> 21 ms per token, one thread).
+# AMD EPYC, AVX2): 1.2-3x faster at 8-64 rows (lm_head about 2x), equal or up to 1.3x slower
+# at prefill sizes (2,048 rows); docs/benchmarks.md, "Engine profile". One row counts too:
+# timed alone, a small weight stays in cache and MKL's matrix-vector product looks faster, but
+# in a decode step every weight comes from memory once, and oneDNN's blocked layout streams it
+# faster (SmolLM2 batch-1 decode on an AVX-512 EPYC: 37 -> 21 ms per token, one thread).
+# Above 256 rows it depends on the CPU (on an AVX-512 EPYC oneDNN is 2.4x faster at 257-2,048
+# rows, where MKL takes a slower path): :func:`choose_prefill_path` times both once per process.
 PACKED_ROWS = (1, 256)
+PREFILL_ROWS = 512  # the prefill-sized input choose_prefill_path times
+_prefill_chosen = False
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -343,16 +350,52 @@ class Linear(nn.Module):
 def prepack_linears(model: nn.Module) -> int:
     """Pre-pack every :class:`Linear` of ``model`` and a tied output head (``packed_head``) for
     CPU float32 inference; returns how many weights were packed. Costs a second copy of those
-    weights in memory (F.linear keeps the plain one for single rows and prefill)."""
+    weights in memory (F.linear keeps the plain one for inputs outside :data:`PACKED_ROWS`).
+    The first call in a process also chooses the prefill path (:func:`choose_prefill_path`)."""
     count = 0
+    lins = []
     for m in model.modules():
         if isinstance(m, Linear):
             m.prepack()
             count += m.packed is not None
+            if m.packed is not None:
+                lins.append(m)
     if hasattr(model, "packed_head") and getattr(model, "lm_head", None) is None:
         model.packed_head = pack_weight(model.embed_tokens.weight)
         count += model.packed_head is not None
+    if lins and not _prefill_chosen:
+        choose_prefill_path(max(lins, key=lambda m: m.weight.numel()))
     return count
+
+
+def choose_prefill_path(lin: Linear, repeats: int = 3) -> bool:
+    """Time ``lin`` on a :data:`PREFILL_ROWS`-row input through F.linear and through its packed
+    weight, alternately, ``repeats`` times each (a few ms per call), and widen
+    :data:`PACKED_ROWS` to every row count when the packed path is at least 10 % faster by the
+    median: MKL's large-matrix path is the faster one on some CPUs and the slower on others
+    (e.g. 2.4x slower on an AVX-512 AMD EPYC). Once per process (the CPU does not change);
+    ``PDSERVE_ONEDNN_PREFILL=0|1`` decides instead. Returns whether prefill is packed."""
+    global PACKED_ROWS, _prefill_chosen
+    _prefill_chosen = True
+    env = os.environ.get("PDSERVE_ONEDNN_PREFILL")
+    if env is not None:
+        packed = env == "1"
+    else:
+        x = torch.randn(PREFILL_ROWS, lin.weight.shape[1])
+        times: dict[bool, list[float]] = {False: [], True: []}
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first round warms both paths up
+                for use in (False, True):
+                    t = time.perf_counter()
+                    if use:
+                        torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [],
+                                                           "")
+                    else:
+                        F.linear(x, lin.weight, lin.bias)
+                    times[use].append(time.perf_counter() - t)
+        packed = statistics.median(times[True][1:]) < 0.9 * statistics.median(times[False][1:])
+    PACKED_ROWS = (PACKED_ROWS[0], sys.maxsize if packed else 256)
+    return packed
 
 
 class LayerNorm(nn.Module):

@@ -119,6 +119,7 @@ def test_packed_linear_matches_f_linear_and_is_used_for_decode_rows(monkeypatch)
             return real(*a)
 
     monkeypatch.setattr(layers.torch.ops, "mkldnn", Ops, raising=False)
+    monkeypatch.setattr(layers, "PACKED_ROWS", (1, 256))  # prefill on F.linear (MKL) here
     for rows in (1, 2, 17, 256, 300):
         x = torch.randn(rows, 24, generator=g)
         with torch.inference_mode():
@@ -128,3 +129,53 @@ def test_packed_linear_matches_f_linear_and_is_used_for_decode_rows(monkeypatch)
     monkeypatch.setenv("PDSERVE_ONEDNN_LINEAR", "0")
     lin.prepack()
     assert lin.packed is None
+
+
+def test_the_prefill_path_is_chosen_once_by_timing_both(monkeypatch):
+    """``choose_prefill_path`` widens the packed rows to prefill sizes only when oneDNN is at
+    least 10 % faster here (stand-in clocks decide), ``PDSERVE_ONEDNN_PREFILL`` overrides the
+    measurement, and ``prepack_linears`` runs it once per process."""
+    import sys
+
+    import torch
+
+    from pdserve.model import layers
+
+    lin = layers.Linear(16, 32)
+    lin.prepack()
+    if lin.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    # prepack_linears chooses once per process, on its largest packed weight
+    choose, seen = layers.choose_prefill_path, []
+    model = torch.nn.Module()
+    model.small, model.big = layers.Linear(8, 8), lin
+    monkeypatch.setattr(layers, "choose_prefill_path", seen.append)
+    monkeypatch.setattr(layers, "_prefill_chosen", True)
+    layers.prepack_linears(model)
+    assert seen == []
+    monkeypatch.setattr(layers, "_prefill_chosen", False)
+    layers.prepack_linears(model)
+    assert seen == [lin]
+    monkeypatch.setattr(layers, "choose_prefill_path", choose)
+    monkeypatch.setattr(layers, "PACKED_ROWS", (1, 256))
+    monkeypatch.setattr(layers, "_prefill_chosen", False)
+    monkeypatch.delenv("PDSERVE_ONEDNN_PREFILL", raising=False)
+    clock = {"t": 0.0}
+    monkeypatch.setattr(layers.time, "perf_counter", lambda: clock["t"])
+    for packed_ms, plain_ms, want in ((1.0, 2.0, True), (1.0, 1.05, False), (2.0, 1.0, False)):
+        def plain(*a, cost=plain_ms):
+            clock["t"] += cost / 1e3
+
+        class Ops:
+            @staticmethod
+            def _linear_pointwise(*a, cost=packed_ms):
+                clock["t"] += cost / 1e3
+
+        monkeypatch.setattr(layers.F, "linear", plain)
+        monkeypatch.setattr(layers.torch.ops, "mkldnn", Ops, raising=False)
+        assert layers.choose_prefill_path(lin) is want
+        assert layers.PACKED_ROWS[1] == (sys.maxsize if want else 256)
+    monkeypatch.setenv("PDSERVE_ONEDNN_PREFILL", "1")
+    assert layers.choose_prefill_path(lin) and layers.PACKED_ROWS[1] == sys.maxsize
+    monkeypatch.setenv("PDSERVE_ONEDNN_PREFILL", "0")
+    assert not layers.choose_prefill_path(lin) and layers.PACKED_ROWS[1] == 256
