@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -224,7 +225,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = deployment_file(result)
     if args.out:
         write_yaml(args.out, spec, result)
-        say(f"wrote {args.out}")
+        say(f"wrote {args.out}; run it with `pdserve serve --config {args.out}` or "
+            f"`{simulate_command(result, args.out)}`")
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps({**result.to_dict(), "deployment": spec,
@@ -272,6 +274,18 @@ def against_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def simulate_command(result: Any, path: str) -> str:
+    """The ``pdserve simulate`` command line that replays the planned workload, rate and SLO
+    on the written deployment (the file holds the deployment and its latency source; the
+    workload is the command's, as for ``serve``)."""
+    p = result.problem
+    q = shlex.quote
+    return (f"pdserve simulate --config {q(str(path))} --workload {q(p.workload)} "
+            f"--rate {p.rate:g} --num-requests {p.num_requests} --seed {p.seed} "
+            f"--slo-ttft {p.slo.ttft:g} "
+            f"--slo-tpot {p.slo.tpot:g}")
+
+
 def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:
     import yaml
 
@@ -281,6 +295,7 @@ def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:
             f"# predicted goodput {best.goodput_rps:.3f} req/s on {best.num_gpus} GPUs = "
             f"{best.per_gpu_rps:.3f} req/s per GPU ({how})",
             "# node layout:"] + [f"#   {line}" for line in best.layout]
+    head.append(f"# simulate what was planned: {simulate_command(result, path)}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(head) + "\n" + yaml.safe_dump(spec, sort_keys=False))
 

@@ -3,6 +3,7 @@ and EcoServe's PaDG as the planner's third strategy (EcoServe §4.2.1, issue 13 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,15 @@ def test_a_padg_plan_file_runs_with_simulate_config(const_profile, tmp_path: Pat
     assert rc == 0
     out_text = capsys.readouterr().out
     assert "sim:partial" in out_text and "20 requests" in out_text
+    # the file names the command that replays what was planned: workload, rate, SLO
+    (line,) = [x for x in out.read_text().splitlines() if x.startswith("# simulate")]
+    argv = shlex.split(line.split(": ", 1)[1])
+    assert argv[:4] == ["pdserve", "simulate", "--config", str(out)]
+    for flag, value in (("--workload", "fixed:input=256,output=4"), ("--rate", "2"),
+                        ("--num-requests", "30"), ("--slo-ttft", "1"), ("--slo-tpot", "0.2")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert main(argv[1:] + ["--no-progress"]) == 0
+    assert "30 requests" in capsys.readouterr().out
 
 
 def test_advice_point_names_the_winner_of_three():
