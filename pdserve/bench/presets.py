@@ -26,6 +26,7 @@ replacement when more requests than rows are asked for).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,12 +168,18 @@ def _distserve_chatbot(n: int, rng: np.random.Generator, p: dict[str, float],
                        d: str | None) -> Selection:
     """DistServe's chatbot recipe on the ShareGPT length table: its two filters, then a uniform
     sample without replacement; ``output_scale`` (sensitivity studies; 1 = the recipe)
-    multiplies every output length (``max(1, round(o * s))``)."""
+    multiplies every output length (``max(1, round(o * s))``). More requests than rows (the
+    bundled sample of the length table has 1,871 after the filters): every row once before any
+    twice, with a warning."""
     t = load_trace("sharegpt", d)
     keep = np.flatnonzero(distserve_filter(t.input_lens, t.output_lens))
     if n > len(keep):
-        raise ValueError(f"only {len(keep)} ShareGPT rows pass DistServe's filters; asked for {n}")
-    rows = keep[rng.choice(len(keep), size=n, replace=False)]
+        warnings.warn(f"only {len(keep)} ShareGPT rows pass DistServe's filters for {n} "
+                      "requests: every row is used once before any twice (the full ShareGPT "
+                      "length table in the traces folder has more)", stacklevel=2)
+        rows = keep[_cycle(len(keep), n, rng)]
+    else:
+        rows = keep[rng.choice(len(keep), size=n, replace=False)]
     sel = _from_trace(t, rows)
     if p["output_scale"] != 1.0:
         sel.output_lens = np.maximum(1, np.rint(sel.output_lens * p["output_scale"])).astype(

@@ -236,3 +236,22 @@ def test_bad_arguments(traces_dir: str) -> None:
         make_workload("fixed", 0, rate=1.0)
     with pytest.raises(ValueError, match="length scale"):
         make_workload("fixed", 2, rate=1.0, length_scale=-1.0)
+
+
+def test_distserve_chatbot_on_the_bundled_sample_reuses_rows_only_past_its_size(
+        tmp_path, monkeypatch) -> None:
+    """Without the traces folder the bundled ShareGPT sample leaves 1,871 rows after
+    DistServe's filters. Up to that many requests the recipe samples without replacement, as
+    before; past it (a planner probe at a high rate) every row is used once before any twice,
+    with a warning, instead of refusing the workload."""
+    import warnings
+
+    monkeypatch.setenv("PDSERVE_TRACES", str(tmp_path / "absent"))
+    pairs = lambda w: Counter((r.prompt_len, r.output_len) for r in w.requests)  # noqa: E731
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        all_rows = make_workload("distserve-chatbot", 1871, rate=1.0)
+    assert not [w for w in seen if "once before any twice" in str(w.message)]
+    with pytest.warns(UserWarning, match="every row is used once before any twice"):
+        twice = make_workload("distserve-chatbot", 2 * 1871, rate=1.0)
+    assert pairs(twice) == Counter({k: 2 * v for k, v in pairs(all_rows).items()})
