@@ -455,9 +455,9 @@ def init_ray(address: str | None, num_instances: int) -> bool:
     background tasks) leaves an instance actor a few per cent of a core whenever any other
     process wants one, and on a shared machine the serving loop then crawls. Ray's own
     ``RAY_worker_niceness``, when set, still decides; a joined cluster keeps its nodes'
-    setting. Ray's own warnings (e.g.
-    about token authentication) are silenced: pdserve reports what goes wrong itself. A cluster
-    that refuses the connection is a ``RuntimeError`` saying what to check."""
+    setting. Ray's own warnings (e.g. about token authentication) are silenced: pdserve reports
+    what goes wrong itself. A cluster that refuses the connection is a ``RuntimeError`` saying
+    what to check."""
     import ray
 
     if ray.is_initialized():

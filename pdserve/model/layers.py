@@ -324,8 +324,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     :data:`PACKED_ROWS` rows."""
     if (packed is not None and x.dim() == 2 and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]
             and x.is_contiguous()):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return _packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Module):
@@ -352,14 +357,11 @@ def prepack_linears(model: nn.Module) -> int:
     CPU float32 inference; returns how many weights were packed. Costs a second copy of those
     weights in memory (F.linear keeps the plain one for inputs outside :data:`PACKED_ROWS`).
     The first call in a process also chooses the prefill path (:func:`choose_prefill_path`)."""
-    count = 0
-    lins = []
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.prepack()
-            count += m.packed is not None
-            if m.packed is not None:
-                lins.append(m)
+    lins = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in lins:
+        m.prepack()
+    lins = [m for m in lins if m.packed is not None]
+    count = len(lins)
     if hasattr(model, "packed_head") and getattr(model, "lm_head", None) is None:
         model.packed_head = pack_weight(model.embed_tokens.weight)
         count += model.packed_head is not None
@@ -388,8 +390,7 @@ def choose_prefill_path(lin: Linear, repeats: int = 3) -> bool:
                 for use in (False, True):
                     t = time.perf_counter()
                     if use:
-                        torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [],
-                                                           "")
+                        _packed_linear(x, lin.packed, lin.bias)
                     else:
                         F.linear(x, lin.weight, lin.bias)
                     times[use].append(time.perf_counter() - t)

@@ -282,8 +282,7 @@ def simulate_command(result: Any, path: str) -> str:
     q = shlex.quote
     return (f"pdserve simulate --config {q(str(path))} --workload {q(p.workload)} "
             f"--rate {p.rate:g} --num-requests {p.num_requests} --seed {p.seed} "
-            f"--slo-ttft {p.slo.ttft:g} "
-            f"--slo-tpot {p.slo.tpot:g}")
+            f"--slo-ttft {p.slo.ttft:g} --slo-tpot {p.slo.tpot:g}")
 
 
 def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:

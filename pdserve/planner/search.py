@@ -1122,20 +1122,20 @@ def unpaired_units(p: Problem, units: Sequence[Unit]) -> list[UnitResult]:
     the other phase too, so none would fit and none could be chosen; :func:`plan` skips them
     when it prunes (``prune=False`` keeps the full per-phase rankings)."""
     low = p.affinity == "low"
+    width = (lambda u: u.tp) if low else (lambda u: u.num_gpus)
+    room = p.gpus_per_node if low else p.num_gpus
+    where = " per node, a node" if low else ", the cluster"
     out = []
     for kind, other in (("prefill", "decode"), ("decode", "prefill")):
-        theirs = [u for u in units if u.kind == other]
+        theirs = [width(u) for u in units if u.kind == other]
         if not theirs:
             continue
-        least = min(u.tp if low else u.num_gpus for u in theirs)
-        room = p.gpus_per_node if low else p.num_gpus
         for u in units:
-            need = (u.tp if low else u.num_gpus) + least
+            need = width(u) + min(theirs)
             if u.kind == kind and need > room:
-                where = "a node" if low else "the cluster"
                 out.append(UnitResult(u, pruned=(
-                    f"no room beside the smallest {other} unit: {need} GPUs"
-                    f"{' per node' if low else ''}, {where} has {room}")))
+                    f"no room beside the smallest {other} unit: {need} GPUs{where} has "
+                    f"{room}")))
     return out
 
 
