@@ -81,6 +81,9 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 0)")
     g.add_argument("--seq-overhead-ms", type=nonnegative, metavar="MS",
                    help="serving-path cost per sequence in a step (default: 0)")
+    g.add_argument("--request-overhead-ms", type=nonnegative, metavar="MS",
+                   help="the front end's fixed cost per request (HTTP, tokenizing, routing, "
+                        "streaming), added to every TTFT and end-to-end latency (default: 0)")
 
 
 def add_latency_source_flags(g: Any) -> None:
@@ -103,7 +106,8 @@ def simulation_from_args(args: argparse.Namespace) -> Any:
     d = deployment_dict(args)
     sim = dict(d.pop("simulation", None) or {})
     given = {k: getattr(args, k) for k in ("profile", "hardware", "step_overhead_ms",
-                                           "seq_overhead_ms") if getattr(args, k) is not None}
+                                           "seq_overhead_ms", "request_overhead_ms")
+             if getattr(args, k) is not None}
     if given.keys() & {"profile", "hardware"}:  # a flag's latency source replaces the file's
         sim.pop("profile", None)
         sim.pop("hardware", None)

@@ -70,13 +70,17 @@ class SimulationConfig:
     ``pdserve profile`` or DistServe's JSON, the model's entry at each instance's TP; or
     ``hardware``: the analytic roofline on that device, default A100-80GB) and the serving-path
     cost (``step_overhead_ms`` per step, ``seq_overhead_ms`` per sequence in a step;
-    :class:`~pdserve.sim.latency.DriverOverhead`)."""
+    :class:`~pdserve.sim.latency.DriverOverhead`) and the front end's fixed cost per request
+    (``request_overhead_ms``: HTTP, tokenizing and routing on the way in, the report and the
+    stream on the way out; added to every request's TTFT and end-to-end latency, see
+    :func:`to_records`)."""
 
     deployment: ClusterConfig
     profile: str | None = None
     hardware: str | None = None
     step_overhead_ms: float = 0.0
     seq_overhead_ms: float = 0.0
+    request_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.profile is not None and self.hardware is not None:
@@ -85,7 +89,7 @@ class SimulationConfig:
             object.__setattr__(self, "profile", resolve_profile(self.profile))
         if self.hardware is not None:
             get_device(self.hardware)  # a clear error for an unknown name
-        for name in ("step_overhead_ms", "seq_overhead_ms"):
+        for name in ("step_overhead_ms", "seq_overhead_ms", "request_overhead_ms"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -93,7 +97,8 @@ class SimulationConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SimulationConfig:
         """From a deployment spec's mapping whose ``simulation`` section (or top level) holds
-        ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``."""
+        ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``,
+        ``request_overhead_ms``."""
         d = {k.replace("-", "_"): v for k, v in d.items() if v is not None}
         sim = dict(d.pop("simulation", None) or {})
         names = [f.name for f in fields(cls) if f.name != "deployment"]
@@ -252,9 +257,14 @@ def to_sim_requests(requests: Sequence[WorkloadRequest], vocab_size: int) -> lis
     return out
 
 
-def to_records(requests: Sequence[WorkloadRequest], result: SimResult) -> list[RequestRecord]:
-    """One record per request, in order; the simulated timeline is both the client's and the
-    server's (one clock)."""
+def to_records(requests: Sequence[WorkloadRequest], result: SimResult,
+               request_overhead_s: float = 0.0) -> list[RequestRecord]:
+    """One record per request, in order; the simulated timeline is the server's, and the
+    client's too (one clock) but for ``request_overhead_s``, the front end's fixed cost per
+    request: the client receives every token (and the end) that much later than the instance
+    made it. A constant delay before the instance's queue would only shift the whole arrival
+    process, so where it falls between the way in and the way out changes no queueing: it is
+    all put on the way out, and token gaps (TPOT) are unchanged."""
     by_id = {r.request_id: r for r in result.records}
     out = []
     for w in requests:
@@ -266,7 +276,13 @@ def to_records(requests: Sequence[WorkloadRequest], result: SimResult) -> list[R
         ok = r.error is None and r.finish_reason in ("length", "stop")
         err = r.error if r.error is not None else (
             None if ok else f"request ended with {r.finish_reason!r}")
-        out.append(RequestRecord(w.request_id, r.prompt_len, r.output_len, r.timeline, ok, err,
+        client = r.timeline
+        if request_overhead_s:
+            client = replace(client, token_times=[t + request_overhead_s
+                                                  for t in client.token_times],
+                             finish=None if client.finish is None
+                             else client.finish + request_overhead_s)
+        out.append(RequestRecord(w.request_id, r.prompt_len, r.output_len, client, ok, err,
                                  server_timeline=r.timeline, expected_output_len=w.output_len,
                                  sent_time=r.timeline.arrival))
     return out
@@ -283,7 +299,7 @@ def simulate(sim: SimulationConfig, requests: Sequence[WorkloadRequest],
              vocab_size: int = 32000) -> tuple[list[RequestRecord], SimResult, BuiltCluster]:
     built = build_simulator(sim)
     result = built.simulator.run(to_sim_requests(requests, vocab_size), progress)
-    return to_records(requests, result), result, built
+    return to_records(requests, result, sim.request_overhead_ms / 1000), result, built
 
 
 class SimTarget:
@@ -337,30 +353,26 @@ class sim_progress:  # noqa: N801 - used as a context manager function
 def make_sim_target(args: Any) -> SimTarget:
     """``--target sim`` (:func:`pdserve.bench.targets.register_target`): the deployment from
     ``--target-option KEY=VALUE`` pairs (any deployment-spec key, ``config=FILE``, and the
-    simulation's ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``)."""
-    from pdserve.flags import deployment_dict
+    simulation's ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``,
+    ``request_overhead_ms``), read as ``pdserve simulate`` reads the same flags."""
+    from pdserve.sim.cli import simulation_from_args
 
     options = {k.replace("-", "_"): v for k, v in
                (getattr(args, "target_options", None) or {}).items()}
     if "model" not in options and getattr(args, "model", None):
         options["model"] = args.model  # the client's --model names the simulated model
-    d = deployment_dict(_typed_options(options))
-    return SimTarget(SimulationConfig.from_dict(d),
+    return SimTarget(simulation_from_args(_parse_options(options)),
                      progress=not getattr(args, "no_progress", False))
 
 
-def _typed_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``KEY=VALUE`` strings parsed as the matching flag would parse them."""
+def _parse_options(options: dict[str, Any]) -> Any:
+    """``KEY=VALUE`` strings parsed by ``pdserve simulate``'s own flags."""
     import argparse
 
-    from pdserve.flags import add_deployment_flags, nonnegative
+    from pdserve.sim.cli import add_simulation_flags
 
     p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    add_deployment_flags(p, model_help="", live=False)
-    p.add_argument("--profile")
-    p.add_argument("--hardware")
-    p.add_argument("--step-overhead-ms", type=nonnegative)
-    p.add_argument("--seq-overhead-ms", type=nonnegative)
+    add_simulation_flags(p)
     argv: list[str] = []
     for k, v in options.items():
         flag = "--" + k.replace("_", "-")
@@ -375,7 +387,7 @@ def _typed_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"bad sim target option in {options}: {e}") from None
     if rest:
         raise ValueError(f"unknown sim target option(s): {rest}")
-    return {k: v for k, v in vars(ns).items() if v is not None}
+    return ns
 
 
 register_target("sim", make_sim_target)

@@ -130,6 +130,7 @@ def test_simulate_expert_parallel(tmp_path: Path) -> None:
     (["--gpu-memory-utilization", "1.5"], "1.5"),
     (["--config", "/nonexistent/d.yaml"], "/nonexistent/d.yaml"),
     (["--num-kv-blocks", "0"], "'0'"),
+    (["--request-overhead-ms", "-2"], "'-2'"),
     (["--tp", "2", "--ep", "4"], "ep=4"),  # must divide tp
     (["--tp", "2", "--ep", "2"], "ep=2"),  # the default model (OPT-13B) has no experts
 ])
@@ -143,6 +144,43 @@ def test_simulate_bad_values_exit_2_with_one_line(flags, bad, capsys) -> None:
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and bad in err, err
+
+
+def test_request_overhead_delays_what_the_client_sees_by_exactly_that(tmp_path: Path) -> None:
+    """The front end's cost per request: every token and the end reach the client 7 ms later
+    than the instance made them; the server's timeline, the token gaps and the queueing are
+    those of the run without it (the same requests, hand-checked per request)."""
+    runs = {}
+    for ms in (None, "7"):
+        out = tmp_path / f"r{ms}.json"
+        extra = [] if ms is None else ["--target-option", f"request_overhead_ms={ms}"]
+        assert bench_main(["bench", "--target", "sim", *DISAGG, *extra, "--workload",
+                           "fixed:input=200,output=16", "--rate", "8", "--num-requests", "20",
+                           "--no-progress", "--output-json", str(out), "--save-records"]) == 0
+        runs[ms] = json.loads(out.read_text())
+    for a, b in zip(runs[None]["records"], runs["7"]["records"]):
+        assert b["server_timeline"] == a["server_timeline"]
+        assert b["timeline"]["arrival"] == a["timeline"]["arrival"]
+        assert b["timeline"]["token_times"] == pytest.approx(
+            [t + 0.007 for t in a["timeline"]["token_times"]], abs=1e-12)
+    s0, s7 = runs[None]["summary"], runs["7"]["summary"]
+    assert s7["ttft"]["mean"] == pytest.approx(s0["ttft"]["mean"] + 0.007)
+    assert s7["tpot"]["mean"] == pytest.approx(s0["tpot"]["mean"])
+
+
+def test_sim_target_options_reach_the_simulation() -> None:
+    """``--target-option`` keys of the simulation section are kept, not only deployment keys
+    (``hardware`` and the overheads were once dropped silently)."""
+    import argparse
+
+    from pdserve.sim.target import make_sim_target
+
+    t = make_sim_target(argparse.Namespace(target_options={
+        "hardware": "H100", "step_overhead_ms": "1.5", "seq_overhead_ms": "0.25",
+        "request_overhead_ms": "7", "strategy": "colocated"}, model=None, no_progress=True))
+    assert (t.sim.hardware, t.sim.step_overhead_ms, t.sim.seq_overhead_ms,
+            t.sim.request_overhead_ms) == ("H100", 1.5, 0.25, 7.0)
+    assert t.describe["latency_source"] == "H100"
 
 
 @needs_distserve
