@@ -37,7 +37,7 @@ from rich.table import Table
 from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import Settings, build_workload, run_workload
 from pdserve.bench.targets import HttpTarget
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, Link, ModelConfig
 from pdserve.sim.target import SimTarget, SimulationConfig
 
 con = Console(stderr=True)
@@ -133,14 +133,70 @@ def warm_up(target: HttpTarget, s: Settings) -> None:
 CAL_PROMPT, CAL_OUTPUT = 64, 48  # calibration requests: prompt and forced output tokens
 
 
-def _itls(target: HttpTarget, s: Settings, n: int, seed: int) -> list[float]:
-    """Token gaps of ``n`` calibration requests sent together."""
+def _probe(target: HttpTarget, s: Settings, n: int, seed: int) -> list[Any]:
+    """The records of ``n`` calibration requests sent together."""
     spec = f"fixed:input={CAL_PROMPT},output={CAL_OUTPUT}"
     w = build_workload(target, replace(s, workload=spec, num_requests=n, seed=seed), 1000.0)
-    gaps: list[float] = []
-    for rec in asyncio.run(target.run(list(w.requests))):
-        gaps += list(np.diff(rec.timeline.token_times))
-    return gaps
+    return asyncio.run(target.run(list(w.requests)))
+
+
+def _gaps(records: list[Any]) -> list[float]:
+    return [float(g) for rec in records for g in np.diff(rec.timeline.token_times)]
+
+
+def request_overhead(records: list[Any]) -> dict[str, float]:
+    """The front end's fixed cost per request (``SimulationConfig.request_overhead_ms``), from
+    requests outside the measured workload: what the client waited for its first token beyond
+    the server's own time from queueing the request at an instance to its first token
+    (``prefill_end − prefill_queued`` in the server's timeline; the simulator models that part,
+    waiting for a running step included). What is left is the HTTP request, tokenizing and
+    routing before the instance's queue, and the report, detokenizing and streaming after it.
+    The median over the requests, robust to the few a busy machine delays. ``main`` measures it
+    on lone requests: under load the front end also waits behind other streams' tokens on
+    this machine's shared cores (the calibration run's median was 13.5 ms against 8.6 ms
+    alone, 2026-11-26), which a constant per request cannot follow."""
+    extra = []
+    for rec in records:
+        st, ttft = rec.server_timeline, rec.ttft
+        if (rec.ok and st is not None and ttft is not None and st.prefill_queued is not None
+                and st.prefill_end is not None):
+            extra.append(ttft - (st.prefill_end - st.prefill_queued))
+    if not extra:
+        raise ValueError("no request with a server timeline to measure the front end's cost")
+    q = np.percentile(extra, [10, 50, 90])
+    return {"median_ms": 1000 * float(q[1]), "p10_ms": 1000 * float(q[0]),
+            "p90_ms": 1000 * float(q[2]), "requests": len(extra)}
+
+
+def handoff_link(records: list[Any], kv_bytes_per_token: int) -> dict[str, float] | None:
+    """The live runtime's KV hand-off as a simulated ``kv_link``, from the server timelines of
+    disaggregated requests outside the workload (``None`` without any): the copy
+    (``transfer_end − transfer_start``) fitted as ``latency + bytes / bandwidth`` over the
+    prompts' KV bytes, plus what the hand-off waits for besides the copy — the prefill report
+    reaching the driver and the pull reaching the decode instance (``prefill_end →
+    transfer_start``), the decode instance taking the request in (``transfer_end →
+    decode_admitted``) — as medians added to the latency. The simulator otherwise prices a
+    CPU deployment's hand-off at nothing, while on this machine it takes ~10–15 ms."""
+    rows = []
+    for rec in records:
+        st = rec.server_timeline
+        if not rec.ok or st is None or None in (st.prefill_end, st.transfer_start,
+                                                st.transfer_end, st.decode_admitted):
+            continue
+        rows.append((rec.prompt_len * kv_bytes_per_token, st.transfer_end - st.transfer_start,
+                     st.transfer_start - st.prefill_end, st.decode_admitted - st.transfer_end))
+    if not rows:
+        return None
+    nbytes, copy, before, after = (np.array(x, dtype=float) for x in zip(*rows))
+    slope, icpt = (np.polyfit(nbytes, copy, 1) if len(set(nbytes)) > 1
+                   else (0.0, float(np.median(copy))))
+    slope = max(float(slope), 0.0)
+    icpt = max(float(np.median(copy - slope * nbytes)), 0.0)  # robust to a few slow copies
+    latency = icpt + max(float(np.median(before)), 0.0) + max(float(np.median(after)), 0.0)
+    return {"latency_s": latency,
+            "bandwidth_gb_per_s": (1e-9 / slope) if slope > 0 else None,
+            "copy_median_s": float(np.median(copy)), "before_median_s": float(np.median(before)),
+            "after_median_s": float(np.median(after)), "requests": len(rows)}
 
 
 def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
@@ -151,10 +207,8 @@ def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
     Lone requests decode in steps of one sequence, ``batch`` requests sent together in steps of
     ``batch``; the median token gap of each minus the model's predicted decode step gives
     ``a + b`` and ``a + batch·b``. Measured on requests outside the fidelity workload."""
-    lone: list[float] = []
-    for i in range(4):
-        lone += _itls(target, s, 1, 1000 + i)
-    together = _itls(target, s, batch, 2000)
+    lone_records = [r for i in range(4) for r in _probe(target, s, 1, 1000 + i)]
+    lone, together = _gaps(lone_records), _gaps(_probe(target, s, batch, 2000))
     ctx = [CAL_PROMPT + k for k in range(1, CAL_OUTPUT)]
     pred1 = float(np.median([prof.decode_time([c]) for c in ctx]))
     predb = float(np.median([prof.decode_time([c] * batch) for c in ctx]))
@@ -164,7 +218,8 @@ def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
     per_step = max(extra1 - per_seq, 0.0)
     return {"live_itl_1_s": float(np.median(lone)), "profile_decode_1_s": pred1,
             f"live_itl_{batch}_s": float(np.median(together)),
-            f"profile_decode_{batch}_s": predb, "step_s": per_step, "seq_s": per_seq}
+            f"profile_decode_{batch}_s": predb, "step_s": per_step, "seq_s": per_seq,
+            "request": request_overhead(lone_records)}
 
 
 def overhead_from_step_log(path: Path, max_gap_s: float = 0.25) -> dict[str, float]:
@@ -208,7 +263,6 @@ def overhead_from_step_log(path: Path, max_gap_s: float = 0.25) -> dict[str, flo
 
 def latency_of(setup: SimulationConfig, model: str) -> Any:
     """The simulator's executor-only step-time model of a TP-1 instance of ``setup``."""
-    from pdserve.config import ModelConfig
     from pdserve.sim.target import step_model
 
     return step_model(replace(setup, step_overhead_ms=0.0, seq_overhead_ms=0.0),
@@ -216,17 +270,18 @@ def latency_of(setup: SimulationConfig, model: str) -> Any:
 
 
 def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], model: str,
-                       step_log: Path, out: Path) -> tuple[str, dict[str, Any]]:
+                       step_log: Path, out: Path) -> tuple[str, dict[str, Any], list[Any]]:
     """Serve a calibration run (the workload with another seed, so none of the measured
     requests), ``s.num_requests`` requests split over ``rates`` so that its steps cover the
     batch sizes (and the server's own CPU use) of every measured rate, then fit the ``cpu``
     device's efficiency factors to the steps the live instances logged so far (warm-up
-    included); writes ``out`` and returns its path and the fit's summary."""
+    included); writes ``out`` and returns its path, the fit's summary and the run's records."""
     from pdserve.sim.calibrate import calibrate
     from pdserve.sim.hardware import get_device, save_hardware
     from pdserve.sim.measurements import from_step_log
 
     per = max(1, -(-s.num_requests // len(rates)))
+    records = []
     for k, rate in enumerate(rates):
         w = build_workload(target, replace(s, seed=s.seed + 1000 + k, num_requests=per), rate)
         con.print(f"  calibration run: {len(w.requests)} other requests at {rate:g} req/s")
@@ -235,16 +290,19 @@ def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], mode
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(recs)} calibration requests failed: "
                                f"{failed[0]}")
+        records += recs
     snapshot = step_log.with_suffix(".calibration.jsonl")
     snapshot.write_text(step_log.read_text())
     ms = from_step_log(snapshot, model, 1, "float32")
     cal = calibrate(get_device("cpu"), ms)
     save_hardware(out, cal.device, header=f"calibrated by benchmarks/fidelity.py on {snapshot}")
     fit = {**cal.summary(), "steps": len(ms), "file": str(out), "step_log": str(snapshot),
-           "rates": rates}
+           "rates": rates,
+           # for the record: under load the front end queues too (not what the simulator adds)
+           "request_overhead_under_load": request_overhead(records)}
     con.print(f"  calibrated the cpu device on {len(ms)} logged steps: fit mean "
               f"{fit['fit']['mean']:.1%}, P90 {fit['fit']['p90']:.1%}")
-    return str(out), fit
+    return str(out), fit, records
 
 
 def step_error(hardware: str, step_log: Path, model: str,
@@ -472,6 +530,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-overhead-ms", type=float, default=None,
                     help="per-step serving overhead given to the simulator (default: measure "
                          "it from lone requests against each live server; 0 = executor only)")
+    ap.add_argument("--request-overhead-ms", type=float, default=None,
+                    help="the front end's fixed cost per request given to the simulator "
+                         "(default: measure it from lone requests outside the workload; "
+                         "0 = none)")
     ap.add_argument("--overhead", choices=("steplog", "probe"), default=None,
                     help="how to measure the serving overhead when --step-overhead-ms is not "
                          "given: steplog (with --latency calibrated, the default: the gaps "
@@ -504,8 +566,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               # server would find them cached from the previous run while each simulation starts
               # cold (the workloads share no prefixes, so nothing else changes)
               "enable_prefix_caching": False}
-    from pdserve.config import ModelConfig
-
     vocab = ModelConfig.from_dir(model).vocab_size
     s = Settings(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
                  vocab_size=vocab, max_model_len=args.max_model_len,
@@ -513,7 +573,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  slo=SLO(args.slo_ttft, args.slo_tpot))
     results: dict[str, list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
-    overheads: dict[str, dict[str, float]] = {}
+    overheads: dict[str, dict[str, Any]] = {}
+    request_overheads: dict[str, dict[str, Any]] = {}
+    links: dict[str, dict[str, Any]] = {}
     fits: dict[str, dict[str, Any]] = {}
     for strategy in strategies:
         # one deployment spec, served live and simulated
@@ -536,8 +598,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if calibrated:
                 cal_rates = ([float(x) for x in args.calibration_rates.split(",")]
                              if args.calibration_rates else rates)
-                hw, fit = calibrate_from_run(live, s, cal_rates, model, step_log,
-                                             work / f"cpu-calibrated-{strategy}.yaml")
+                hw, fit, cal_records = calibrate_from_run(
+                    live, s, cal_rates, model, step_log, work / f"cpu-calibrated-{strategy}.yaml")
                 fits[strategy] = fit
                 setup = replace(setup, hardware=hw)
             if args.step_overhead_ms is None:
@@ -556,6 +618,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 seq_overhead_ms=1000 * cal["seq_s"])
             else:
                 setup = replace(setup, step_overhead_ms=args.step_overhead_ms)
+            if args.request_overhead_ms is not None:
+                req = {"median_ms": args.request_overhead_ms, "method": "given"}
+            elif "request" in overheads.get(strategy, {}):
+                req = overheads[strategy]["request"]
+            else:  # lone requests: the front end's own cost, not its queueing under load
+                req = request_overhead([r for i in range(8) for r in _probe(live, s, 1, 3000 + i)])
+            request_overheads[strategy] = req
+            con.print(f"  front end: {req['median_ms']:.2f} ms per request ({req})")
+            setup = replace(setup, request_overhead_ms=max(req["median_ms"], 0.0))
+            if strategy != "colocated":  # the live hand-off as the simulated KV link
+                link = handoff_link(
+                    cal_records if calibrated else _probe(live, s, 4, 4000),
+                    ModelConfig.from_dir(model).kv_bytes_per_token("float32"))
+                if link is not None:
+                    links[strategy] = link
+                    con.print(f"  KV hand-off: {1000 * link['latency_s']:.2f} ms + bytes at "
+                              f"{link['bandwidth_gb_per_s'] or float('inf'):.2f} GB/s ({link})")
+                    setup = replace(setup, deployment=replace(setup.deployment, kv_link=Link(
+                        link["bandwidth_gb_per_s"], link["latency_s"])))
             sim = SimTarget(setup, name=f"sim {strategy}", progress=False)
             live.num_gpus = sim.num_gpus
             base = build_workload(live, s, rates[0])
@@ -604,6 +685,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "length_scale": args.length_scale, "seed": args.seed},
            "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, "rates": rates,
            "latency": args.latency, "calibration": fits, "step_overhead": overheads,
+           "request_overhead": request_overheads, "kv_link": links,
            "results": results, "wall_s": time.perf_counter() - t0}
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -155,3 +155,58 @@ def test_step_error_weights_by_time(tmp_path: Path) -> None:
     assert got["weighted"] == pytest.approx((pred[0] + pred[1]) / (2 * pred[0] + pred[1]) - 1)
     assert got["median"] == pytest.approx(-0.25)
     assert got["prefill"]["median"] == pytest.approx(-0.5) and got["decode"]["median"] == 0
+
+
+def test_request_overhead_is_the_client_wait_beyond_queue_to_first_token() -> None:
+    """Hand-worked: the client's TTFT minus the server's queued → first-token time, median over
+    the requests; failed requests and ones without a server timeline are left out."""
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.request import Timeline
+
+    def rec(ttft: float, queued: float, first: float, ok: bool = True,
+            server: bool = True) -> RequestRecord:
+        st = Timeline(arrival=50.0, prefill_queued=queued, prefill_end=first,
+                      token_times=[first]) if server else None
+        return RequestRecord("r", 8, 1, Timeline(arrival=0.0, token_times=[ttft]), ok,
+                             server_timeline=st)
+
+    got = _fidelity().request_overhead([
+        rec(0.030, 50.002, 50.022),  # 30 ms seen, 20 ms at the server: 10 ms
+        rec(0.050, 50.003, 50.041),  # a queue wait the simulator models: 12 ms left
+        rec(0.019, 50.001, 50.010),  # 10 ms
+        rec(0.900, 50.0, 50.01, ok=False),
+        rec(0.900, 0, 0, server=False),
+    ])
+    assert got["requests"] == 3
+    assert got["median_ms"] == pytest.approx(10.0)
+    assert got["p90_ms"] == pytest.approx(11.6)
+    with pytest.raises(ValueError, match="server timeline"):
+        _fidelity().request_overhead([rec(0.9, 0, 0, server=False)])
+
+
+def test_handoff_link_fits_the_copy_and_adds_the_waits() -> None:
+    """Hand-worked: copies of 1 ms + bytes at 2 GB/s, 3 ms from the prefill's end to the
+    copy's start and 0.5 ms from its end to the decode's admission → a link of 4.5 ms latency
+    at 2 GB/s. Colocated requests (no transfer) and failed ones are left out."""
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.request import Timeline
+
+    per_token = 1000  # KV bytes per prompt token
+
+    def rec(prompt: int, ok: bool = True, transfer: bool = True) -> RequestRecord:
+        end = 10.0
+        start = end + 0.003
+        done = start + 0.001 + prompt * per_token / 2e9
+        st = Timeline(arrival=9.0, prefill_end=end, transfer_start=start if transfer else None,
+                      transfer_end=done if transfer else None, decode_admitted=done + 0.0005,
+                      token_times=[end])
+        return RequestRecord("r", prompt, 1, Timeline(arrival=0.0, token_times=[1.0]), ok,
+                             server_timeline=st)
+
+    fid = _fidelity()
+    got = fid.handoff_link([rec(100), rec(4000), rec(20000), rec(9000, ok=False),
+                            rec(50, transfer=False)], per_token)
+    assert got["requests"] == 3
+    assert got["bandwidth_gb_per_s"] == pytest.approx(2.0, rel=1e-6)
+    assert got["latency_s"] == pytest.approx(0.0045, rel=1e-6)
+    assert fid.handoff_link([rec(50, transfer=False)], per_token) is None
