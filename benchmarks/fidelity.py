@@ -38,6 +38,7 @@ from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import Settings, build_workload, run_workload
 from pdserve.bench.targets import HttpTarget
 from pdserve.config import ClusterConfig, Link, ModelConfig
+from pdserve.sim.measurements import handoff_link, request_overhead
 from pdserve.sim.target import SimTarget, SimulationConfig
 
 con = Console(stderr=True)
@@ -142,61 +143,6 @@ def _probe(target: HttpTarget, s: Settings, n: int, seed: int) -> list[Any]:
 
 def _gaps(records: list[Any]) -> list[float]:
     return [float(g) for rec in records for g in np.diff(rec.timeline.token_times)]
-
-
-def request_overhead(records: list[Any]) -> dict[str, float]:
-    """The front end's fixed cost per request (``SimulationConfig.request_overhead_ms``), from
-    requests outside the measured workload: what the client waited for its first token beyond
-    the server's own time from queueing the request at an instance to its first token
-    (``prefill_end − prefill_queued`` in the server's timeline; the simulator models that part,
-    waiting for a running step included). What is left is the HTTP request, tokenizing and
-    routing before the instance's queue, and the report, detokenizing and streaming after it.
-    The median over the requests, robust to the few a busy machine delays. ``main`` measures it
-    on lone requests: under load the front end also waits behind other streams' tokens on
-    this machine's shared cores (the calibration run's median was 13.5 ms against 8.6 ms
-    alone, 2026-11-26), which a constant per request cannot follow."""
-    extra = []
-    for rec in records:
-        st, ttft = rec.server_timeline, rec.ttft
-        if (rec.ok and st is not None and ttft is not None and st.prefill_queued is not None
-                and st.prefill_end is not None):
-            extra.append(ttft - (st.prefill_end - st.prefill_queued))
-    if not extra:
-        raise ValueError("no request with a server timeline to measure the front end's cost")
-    q = np.percentile(extra, [10, 50, 90])
-    return {"median_ms": 1000 * float(q[1]), "p10_ms": 1000 * float(q[0]),
-            "p90_ms": 1000 * float(q[2]), "requests": len(extra)}
-
-
-def handoff_link(records: list[Any], kv_bytes_per_token: int) -> dict[str, float] | None:
-    """The live runtime's KV hand-off as a simulated ``kv_link``, from the server timelines of
-    disaggregated requests outside the workload (``None`` without any): the copy
-    (``transfer_end − transfer_start``) fitted as ``latency + bytes / bandwidth`` over the
-    prompts' KV bytes, plus what the hand-off waits for besides the copy — the prefill report
-    reaching the driver and the pull reaching the decode instance (``prefill_end →
-    transfer_start``), the decode instance taking the request in (``transfer_end →
-    decode_admitted``) — as medians added to the latency. The simulator otherwise prices a
-    CPU deployment's hand-off at nothing, while on this machine it takes ~10–15 ms."""
-    rows = []
-    for rec in records:
-        st = rec.server_timeline
-        if not rec.ok or st is None or None in (st.prefill_end, st.transfer_start,
-                                                st.transfer_end, st.decode_admitted):
-            continue
-        rows.append((rec.prompt_len * kv_bytes_per_token, st.transfer_end - st.transfer_start,
-                     st.transfer_start - st.prefill_end, st.decode_admitted - st.transfer_end))
-    if not rows:
-        return None
-    nbytes, copy, before, after = (np.array(x, dtype=float) for x in zip(*rows))
-    slope, icpt = (np.polyfit(nbytes, copy, 1) if len(set(nbytes)) > 1
-                   else (0.0, float(np.median(copy))))
-    slope = max(float(slope), 0.0)
-    icpt = max(float(np.median(copy - slope * nbytes)), 0.0)  # robust to a few slow copies
-    latency = icpt + max(float(np.median(before)), 0.0) + max(float(np.median(after)), 0.0)
-    return {"latency_s": latency,
-            "bandwidth_gb_per_s": (1e-9 / slope) if slope > 0 else None,
-            "copy_median_s": float(np.median(copy)), "before_median_s": float(np.median(before)),
-            "after_median_s": float(np.median(after)), "requests": len(rows)}
 
 
 def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,

@@ -45,6 +45,7 @@ from pdserve.sim.measurements import (
     load_samples,
     model_config,
     save_samples,
+    serving_path,
 )
 
 FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap")
@@ -353,6 +354,11 @@ def run(args: argparse.Namespace) -> int:
             e = s[part]
             print(f"  {part:4s} error: mean {e['mean']:.1%}  P90 {e['p90']:.1%}  "
                   f"max {e['max']:.1%}  bias {e['bias']:+.1%}")
+    paths = [serving_path(p, args.model, args.dtype) for p in args.timelines or []]
+    for p, sp in zip(args.timelines or [], paths):
+        _say_serving_path(p, sp)
+    if paths:
+        s["serving_path"] = dict(zip(args.timelines, paths))
     if args.output:
         sources = [*base.device.sources,
                    f"efficiency: pdserve calibrate on {cal.n} measurements "
@@ -368,6 +374,24 @@ def run(args: argparse.Namespace) -> int:
             json.dump(s, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _say_serving_path(path: str, sp: dict[str, Any]) -> None:
+    """What ``pdserve simulate`` should add around the calibrated steps, as flags and spec keys."""
+    ro, link = sp["request_overhead"], sp["kv_link"]
+    if ro is None:
+        print(f"  {path}: no server timelines (pdserve sends them; vLLM does not), so the front "
+              f"end's cost per request is unknown")
+    else:
+        print(f"  front end: {ro['median_ms']:.2f} ms per request (median of {ro['requests']} "
+              f"{'lone ' if ro['alone'] else ''}requests, P10 {ro['p10_ms']:.2f}, P90 "
+              f"{ro['p90_ms']:.2f}); simulate with --request-overhead-ms {ro['median_ms']:.2f}")
+    if link is not None:
+        bw = link["bandwidth_gb_per_s"]
+        print(f"  KV hand-off: {1000 * link['latency_s']:.2f} ms + bytes at "
+              f"{'no limit' if bw is None else f'{bw:.3g} GB/s'} ({link['requests']} hand-offs);"
+              f" simulate with kv_link: {{bandwidth_gb_per_s: {bw if bw is None else f'{bw:.3g}'}"
+              f", latency_s: {link['latency_s']:.4g}}}")
 
 
 def register(subparsers: Any) -> None:

@@ -310,7 +310,8 @@ def from_request_timelines(path: str | os.PathLike[str], model: str | ModelConfi
       step: the gap is counted once, by the earliest-arrived request of the batch.
 
     Approximate by construction: client-side times include the HTTP path, a server that sends
-    several tokens in one event merges steps (zero gaps are skipped), and with several
+    several tokens in one event, or a client that reads two at once, merges steps (a gap under
+    :data:`BUNCHED` of the request's median is skipped with the gap before it), and with several
     instances behind one endpoint the batches cannot be told apart (use ``--step-log`` there).
     """
     cfg = model_config(model)
@@ -340,6 +341,9 @@ def from_request_timelines(path: str | os.PathLike[str], model: str | ModelConfi
     return out
 
 
+BUNCHED = 0.25  # a token gap under this share of its request's median gap: delivered together
+
+
 def _steps_from_timelines(reqs: list[tuple[float, list[float], int]], cfg: ModelConfig, tp: int,
                           dtype: str, group: str) -> list[Measurement]:
     """:func:`from_request_timelines` for one run: ``(arrival, token times, prompt length)``
@@ -355,10 +359,15 @@ def _steps_from_timelines(reqs: list[tuple[float, list[float], int]], cfg: Model
         if all(reqs[j][1][-1] <= a or reqs[j][0] >= ts[0] for j in near):
             out.append(Measurement(ProfileSample(((0, plen),), (), ts[0] - a), cfg, tp, 1,
                                    dtype, group=group))
+        gaps = np.diff(ts)
+        typical = float(np.median(gaps[gaps > 0])) if np.any(gaps > 0) else 0.0
         for n in range(1, len(ts)):
             t0, t1 = ts[n - 1], ts[n]
-            if t1 <= t0:
-                continue  # tokens delivered together: the steps cannot be told apart
+            if t1 - t0 <= BUNCHED * typical or (n + 1 < len(ts)
+                                                and ts[n + 1] - t1 <= BUNCHED * typical):
+                # tokens delivered together (a slow client or stream reads two events at once):
+                # this gap holds no step, the one before it two; neither is one step
+                continue
             # anyone waiting for a first token during the gap had a prefill in some step of it
             if any(reqs[j][0] < t1 and reqs[j][1][0] > t0 for j in near):
                 continue
@@ -471,4 +480,102 @@ def from_metrics_log(path: str | os.PathLike[str], model: str | ModelConfig, tp:
     if not out:
         raise ValueError(f"{p!r}: no interval between scrapes had a steady decode batch; "
                          "scrape more often (e.g. every 0.5 s) or at a lower rate")
+    return out
+
+
+# ----------------------------------------------------------- the serving path around the steps
+def request_overhead(records: Sequence[Any]) -> dict[str, float]:
+    """The front end's fixed cost per request (``SimulationConfig.request_overhead_ms``) from
+    :class:`~pdserve.bench.metrics.RequestRecord` s that carry the server's timeline (pdserve
+    sends it with every response): what the client waited for its first token beyond the
+    server's own time from queueing the request at an instance to its first token
+    (``prefill_end − prefill_queued``; the simulator models that part, waiting for a running
+    step included). What is left is the HTTP request, tokenizing and routing before the
+    instance's queue, and the report, detokenizing and streaming after it. The median over
+    the requests, robust to the few a busy machine delays.
+
+    Measure it on requests that ran alone: under load the front end also waits behind other
+    streams' tokens where it shares cores with them, which a constant per request cannot follow
+    (on the 2-core VM of docs/fidelity.md: 11.8–13.5 ms under load against 6.9–8.6 ms alone)."""
+    extra = []
+    for rec in records:
+        st, ttft = rec.server_timeline, rec.ttft
+        if (rec.ok and st is not None and ttft is not None and st.prefill_queued is not None
+                and st.prefill_end is not None):
+            extra.append(ttft - (st.prefill_end - st.prefill_queued))
+    if not extra:
+        raise ValueError("no request with a server timeline to measure the front end's cost")
+    q = np.percentile(extra, [10, 50, 90])
+    return {"median_ms": 1000 * float(q[1]), "p10_ms": 1000 * float(q[0]),
+            "p90_ms": 1000 * float(q[2]), "requests": len(extra)}
+
+
+def handoff_link(records: Sequence[Any], kv_bytes_per_token: int) -> dict[str, Any] | None:
+    """A disaggregated server's KV hand-off as a simulated ``kv_link``, from records with the
+    server's timeline (``None`` when none was handed off): the copy (``transfer_end −
+    transfer_start``) fitted as ``latency + bytes / bandwidth`` over the prompts' KV bytes, plus
+    what the hand-off waits for besides the copy — the prefill's report reaching the driver and
+    the pull reaching the decode instance (``prefill_end → transfer_start``), the decode
+    instance taking the request in (``transfer_end → decode_admitted``) — as medians added to
+    the latency. Without it the simulator prices a hand-off at the link's cost alone (nothing
+    on CPU), while pdserve's Ray runtime on the 2-core VM takes ~11 ms (docs/fidelity.md)."""
+    rows = []
+    for rec in records:
+        st = rec.server_timeline
+        if not rec.ok or st is None or None in (st.prefill_end, st.transfer_start,
+                                                st.transfer_end, st.decode_admitted):
+            continue
+        rows.append((rec.prompt_len * kv_bytes_per_token, st.transfer_end - st.transfer_start,
+                     st.transfer_start - st.prefill_end, st.decode_admitted - st.transfer_end))
+    if not rows:
+        return None
+    nbytes, copy, before, after = (np.array(x, dtype=float) for x in zip(*rows))
+    slope = max(float(np.polyfit(nbytes, copy, 1)[0]), 0.0) if len(set(nbytes)) > 1 else 0.0
+    icpt = max(float(np.median(copy - slope * nbytes)), 0.0)  # robust to a few slow copies
+    latency = icpt + max(float(np.median(before)), 0.0) + max(float(np.median(after)), 0.0)
+    return {"latency_s": latency,
+            "bandwidth_gb_per_s": (1e-9 / slope) if slope > 0 else None,
+            "copy_median_s": float(np.median(copy)), "before_median_s": float(np.median(before)),
+            "after_median_s": float(np.median(after)), "requests": len(rows)}
+
+
+def serving_path(path: str | os.PathLike[str], model: str | ModelConfig,
+                 dtype: str = "float16") -> dict[str, Any]:
+    """What a ``pdserve bench --save-records`` JSON says of the serving path around the engine
+    steps, for ``pdserve simulate``: ``request_overhead`` (:func:`request_overhead`, over the
+    requests that ran alone when any did, else all of them) and ``kv_link``
+    (:func:`handoff_link`); ``None`` where the records cannot tell (a server that sends no
+    timelines, such as vLLM; a colocated one has no hand-off)."""
+    from pdserve.bench.metrics import RequestRecord
+
+    p = os.fspath(path)
+    try:
+        data = json.loads(read_text(p, "request timelines"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p!r} is not JSON ({e})") from None
+    recs = [RequestRecord.from_dict(r) for run in _records_lists(data) for r in run]
+    lone = [r for run in _records_lists(data) for r in _alone(run)]
+    try:
+        over: dict[str, Any] | None = request_overhead(lone or recs)
+        over["alone"] = bool(lone)
+    except ValueError:
+        over = None
+    return {"request_overhead": over,
+            "kv_link": handoff_link(recs, model_config(model).kv_bytes_per_token(dtype))}
+
+
+def _alone(run: Sequence[dict[str, Any]]) -> list[Any]:
+    """The records of one run whose request had the server to itself from arrival to end."""
+    from pdserve.bench.metrics import RequestRecord
+
+    recs = [RequestRecord.from_dict(r) for r in run]
+    spans = [(r.timeline.arrival, r.timeline.finish or (r.timeline.token_times or [None])[-1])
+             for r in recs]
+    out = []
+    for i, (rec, (a, b)) in enumerate(zip(recs, spans)):
+        if a is None or b is None:
+            continue
+        if all(j == i or sb is None or sa is None or sb <= a or sa >= b
+               for j, (sa, sb) in enumerate(spans)):
+            out.append(rec)
     return out
