@@ -154,16 +154,13 @@ def measure_cpu(args: argparse.Namespace) -> None:
 
 def gpu_catalogue_name(cuda_name: str) -> str:
     """The hardware catalogue's name for a CUDA device name (``torch.cuda.get_device_name``)."""
-    n = cuda_name.upper().replace(" ", "")
-    for key, name in (("H200", "H200"), ("B200", "B200"), ("H100PCIE", "H100-PCIe"),
-                      ("H100", "H100"), ("A100-SXM4-40GB", "A100-40GB"),
-                      ("A100-PCIE-40GB", "A100-40GB"), ("A100", "A100-80GB"),
-                      ("A800", "A800-80GB"), ("L40S", "L40S"), ("L20", "L20"),
-                      ("A10G", "A10G"), ("RTX4090", "RTX-4090"),
-                      ("RTXPRO6000", "RTX-PRO-6000")):
-        if key in n:
-            return name
-    raise SystemExit(f"no catalogue device for CUDA device {cuda_name!r}: pass --gpu-hardware")
+    from pdserve.sim.hardware import device_for_cuda_name
+
+    name = device_for_cuda_name(cuda_name)
+    if name is None:
+        raise SystemExit(f"no catalogue device for CUDA device {cuda_name!r}: pass "
+                         f"--gpu-hardware")
+    return name
 
 
 def measure_gpu(args: argparse.Namespace) -> None:

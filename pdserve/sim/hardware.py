@@ -385,6 +385,22 @@ def catalogue_file(name: str) -> Path:
     return _CATALOGUE[key][2]
 
 
+# CUDA device names (``torch.cuda.get_device_name``) → catalogue devices: the first key found
+# in the name with spaces removed, upper case (more specific keys first)
+_CUDA_NAMES = (("H200", "H200"), ("B200", "B200"), ("H100PCIE", "H100-PCIe"), ("H100", "H100"),
+               ("A100-SXM4-40GB", "A100-40GB"), ("A100-PCIE-40GB", "A100-40GB"),
+               ("A100", "A100-80GB"), ("A800", "A800-80GB"), ("L40S", "L40S"), ("L20", "L20"),
+               ("A10G", "A10G"), ("RTX4090", "RTX-4090"), ("RTXPRO6000", "RTX-PRO-6000"),
+               ("MI300X", "MI300X"))
+
+
+def device_for_cuda_name(cuda_name: str) -> str | None:
+    """The catalogue device of a CUDA device name, e.g. ``"NVIDIA H100 80GB HBM3"`` → ``"H100"``
+    (``None`` when the catalogue has none)."""
+    n = cuda_name.upper().replace(" ", "")
+    return next((name for key, name in _CUDA_NAMES if key in n), None)
+
+
 def list_devices() -> list[str]:
     return [v[0].name for v in _CATALOGUE.values()]
 

@@ -193,7 +193,10 @@ def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = No
     else:
         import torch
 
-        hw = torch.cuda.get_device_name(torch.device(device))
+        from pdserve.sim.hardware import device_for_cuda_name
+
+        cuda_name = torch.cuda.get_device_name(torch.device(device))
+        hw = device_for_cuda_name(cuda_name) or cuda_name  # a catalogue name when there is one
     from pdserve.config import ModelConfig
 
     return fit_profile(samples, threshold, model=ModelConfig.from_dir(model_dir).name,
