@@ -207,19 +207,20 @@ def overhead_from_step_log(path: Path, max_gap_s: float = 0.25) -> dict[str, flo
             "median_gap_by_seqs_ms": {int(n): 1000 * m for n, m, _ in pts}}
 
 
-def latency_of(setup: SimulationConfig, model: str) -> Any:
+def latency_of(setup: SimulationConfig, model: str, dtype: str = "float32") -> Any:
     """The simulator's executor-only step-time model of a TP-1 instance of ``setup``."""
     from pdserve.sim.target import step_model
 
     return step_model(replace(setup, step_overhead_ms=0.0, seq_overhead_ms=0.0),
-                      ModelConfig.from_dir(model), 1, 1, "float32")
+                      ModelConfig.from_dir(model), 1, 1, dtype)
 
 
 def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], model: str,
-                       step_log: Path, out: Path) -> tuple[str, dict[str, Any], list[Any]]:
+                       step_log: Path, out: Path, base: str = "cpu", dtype: str = "float32"
+                       ) -> tuple[str, dict[str, Any], list[Any]]:
     """Serve a calibration run (the workload with another seed, so none of the measured
     requests), ``s.num_requests`` requests split over ``rates`` so that its steps cover the
-    batch sizes (and the server's own CPU use) of every measured rate, then fit the ``cpu``
+    batch sizes (and the server's own CPU use) of every measured rate, then fit the ``base``
     device's efficiency factors to the steps the live instances logged so far (warm-up
     included); writes ``out`` and returns its path, the fit's summary and the run's records."""
     from pdserve.sim.calibrate import calibrate
@@ -239,20 +240,20 @@ def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], mode
         records += recs
     snapshot = step_log.with_suffix(".calibration.jsonl")
     snapshot.write_text(step_log.read_text())
-    ms = from_step_log(snapshot, model, 1, "float32")
-    cal = calibrate(get_device("cpu"), ms)
+    ms = from_step_log(snapshot, model, 1, dtype)
+    cal = calibrate(get_device(base), ms)
     save_hardware(out, cal.device, header=f"calibrated by benchmarks/fidelity.py on {snapshot}")
     fit = {**cal.summary(), "steps": len(ms), "file": str(out), "step_log": str(snapshot),
            "rates": rates,
            # for the record: under load the front end queues too (not what the simulator adds)
            "request_overhead_under_load": request_overhead(records)}
-    con.print(f"  calibrated the cpu device on {len(ms)} logged steps: fit mean "
+    con.print(f"  calibrated the {base} device on {len(ms)} logged steps: fit mean "
               f"{fit['fit']['mean']:.1%}, P90 {fit['fit']['p90']:.1%}")
     return str(out), fit, records
 
 
-def step_error(hardware: str, step_log: Path, model: str,
-               window: tuple[float, float]) -> dict[str, float] | None:
+def step_error(hardware: str, step_log: Path, model: str, window: tuple[float, float],
+               dtype: str = "float32") -> dict[str, float] | None:
     """How the calibrated step model did on the steps one measured run logged (held out from
     its fit): mean |error|, median error (bias) and the live executor's busy seconds. Separates
     a step-time error (the device ran faster or slower than when it was calibrated) from an
@@ -262,7 +263,7 @@ def step_error(hardware: str, step_log: Path, model: str,
     from pdserve.sim.measurements import from_step_log
 
     try:
-        ms = from_step_log(step_log, model, 1, "float32", window=window)
+        ms = from_step_log(step_log, model, 1, dtype, window=window)
     except ValueError:
         return None
     err = np.array(relative_errors(get_device(hardware), ms))
@@ -438,6 +439,12 @@ def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", default="out/fidelity", help="model, profile and logs")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the live instances run (cuda: float16, one GPU per instance, "
+                         "--latency calibrated; the simulator's device is the GPU's catalogue "
+                         "entry, calibrated on the step log)")
+    ap.add_argument("--hardware", help="with --device cuda: the catalogue device of the GPU "
+                                       "(default: from its CUDA name)")
     ap.add_argument("--model", help="model directory (default: a tiny llama made in work-dir)")
     ap.add_argument("--latency", default="profile", choices=("profile", "calibrated"),
                     help="the simulator's step-time model: profile (pdserve profile's fit of "
@@ -499,11 +506,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     model = args.model or make_model(work / "model", args.seed)
     calibrated = args.latency == "calibrated"
+    dtype, device = "float32", "cpu"
+    if args.device != "cpu":  # a GPU: its catalogue entry is calibrated on the step log
+        import torch
+
+        from pdserve.sim.hardware import device_for_cuda_name
+
+        if not calibrated:
+            raise SystemExit("--device cuda needs --latency calibrated")
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: CUDA is not available")
+        dtype = "float16"
+        device = args.hardware or device_for_cuda_name(torch.cuda.get_device_name(0))
+        if device is None:
+            raise SystemExit(f"no catalogue device for {torch.cuda.get_device_name(0)!r}: "
+                             f"pass --hardware")
     profile = None if calibrated else (
         args.profile or make_profile(model, work / "profile.json", args.quick_profile))
     rates = [float(x) for x in args.rates.split(",")]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    engine = {"dtype": "float32", "block_size": args.block_size,
+    engine = {"device": args.device, "dtype": dtype, "block_size": args.block_size,
               "num_kv_blocks": args.num_kv_blocks,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
@@ -534,7 +556,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             live_spec = replace(spec, engine={**spec.engine, "step_log": str(step_log)})
         spec_file = work / f"deployment-{strategy}.json"
         spec_file.write_text(json.dumps(live_spec.to_dict(), indent=1))
-        setup = SimulationConfig(spec, profile=profile, hardware="cpu" if calibrated else None)
+        setup = SimulationConfig(spec, profile=profile, hardware=device if calibrated else None)
         con.print(f"[bold]{strategy}[/]: starting pdserve serve --config {spec_file}")
         server = Server(spec_file, work / f"serve-{strategy}.log")
         try:
@@ -545,7 +567,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 cal_rates = ([float(x) for x in args.calibration_rates.split(",")]
                              if args.calibration_rates else rates)
                 hw, fit, cal_records = calibrate_from_run(
-                    live, s, cal_rates, model, step_log, work / f"cpu-calibrated-{strategy}.yaml")
+                    live, s, cal_rates, model, step_log,
+                    work / f"{device.lower()}-calibrated-{strategy}.yaml", device, dtype)
                 fits[strategy] = fit
                 setup = replace(setup, hardware=hw)
             if args.step_overhead_ms is None:
@@ -555,7 +578,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         raise SystemExit("--overhead steplog needs --latency calibrated")
                     cal = overhead_from_step_log(Path(fits[strategy]["step_log"]))
                 else:
-                    cal = calibrate_overhead(live, s, latency_of(setup, model))
+                    cal = calibrate_overhead(live, s, latency_of(setup, model, dtype))
                 cal["method"] = how
                 overheads[strategy] = cal
                 con.print(f"  serving overhead: {1000 * cal['step_s']:.2f} ms per step + "
@@ -576,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if strategy != "colocated":  # the live hand-off as the simulated KV link
                 link = handoff_link(
                     cal_records if calibrated else _probe(live, s, 4, 4000),
-                    ModelConfig.from_dir(model).kv_bytes_per_token("float32"))
+                    ModelConfig.from_dir(model).kv_bytes_per_token(dtype))
                 if link is not None:
                     links[strategy] = link
                     con.print(f"  KV hand-off: {1000 * link['latency_s']:.2f} ms + bytes at "
@@ -591,7 +614,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 w = base.retimed(rate)
                 sim_run = run_workload(sim, w, s)
                 elasticity = (e2e_elasticity(setup, w, s, sim_run,
-                                             work / f"cpu-pm5-{strategy}.yaml")
+                                             work / f"{device.lower()}-pm5-{strategy}.yaml")
                               if calibrated else None)
                 reps = []
                 for _ in range(args.repeats):
@@ -599,11 +622,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     live_run = run_workload(live, w, s)
                     rep = compare(live_run, sim_run)
                     if calibrated:  # the step model on this run's own steps, held out
-                        err = step_error(setup.hardware, step_log, model, (t_start, time.time()))
+                        err = step_error(setup.hardware, step_log, model, (t_start, time.time()),
+                                         dtype)
                         rep["step_error"] = err
                         if err is not None:  # and the simulator given this run's step speed
                             hw = at_speed(setup.hardware, 1 + err["weighted"],
-                                          work / f"cpu-at-run-speed-{strategy}.yaml")
+                                          work / f"{device.lower()}-at-run-speed-{strategy}.yaml")
                             again = compare(live_run, run_workload(
                                 SimTarget(replace(setup, hardware=hw), progress=False), w, s))
                             rep["at_run_speed"] = {
