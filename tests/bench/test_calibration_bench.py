@@ -5,21 +5,16 @@ device named in them; and the CUDA-name → catalogue mapping a GPU run relies o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("calibration_bench",
-                                                  ROOT / "benchmarks" / "calibration.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("calibration")
 
 
 @pytest.mark.parametrize("cuda,name", [

@@ -3,22 +3,17 @@ of each instance, against the per-step and per-sequence costs a synthetic log wa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_benchmark
 
 
 def _fidelity():
-    spec = importlib.util.spec_from_file_location("fidelity_bench",
-                                                  ROOT / "benchmarks" / "fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fidelity")
 
 
 def synthetic_log(path: Path, a: float, b: float) -> None:

@@ -5,11 +5,9 @@ hand-made records (no timings asserted), and one short end-to-end run against an
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,18 +15,12 @@ import pytest
 from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.runner import Run
 from pdserve.request import Timeline
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_vllm_serve.py"
+from tests.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def vs():
-    spec = importlib.util.spec_from_file_location("pdserve_vs_vllm_serve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return load_benchmark("vs_vllm_serve")
 
 
 def test_arguments(vs) -> None:

@@ -1,30 +1,19 @@
 """benchmarks/ecoserve.py: EcoServe's latency accounting (§4.2.2) against the standard one
 (DESIGN.md), and the breakdown that says where a request missed, on hand-worked timelines."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from pdserve.bench.metrics import SLO, RequestRecord, attains
 from pdserve.request import Timeline
+from tests.scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ecoserve.py"
 SLO_CHAT = SLO(5.0, 0.1)
 
 
 @pytest.fixture(scope="module")
 def eco():
-    spec = importlib.util.spec_from_file_location("ecoserve_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return mod
+    return load_benchmark("ecoserve")
 
 
 def rec(first, decode_start, gaps, arrival=0.0, routed=None, ok=True):

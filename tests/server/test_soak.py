@@ -4,22 +4,15 @@ explicit error, and no KV block leaks."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from tests.cluster.realstack import tiny_model
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+from tests.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def soak_module():
-    spec = importlib.util.spec_from_file_location("pdserve_soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("soak")
 
 
 async def test_short_soak(soak_module, tmp_path_factory: pytest.TempPathFactory) -> None:

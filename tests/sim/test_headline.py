@@ -1,8 +1,6 @@
 """benchmarks/distserve_headline.py: the chatbot recipe, the two placements, a small run."""
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +12,9 @@ from pdserve.cli import main as pdserve_main
 from pdserve.sim.latency import FittedProfile
 from pdserve.sim.models import get_model_config
 from pdserve.sim.target import build_simulator
+from tests.scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "distserve_headline.py"
 PROFILE = os.environ.get("PDSERVE_DISTSERVE_PROFILE",
                          str(ROOT / "pdserve" / "data" / "profiles"
                              / "distserve_profiler-a100-80g.distserve.json"))
@@ -26,15 +24,7 @@ needs_profile = pytest.mark.skipif(not os.path.isfile(PROFILE),
 
 @pytest.fixture(scope="module")
 def hl():
-    spec = importlib.util.spec_from_file_location("distserve_headline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return mod
+    return load_benchmark("distserve_headline")
 
 
 @pytest.fixture(scope="module")
