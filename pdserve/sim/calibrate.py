@@ -44,6 +44,7 @@ from pdserve.sim.measurements import (
     from_vidur_mlp,
     load_samples,
     model_config,
+    overhead_from_step_log,
     save_samples,
     serving_path,
 )
@@ -354,11 +355,16 @@ def run(args: argparse.Namespace) -> int:
             e = s[part]
             print(f"  {part:4s} error: mean {e['mean']:.1%}  P90 {e['p90']:.1%}  "
                   f"max {e['max']:.1%}  bias {e['bias']:+.1%}")
-    paths = [serving_path(p, args.model, args.dtype) for p in args.timelines or []]
-    for p, sp in zip(args.timelines or [], paths):
+    paths = {p: serving_path(p, args.model, args.dtype) for p in args.timelines or []}
+    for p in args.step_log or []:
+        try:
+            paths[p] = {"step_overhead": overhead_from_step_log(p)}
+        except ValueError as e:
+            paths[p] = {"step_overhead": None, "why": str(e)}
+    for p, sp in paths.items():
         _say_serving_path(p, sp)
     if paths:
-        s["serving_path"] = dict(zip(args.timelines, paths))
+        s["serving_path"] = paths
     if args.output:
         sources = [*base.device.sources,
                    f"efficiency: pdserve calibrate on {cal.n} measurements "
@@ -378,6 +384,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _say_serving_path(path: str, sp: dict[str, Any]) -> None:
     """What ``pdserve simulate`` should add around the calibrated steps, as flags and spec keys."""
+    if "step_overhead" in sp:  # a step log: the gaps between steps
+        so = sp["step_overhead"]
+        if so is None:
+            print(f"  {path}: no serving overhead per step ({sp['why']})")
+        else:
+            print(f"  serving overhead: {1000 * so['step_s']:.3f} ms per step + "
+                  f"{1000 * so['seq_s']:.3f} ms per sequence (from {so['gaps']} gaps between "
+                  f"steps); simulate with --step-overhead-ms {1000 * so['step_s']:.3f} "
+                  f"--seq-overhead-ms {1000 * so['seq_s']:.3f}")
+        return
     ro, link = sp["request_overhead"], sp["kv_link"]
     if ro is None:
         print(f"  {path}: no server timelines (pdserve sends them; vLLM does not), so the front "

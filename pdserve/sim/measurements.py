@@ -484,6 +484,47 @@ def from_metrics_log(path: str | os.PathLike[str], model: str | ModelConfig, tp:
 
 
 # ----------------------------------------------------------- the serving path around the steps
+def overhead_from_step_log(path: str | os.PathLike[str], max_gap_s: float = 0.25
+                           ) -> dict[str, Any]:
+    """The serving path's own cost, from the same step log the step model is fitted on: each
+    instance's loop starts a step as soon as the previous one leaves it with work
+    (:class:`~pdserve.cluster.instances.StepLoop`), and the log dates every step's start
+    (``now``) and times its executor (``elapsed``), so the gap from one step's end to the next
+    one's start is what a step costs besides the executor (scheduling, detokenizing and
+    reporting the tokens, taking the commands). Per number of sequences ``n`` of the earlier
+    step (whose tokens the gap reports), the median gap — robust to the few gaps where the
+    instance waited for work; gaps over ``max_gap_s`` are idle time, not cost — then a
+    least-squares line ``a + b·n`` through those medians weighted by their counts; both
+    clipped at 0 (:class:`~pdserve.sim.latency.DriverOverhead`)."""
+    by_inst: dict[str, list[dict[str, Any]]] = {}
+    for line in read_text(os.fspath(path), "step log").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if "now" in r:  # a log without step start times has no gaps to tell
+                by_inst.setdefault(str(r.get("instance_id", "log")), []).append(r)
+    gaps: dict[int, list[float]] = {}
+    for steps in by_inst.values():
+        steps.sort(key=lambda r: r["now"])
+        for a, b in zip(steps, steps[1:]):
+            gap = b["now"] - (a["now"] + a["elapsed"])
+            if 0.0 <= gap <= max_gap_s:
+                n = len(a["prefill_chunks"]) + len(a["decode_context_lens"])
+                gaps.setdefault(n, []).append(gap)
+    pts = [(n, float(np.median(g)), len(g)) for n, g in sorted(gaps.items()) if len(g) >= 5]
+    if not pts:
+        raise ValueError(f"{path}: too few consecutive steps to measure the serving overhead")
+    ns, meds, counts = (np.array(x, dtype=float) for x in zip(*pts))
+    if len(pts) == 1:
+        step, seq = float(meds[0]), 0.0
+    else:
+        w = np.sqrt(counts)
+        seq, step = np.polyfit(ns, meds, 1, w=w)
+        seq = max(float(seq), 0.0)
+        step = max(float(np.average(meds - seq * ns, weights=counts)), 0.0)
+    return {"step_s": step, "seq_s": seq, "gaps": int(counts.sum()),
+            "median_gap_by_seqs_ms": {int(n): 1000 * m for n, m, _ in pts}}
+
+
 def request_overhead(records: Sequence[Any]) -> dict[str, float]:
     """The front end's fixed cost per request (``SimulationConfig.request_overhead_ms``) from
     :class:`~pdserve.bench.metrics.RequestRecord` s that carry the server's timeline (pdserve

@@ -1,4 +1,5 @@
-"""benchmarks/fidelity.py's serving overhead from a step log: the gaps between consecutive steps
+"""The serving overhead from a step log (``pdserve.sim.measurements``, used by
+benchmarks/fidelity.py and ``pdserve calibrate --step-log``): the gaps between consecutive steps
 of each instance, against the per-step and per-sequence costs a synthetic log was made with."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.sim.measurements import overhead_from_step_log
 from tests.scripts import load_benchmark
 
 
@@ -39,7 +41,7 @@ def synthetic_log(path: Path, a: float, b: float) -> None:
 def test_overhead_from_step_log_recovers_the_costs(tmp_path: Path) -> None:
     log = tmp_path / "steps.jsonl"
     synthetic_log(log, a=0.0006, b=0.00015)
-    got = _fidelity().overhead_from_step_log(log)
+    got = overhead_from_step_log(log)
     assert got["step_s"] == pytest.approx(0.0006, rel=0.02)
     assert got["seq_s"] == pytest.approx(0.00015, rel=0.02)
     # the 3-second waits (after steps 0, 97, 194, 291 and 388 of each instance) are left out
@@ -51,7 +53,7 @@ def test_overhead_from_step_log_needs_consecutive_steps(tmp_path: Path) -> None:
     log.write_text(json.dumps({"instance_id": "x", "now": 1.0, "elapsed": 0.01,
                                "prefill_chunks": [], "decode_context_lens": [5]}) + "\n")
     with pytest.raises(ValueError, match="too few"):
-        _fidelity().overhead_from_step_log(log)
+        overhead_from_step_log(log)
 
 
 def test_step_log_window_keeps_one_runs_steps(tmp_path: Path) -> None:

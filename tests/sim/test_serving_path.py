@@ -5,6 +5,7 @@ front end's cost per request and the KV hand-off (``pdserve.sim.measurements``),
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,20 @@ def test_serving_path_prefers_lone_requests_and_calibrate_prints_it(tmp_path: Pa
         del r["server_timeline"]
     path.write_text(json.dumps({"records": recs}))
     assert serving_path(path, "llama-3-8b") == {"request_overhead": None, "kv_link": None}
+
+
+def test_calibrate_step_log_prints_the_serving_overhead(tmp_path: Path, capsys) -> None:
+    """``pdserve calibrate --step-log`` also prints the per-step and per-sequence costs that
+    the gaps between logged steps show (the synthetic log was made with 0.6 ms + 0.15 ms)."""
+    from pdserve.cli import main
+    from tests.bench.test_fidelity_overhead import synthetic_log
+
+    log = tmp_path / "steps.jsonl"
+    synthetic_log(log, a=0.0006, b=0.00015)
+    assert main(["calibrate", "--hardware", "cpu", "--step-log", str(log), "--model",
+                 "llama-3-8b", "--fit", "step_overhead_s"]) == 0
+    out = capsys.readouterr().out
+    step = re.search(r"--step-overhead-ms ([0-9.]+) --seq-overhead-ms ([0-9.]+)", out)
+    assert step, out
+    assert float(step[1]) == pytest.approx(0.6, rel=0.02)
+    assert float(step[2]) == pytest.approx(0.15, rel=0.02)
