@@ -315,9 +315,15 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
             ms += from_profile(prof, cfg, [s for s in shapes if s.kind != "mixed"])
         else:
             ms += from_distserve_json(p, [args.model] if args.model else None)
-    # serving logs of one instance: step log, client timelines, Prometheus scrapes
+    # serving logs of one instance: step log, client timelines, Prometheus scrapes; with a step
+    # log, the timelines of the same server only give the serving path around its steps (their
+    # steps, reconstructed from the client's side, are rougher copies of what the log has)
+    timelines = None if args.step_log else args.timelines
+    if args.step_log and args.timelines:
+        print("  --timelines with --step-log: the timelines give the front end's cost and the KV "
+              "hand-off; the steps are fitted on the step log alone")
     for flag, paths, read in (("--step-log", args.step_log, from_step_log),
-                              ("--timelines", args.timelines, from_request_timelines),
+                              ("--timelines", timelines, from_request_timelines),
                               ("--metrics-log", args.metrics_log, from_metrics_log)):
         for p in paths or []:
             if not args.model:
@@ -426,7 +432,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timelines", action="append",
                    help="per-request timelines a client saw of a one-instance server (`pdserve "
                         "bench --save-records` JSON, any OpenAI server; needs --model; "
-                        "repeatable): steps reconstructed from arrivals and token times")
+                        "repeatable): steps reconstructed from arrivals and token times; "
+                        "against pdserve also the front end's cost and the KV hand-off (with "
+                        "--step-log only those)")
     p.add_argument("--metrics-log", action="append",
                    help="Prometheus scrapes of a one-instance server, pdserve's or vLLM's "
                         "(`pdserve bench --scrape-metrics` JSON lines; needs --model; "
