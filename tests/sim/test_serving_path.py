@@ -118,3 +118,19 @@ def test_calibrate_step_log_prints_the_serving_overhead(tmp_path: Path, capsys) 
     assert step, out
     assert float(step[1]) == pytest.approx(0.6, rel=0.02)
     assert float(step[2]) == pytest.approx(0.15, rel=0.02)
+
+
+def test_with_a_step_log_the_timelines_are_not_fitted(tmp_path: Path, capsys) -> None:
+    """Given a step log and timelines of the same server, the steps are fitted on the log
+    alone (800 steps), and the timelines still give the front end's cost."""
+    from pdserve.cli import main
+    from tests.bench.test_fidelity_overhead import synthetic_log
+
+    log, recs = tmp_path / "steps.jsonl", tmp_path / "bench.json"
+    synthetic_log(log, a=0.0006, b=0.00015)
+    recs.write_text(json.dumps({"records": [_served(0.0, 64, 6), _served(1.0, 64, 6)]}))
+    assert main(["calibrate", "--hardware", "cpu", "--step-log", str(log), "--timelines",
+                 str(recs), "--model", "llama-3-8b", "--fit", "step_overhead_s"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated cpu on 800 measurements" in out
+    assert "--request-overhead-ms 6.00" in out
