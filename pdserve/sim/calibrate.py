@@ -409,11 +409,11 @@ def _say_serving_path(path: str, sp: dict[str, Any]) -> None:
               f"{'lone ' if ro['alone'] else ''}requests, P10 {ro['p10_ms']:.2f}, P90 "
               f"{ro['p90_ms']:.2f}); simulate with --request-overhead-ms {ro['median_ms']:.2f}")
     if link is not None:
-        bw = link["bandwidth_gb_per_s"]
-        print(f"  KV hand-off: {1000 * link['latency_s']:.2f} ms + bytes at "
+        bw, ms = link["bandwidth_gb_per_s"], 1000 * link["latency_s"]
+        flag = f"{'inf' if bw is None else f'{bw:.3g}'}:{ms:.3g}"
+        print(f"  KV hand-off: {ms:.2f} ms + bytes at "
               f"{'no limit' if bw is None else f'{bw:.3g} GB/s'} ({link['requests']} hand-offs);"
-              f" simulate with kv_link: {{bandwidth_gb_per_s: {bw if bw is None else f'{bw:.3g}'}"
-              f", latency_s: {link['latency_s']:.4g}}}")
+              f" simulate with --kv-link {flag}")
 
 
 def register(subparsers: Any) -> None:
