@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "max_ms": float(v.max()), "max_over_min": float(v.max() / v.min())}
         print(f"{k}: window medians {v.min():.2f}–{v.max():.2f} ms "
               f"(max/min {v.max() / v.min():.2f}) over {len(v)} windows")
-    rep = {"command": "python benchmarks/step_drift.py " + " ".join(argv or os.sys.argv[1:]),
+    rep = {"command": "python benchmarks/step_drift.py " + " ".join(argv or sys.argv[1:]),
            "model": args.model, "context": n, "window_s": args.window, "windows": windows,
            "summary": summary}
     if args.output_json:

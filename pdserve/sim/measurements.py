@@ -295,6 +295,15 @@ def _records_lists(data: Any) -> list[list[dict[str, Any]]]:
     return found
 
 
+def _records_of(path: str | os.PathLike[str]) -> list[list[dict[str, Any]]]:
+    """The ``records`` lists of a ``pdserve bench`` JSON file (:func:`_records_lists`)."""
+    p = os.fspath(path)
+    try:
+        return _records_lists(json.loads(read_text(p, "request timelines")))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p!r} is not JSON ({e})") from None
+
+
 def from_request_timelines(path: str | os.PathLike[str], model: str | ModelConfig, tp: int = 1,
                            dtype: str = "float16") -> list[Measurement]:
     """Engine steps reconstructed from what a client saw of a server with **one** instance
@@ -316,11 +325,7 @@ def from_request_timelines(path: str | os.PathLike[str], model: str | ModelConfi
     """
     cfg = model_config(model)
     p = os.fspath(path)
-    try:
-        data = json.loads(read_text(p, "request timelines"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p!r} is not JSON ({e})") from None
-    runs = _records_lists(data)
+    runs = _records_of(p)
     if not runs:
         raise ValueError(f"{p!r} has no per-request records (run `pdserve bench` with "
                          "--save-records)")
@@ -589,13 +594,9 @@ def serving_path(path: str | os.PathLike[str], model: str | ModelConfig,
     timelines, such as vLLM; a colocated one has no hand-off)."""
     from pdserve.bench.metrics import RequestRecord
 
-    p = os.fspath(path)
-    try:
-        data = json.loads(read_text(p, "request timelines"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p!r} is not JSON ({e})") from None
-    recs = [RequestRecord.from_dict(r) for run in _records_lists(data) for r in run]
-    lone = [r for run in _records_lists(data) for r in _alone(run)]
+    runs = [[RequestRecord.from_dict(r) for r in run] for run in _records_of(path)]
+    recs = [r for run in runs for r in run]
+    lone = [r for run in runs for r in _alone(run)]
     try:
         over: dict[str, Any] | None = request_overhead(lone or recs)
         over["alone"] = bool(lone)
@@ -605,11 +606,8 @@ def serving_path(path: str | os.PathLike[str], model: str | ModelConfig,
             "kv_link": handoff_link(recs, model_config(model).kv_bytes_per_token(dtype))}
 
 
-def _alone(run: Sequence[dict[str, Any]]) -> list[Any]:
+def _alone(recs: Sequence[Any]) -> list[Any]:
     """The records of one run whose request had the server to itself from arrival to end."""
-    from pdserve.bench.metrics import RequestRecord
-
-    recs = [RequestRecord.from_dict(r) for r in run]
     spans = [(r.timeline.arrival, r.timeline.finish or (r.timeline.token_times or [None])[-1])
              for r in recs]
     out = []
