@@ -15,6 +15,7 @@ from typing import Any
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ScheduledBatch
 from pdserve.engine.executor import Executor
+from pdserve.engine.logfile import AppendLog
 from pdserve.engine.scheduler import Scheduler
 from pdserve.request import (
     Request,
@@ -59,6 +60,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     busy_time: float = 0.0  # seconds spent computing steps (TetriInfer's resource usage time)
+    step_log_errors: int = 0  # step-log lines that could not be written (full disk, ...)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Engine:
         self.vocab_size = getattr(getattr(executor, "model_config", None), "vocab_size", None)
         self.num_steps = 0
         self.busy_time = 0.0
-        self._step_log: Any = None  # the open ``config.step_log`` file
+        self._step_log: AppendLog | None = None  # ``config.step_log``, opened at the first step
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -189,15 +191,16 @@ class Engine:
 
     def _log_step(self, batch: ScheduledBatch, now: float, elapsed: float) -> None:
         """One JSON line per step: what :func:`pdserve.sim.measurements.from_step_log` reads.
-        Line-buffered and opened for appending, so the instances of a deployment (threads or Ray
-        actors on one machine) can share one file."""
+        Flushed per line and opened for appending, so the instances of a deployment (threads or
+        Ray actors on one machine) can share one file. A line that cannot be written (a full
+        disk) is counted in ``stats().step_log_errors``, never raised into the step."""
         if self._step_log is None:
-            self._step_log = open(  # noqa: SIM115 - open for the engine's life
-                self.config.step_log, "a", buffering=1, encoding="utf-8")
+            assert self.config.step_log is not None
+            self._step_log = AppendLog(self.config.step_log, "step log", check=False)
         prefills, decodes = batch.shape()
         self._step_log.write(json.dumps(
             {"instance_id": self.name, "now": round(now, 6), "elapsed": elapsed,
-             "prefill_chunks": prefills, "decode_context_lens": decodes}) + "\n")
+             "prefill_chunks": prefills, "decode_context_lens": decodes}))
 
     # ------------------------------------------------------------------ KV hand-off
     def export_kv(self, request_id: str, first_block: int = 0) -> KVPayload:
@@ -245,6 +248,7 @@ class Engine:
             kv_usage=pool.usage, prefix_queries=s.kv.prefix_queries,
             prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
             num_steps=self.num_steps, busy_time=self.busy_time,
+            step_log_errors=self._step_log.errors if self._step_log is not None else 0,
         )
 
     def check_integrity(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.engine.logfile import AppendLog
 from pdserve.predict.base import PREDICTORS, LengthPredictor, bucket_of, check_granularity
 from pdserve.predict.classifier import SoftmaxClassifier
 from pdserve.predict.models import Oracle, default_num_buckets
@@ -42,27 +43,32 @@ class PairLog:
     """Appends one logged pair per finished request to a JSONL file:
     ``{"prompt_token_ids": [...], "output_len": n}`` (what :func:`load_pairs` reads). Each line
     is flushed as it is written, so a server that is killed loses at most the line in flight;
-    an existing file is appended to. Writes come from one thread (the server's event loop)."""
+    an existing file is appended to. A bad path is a ``ValueError`` here; a line that cannot be
+    written later (a full disk) is logged and counted in :attr:`errors`, never raised; a file
+    rotated away is reopened (:class:`~pdserve.engine.logfile.AppendLog`)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if self.path.is_dir():
-            raise ValueError(f"length-pair log {str(path)!r} is a directory")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = self.path.open("a", encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"cannot write length-pair log {str(path)!r}: {e}") from None
-        self.count = 0
+        self._log = AppendLog(self.path, "length-pair log")
 
-    def write(self, prompt_token_ids: Sequence[int], output_len: int) -> None:
-        self._f.write(json.dumps({"prompt_token_ids": [int(t) for t in prompt_token_ids],
-                                  "output_len": int(output_len)}) + "\n")
-        self._f.flush()
-        self.count += 1
+    @property
+    def count(self) -> int:
+        return self._log.lines
+
+    @property
+    def errors(self) -> int:
+        return self._log.errors
+
+    def write(self, prompt_token_ids: Sequence[int], output_len: int) -> bool:
+        return self._log.write(json.dumps({"prompt_token_ids": [int(t) for t in prompt_token_ids],
+                                           "output_len": int(output_len)}))
+
+    @property
+    def closed(self) -> bool:
+        return self._log.closed
 
     def close(self) -> None:
-        self._f.close()
+        self._log.close()
 
 
 def load_pairs(source: str, traces_dir: str | None = None) -> Pairs:

@@ -126,7 +126,8 @@ class OpenAIServer:
         self.pair_log = pair_log  # (prompt, output length) of each finished choice
         self.model_name = model_name
         self.created = int(time.time())
-        self.metrics = ServerMetrics(runtime, model_name)
+        self.metrics = ServerMetrics(runtime, model_name, {} if pair_log is None else
+                                     {"length_pairs": pair_log})
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
         self.large_text_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer-l")
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")

@@ -85,7 +85,13 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         config = replace(config, model=path)
 
     # resolve the engine against the model now: a bad max_model_len fails before any load
-    config.engine_config(model_max_len=ModelConfig.from_dir(config.model).max_position_embeddings)
+    max_len = ModelConfig.from_dir(config.model).max_position_embeddings
+    config.engine_config(model_max_len=max_len)
+    from pdserve.engine.logfile import check_log_path
+
+    for path in sorted({s.engine.step_log for s in config.instance_specs(max_len)
+                        if s.engine.step_log}):
+        check_log_path(path, "step log")  # a step must never fail on its log
     return config
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -38,7 +39,10 @@ _LABELS = ("model_name", "instance")
 class ServerMetrics:
     """All metrics of one app, in their own registry."""
 
-    def __init__(self, runtime: ServingRuntime, model_name: str) -> None:
+    def __init__(self, runtime: ServingRuntime, model_name: str,
+                 logs: dict[str, Any] | None = None) -> None:
+        """``logs``: the server's own log files by name (objects with an ``errors`` count:
+        :class:`~pdserve.predict.train.PairLog`), whose failed writes are exported."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
@@ -74,6 +78,7 @@ class ServerMetrics:
                                        "Finished requests by finish reason.",
                                        (*_LABELS, "finished_reason"), registry=r)
         r.register(_InstanceCollector(runtime, model_name))
+        r.register(_LogCollector(model_name, dict(logs or {})))
 
     def tracker(self, num_prompt_tokens: int) -> RequestTracker:
         """A tracker for one new request."""
@@ -180,6 +185,8 @@ class _InstanceCollector:
         queries = counter("prefix_cache_queries", "Prefix cache queries, in tokens.")
         hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens.")
         preempt = counter("num_preemptions", "Preemptions by recompute.")
+        step_log = counter("step_log_write_errors",
+                           "Step-log lines the instance could not write (full disk, ...).")
         try:
             statuses = self.runtime.instance_status()
         except Exception:  # a scrape must not fail because the runtime is shutting down
@@ -198,4 +205,21 @@ class _InstanceCollector:
             queries.add_metric(lv, s.prefix_queries)
             hits.add_metric(lv, s.prefix_hits)
             preempt.add_metric(lv, s.num_preemptions)
-        yield from (alive, running, waiting, held, usage, queries, hits, preempt)
+            step_log.add_metric(lv, s.step_log_errors)
+        yield from (alive, running, waiting, held, usage, queries, hits, preempt, step_log)
+
+
+class _LogCollector:
+    """Failed writes of the server's own log files (``--log-length-pairs``)."""
+
+    def __init__(self, model_name: str, logs: dict[str, Any]) -> None:
+        self.model_name = model_name
+        self.logs = logs
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily("pdserve:log_write_errors",
+                                "Lines the server could not write to its log files.",
+                                labels=["model_name", "log"])
+        for name, f in self.logs.items():
+            c.add_metric([self.model_name, name], f.errors)
+        yield c

@@ -104,7 +104,7 @@ def test_serve_hands_the_pair_log_to_the_server_and_closes_it(tmp_path, served):
                          "--log-length-pairs", str(f)]) == 0
     [args] = served
     log = args[-1]
-    assert isinstance(log, PairLog) and log.path == f and log._f.closed
+    assert isinstance(log, PairLog) and log.path == f and log.closed
     assert pdserve_main(["serve", "--demo", "--backend", "inproc"]) == 0
     assert served[1][-1] is None  # off by default
 
