@@ -44,7 +44,8 @@ def _generate(args: argparse.Namespace) -> int:
         stop_token_ids=args.stop_token_ids or None, ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens, logprobs=args.logprobs,
     )
-    llm = LLM(model, **engine_kwargs_from_args(args))
+    llm = LLM(model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+              **engine_kwargs_from_args(args))
     prompts: list = args.prompt
     if args.chat:  # each prompt is one user turn, rendered with the model's chat template
         from pdserve.tokenizer import apply_chat_template
@@ -103,6 +104,9 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-tokens", type=int, default=0)
     s.add_argument("--logprobs", type=int, default=None, help="also print sampled logprobs")
     add_engine_flags(g, exclude=("role", "prefill_token_target", "policy"))
+    par = g.add_argument_group("parallelism")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default: 1)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
     g.set_defaults(func=guarded("generate", _generate))
 
     t = sub.add_parser("make-tiny-model", help="write a random tiny model in Hugging Face layout",

@@ -22,12 +22,19 @@ class LLM:
     :func:`pdserve.checkpoints.resolve_model`).
     Keyword arguments: ``device``, ``dtype``, ``seed``, ``block_size``, ``num_kv_blocks`` (None =
     size from available memory), ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
-    ``enable_chunked_prefill``, ``enable_prefix_caching`` (see :class:`EngineConfig`).
+    ``enable_chunked_prefill``, ``enable_prefix_caching`` (see :class:`EngineConfig`), and
+    ``tensor_parallel_size`` / ``pipeline_parallel_size`` (a layout the engine cannot run is a
+    ``ValueError``).
     """
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, **engine_kwargs: Any) -> None:
+        from pdserve.model.parallel import check_live_layout
+
         model = resolve_model(model)
         model_config = ModelConfig.from_dir(model)
+        check_live_layout(model_config, tensor_parallel_size, pipeline_parallel_size,
+                          device=engine_kwargs.get("device") or "cpu")
         self.config = EngineConfig.from_kwargs(
             model, model_max_len=model_config.max_position_embeddings, **engine_kwargs)
         self.tokenizer = load_tokenizer(model)

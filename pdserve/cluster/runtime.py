@@ -450,8 +450,9 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     from pdserve.tokenizer import load_tokenizer
 
     model_config = ModelConfig.from_dir(config.model)
-    tokenizer = load_tokenizer(config.model)
     specs = config.instance_specs(model_config.max_position_embeddings)
+    check_specs(specs, model_config)
+    tokenizer = load_tokenizer(config.model)
     routers = make_routers(config.prefill_router, config.decode_router,
                            **config.router_options())
     if config.backend == "ray":
@@ -466,6 +467,18 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     runtime.make_client = make_client
     await runtime.start()
     return runtime
+
+
+def check_specs(specs: list[InstanceSpec], model_config: ModelConfig) -> None:
+    """``ValueError`` naming the role and value when an instance's ``tp``/``pp``/``ep`` cannot
+    run live (before anything loads)."""
+    from pdserve.model.parallel import check_live_layout
+
+    for s in specs:
+        try:
+            check_live_layout(model_config, s.tp, s.pp, s.ep, s.engine.device)
+        except ValueError as e:
+            raise ValueError(f"{s.role} instances: {e}") from None
 
 
 async def start_clients(config: ClusterConfig, specs: list[InstanceSpec], tokenizer: Any,

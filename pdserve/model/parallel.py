@@ -1,0 +1,215 @@
+"""Tensor-parallel layout (which heads, rows and vocabulary ids a rank holds), the live checks of
+a ``tp``/``pp``/``ep`` setting, and the communicator the sharded model talks through.
+
+Megatron-style sharding, as nano-vllm and mini-sglang do it::
+
+    column-parallel (split outputs)        row-parallel (split inputs, then all-reduce)
+    q/k/v heads, gate/up rows, fc1 rows    o_proj/out_proj, down_proj/fc2 columns
+
+Query heads split evenly; KV heads split evenly when ``tp`` divides them and are replicated
+when ``tp`` exceeds them (rank ``r`` holds KV head ``r // (tp / kv_heads)``). The vocabulary is
+split in ``ceil(vocab / tp)``-row shards (the last padded); logits are gathered before sampling.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdserve.config import ModelConfig, cdiv
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What rank ``rank`` of a ``tp``-way tensor-parallel group holds of ``model``."""
+
+    model: ModelConfig
+    tp: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        check_tp(self.model, self.tp)
+        if not 0 <= self.rank < self.tp:
+            raise ValueError(f"rank {self.rank} is outside a tp={self.tp} group")
+
+    @property
+    def heads(self) -> int:
+        return self.model.num_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        return max(self.model.num_kv_heads // self.tp, 1)
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks holding each KV head (1 unless ``tp`` > KV heads)."""
+        return max(self.tp // self.model.num_kv_heads, 1)
+
+    def head_range(self) -> tuple[int, int]:
+        return self.rank * self.heads, (self.rank + 1) * self.heads
+
+    def kv_head_range(self, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        first = r // self.kv_replicas * self.kv_heads
+        return first, first + self.kv_heads
+
+    def kv_owner(self, kv_head: int) -> int:
+        """The first rank holding ``kv_head`` (where a KV export reads it)."""
+        return kv_head // self.kv_heads * self.kv_replicas
+
+    def inter_range(self) -> tuple[int, int]:
+        n = self.model.intermediate_size // self.tp
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def vocab_shard(self) -> int:
+        return cdiv(self.model.vocab_size, self.tp)
+
+    def vocab_range(self) -> tuple[int, int]:
+        """Vocabulary ids ``[lo, hi)`` of this rank (``hi - lo`` may fall short of
+        :attr:`vocab_shard` on the last rank: its rows past the vocabulary stay zero)."""
+        lo = self.rank * self.vocab_shard
+        return min(lo, self.model.vocab_size), min(lo + self.vocab_shard, self.model.vocab_size)
+
+    def local_config(self) -> ModelConfig:
+        """The model as one rank builds it: its heads, KV heads and MLP width."""
+        if self.tp == 1:
+            return self.model
+        return replace(self.model, num_heads=self.heads, num_kv_heads=self.kv_heads,
+                       intermediate_size=self.model.intermediate_size // self.tp,
+                       head_dim=self.model.head_dim)
+
+
+def check_tp(model: ModelConfig, tp: int) -> None:
+    """``ValueError`` naming ``tp`` when ``model`` cannot be split ``tp`` ways."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+    if tp == 1:
+        return
+    name = model.name or model.family
+    h, kv, inter = model.num_heads, model.num_kv_heads, model.intermediate_size
+    if h % tp:
+        raise ValueError(f"tp={tp} does not divide the {h} attention heads of {name!r}")
+    if kv % tp and tp % kv:
+        raise ValueError(f"tp={tp} neither divides the {kv} KV heads of {name!r} nor is a "
+                         f"multiple of them (KV heads are split, or replicated when tp exceeds "
+                         f"them)")
+    if inter % tp:
+        raise ValueError(f"tp={tp} does not divide the MLP width {inter} of {name!r}")
+
+
+def check_live_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1,
+                      device: str = "cpu", ranks_available: int | None = None) -> None:
+    """``ValueError`` naming the value when the live engine cannot run an instance of ``model``
+    with this parallelism (``pdserve simulate`` and ``plan`` model any of them).
+
+    ``ranks_available``: the CPUs (or GPUs) one instance may use; ``None`` = this machine's
+    (GPUs on ``cuda``; no CPU limit, since ranks may share cores)."""
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if ep != 1:
+        raise ValueError(f"ep={ep}: the live engine runs dense models without expert "
+                         f"parallelism; expert parallelism is simulated only (pdserve simulate)")
+    if pp > model.num_layers:
+        raise ValueError(f"pp={pp} exceeds the {model.num_layers} layers of "
+                         f"{model.name or model.family!r}")
+    if pp != 1:
+        raise ValueError(f"pp={pp}: the live engine does not run pipeline parallelism yet; "
+                         f"pipeline stages are simulated only (pdserve simulate / plan)")
+    check_tp(model, tp)
+    ranks = tp * pp
+    if ranks_available is None and device.startswith("cuda"):
+        import torch
+
+        ranks_available = torch.cuda.device_count()
+    if ranks_available is not None and ranks > ranks_available:
+        what = "GPUs" if device.startswith("cuda") else "CPUs"
+        raise ValueError(f"tp={tp} x pp={pp} needs {ranks} ranks, more than the "
+                         f"{ranks_available} {what} available")
+    if tp != 1:
+        raise ValueError(f"tp={tp}: the live engine does not run tensor parallelism yet; it is "
+                         f"simulated only (pdserve simulate / plan)")
+
+
+class Communicator:
+    """The collectives a tensor-parallel rank needs, over ``torch.distributed`` (gloo on CPU,
+    NCCL on CUDA: one code path). ``tp == 1`` makes every call a no-op."""
+
+    def __init__(self, rank: int = 0, world: int = 1, init_method: str | None = None,
+                 device: str = "cpu", timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world = rank, world
+        self.group: Any = None
+        if world == 1:
+            return
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = dist.group.WORLD
+        # objects (step plans, KV payloads) travel through gloo even on CUDA: no device copies
+        self.cpu_group = self.group if backend == "gloo" else dist.new_group(backend="gloo")
+
+    def all_reduce(self, x: Any) -> Any:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: Any, dim: int = -1) -> Any:
+        """``x`` of every rank concatenated along ``dim``, in rank order."""
+        if self.world == 1:
+            return x
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj``, on every rank."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (``None`` elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world if self.rank == 0 else []
+        dist.gather_object(obj, out if self.rank == 0 else None, dst=0, group=self.cpu_group)
+        return out if self.rank == 0 else None
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def local_init_method() -> str:
+    """A rendezvous address for a group of processes on this machine."""
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
