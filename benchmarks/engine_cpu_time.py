@@ -2,8 +2,8 @@
 decode steps, and inside them the model forward and the logits (``lm_head``).
 
 CPU seconds with one torch thread are far less sensitive to other jobs on a shared machine than
-wall time, so this is the number to compare code changes by (docs/benchmarks.md, "Closing the
-two big items"). Flags after the first two go to ``offline_throughput.py``'s parser.
+wall time, so this is the number to compare code changes by (docs/benchmarks.md, "Engine
+profile (issue 14)"). Flags after the first two go to ``offline_throughput.py``'s parser.
 
     python benchmarks/engine_cpu_time.py 1 32      # torch threads, prompts
 """

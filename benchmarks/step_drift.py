@@ -1,4 +1,4 @@
-"""How steady is this machine's step time? (docs/fidelity.md, "End to end".)
+"""How steady is this machine's step time? (docs/fidelity.md, "Step drift".)
 
 Times the same two steps of a model's real executor — one decode step of one sequence and one
 prefill of a short prompt — over and over for a few minutes, in one process with one torch
