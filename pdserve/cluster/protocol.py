@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pdserve.engine.engine import EngineStats
 from pdserve.request import RequestOutput, SamplingParams
@@ -26,6 +26,21 @@ class InstanceStatus:
     role: str  # colocated | prefill | decode
     alive: bool
     stats: EngineStats | None
+    draining: bool = False  # being removed: no new requests, finishing what it holds
+
+
+@dataclass
+class Removal:
+    """One completed ``remove_instance``: when it was asked for, when the instance had drained
+    (or the drain timed out: ``timed_out``, its remaining requests recomputed elsewhere), and
+    its block pool's ``check_integrity`` at shutdown (``None`` if it had died)."""
+
+    instance_id: str
+    role: str
+    requested: float
+    drained: float
+    pool: dict[str, int] | None
+    timed_out: bool = False
 
 
 class ServingRuntime(Protocol):
@@ -56,3 +71,22 @@ class ServingRuntime(Protocol):
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class ScalableRuntime(Protocol):
+    """A runtime whose instances come and go while it serves (live scaling, the admin API)."""
+
+    async def add_instance(self, role: str, instance_id: str | None = None) -> str:
+        """Start a ``role`` instance; returns its id. ``ValueError`` for a role the deployment
+        does not take or an id in use; ``RuntimeError`` when the backend cannot start it."""
+        ...
+
+    async def remove_instance(self, instance_id: str,
+                              drain_timeout: float | None = None) -> Removal:
+        """Stop routing to the instance, let it drain (at most ``drain_timeout`` seconds, then
+        its requests are recomputed elsewhere), check and shut it down. ``ValueError`` for an
+        unknown instance or the last of its role."""
+        ...
+
+    def instance_status(self) -> list[InstanceStatus]: ...

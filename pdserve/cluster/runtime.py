@@ -35,7 +35,12 @@ from pdserve.cluster.instances import (
     wait_for_resources,
 )
 from pdserve.cluster.macro import MacroRolling
-from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
+from pdserve.cluster.protocol import (
+    InstanceStatus,
+    QueueFullError,
+    Removal,
+    RequestFailedError,
+)
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
 from pdserve.cluster.scaling import InstanceHandle
 from pdserve.cluster.tetri import controller_extras
@@ -53,19 +58,6 @@ class _Instance:
     # executor that reports modelled (not measured) step times
     step_end: float = 0.0
     pump: asyncio.Task | None = None  # receives the instance's reports
-
-
-@dataclass
-class Removal:
-    """One completed :meth:`ClusterRuntime.remove_instance`: when it was asked for, when the
-    instance had drained, and its block pool's ``check_integrity`` at shutdown (``None`` if it
-    had died)."""
-
-    instance_id: str
-    role: str
-    requested: float
-    drained: float
-    pool: dict[str, int] | None
 
 
 @dataclass
@@ -195,20 +187,31 @@ class ClusterRuntime:
         self._run(effects)
         return instance_id
 
-    async def remove_instance(self, instance_id: str) -> Removal:
+    async def remove_instance(self, instance_id: str,
+                              drain_timeout: float | None = None) -> Removal:
         """Stop routing to ``instance_id``, let it finish what it holds (running decodes
         complete; a prefill instance's held KV is pulled), then check its block pool and shut
-        it down. ``ValueError`` for an unknown or dead instance, or the last of its role."""
+        it down. After ``drain_timeout`` seconds (wall clock; ``None``: no limit) what it still
+        holds is recomputed elsewhere, as if it had died, and it is shut down unchecked.
+        ``ValueError`` for an unknown or dead instance, or the last of its role."""
         requested = self.clock()
         role = self.instances[instance_id].view.role if instance_id in self.instances else ""
         self._run(self.core.remove_instance(instance_id, requested))
         log.info("instance %s (%s) draining for removal", instance_id, role)
+        deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
+        timed_out = False
         while not self.core.drained(instance_id):
             if not self._running:
                 raise RuntimeError(f"shut down while {instance_id} was draining")
+            if deadline is not None and time.monotonic() >= deadline:
+                log.warning("instance %s did not drain in %.1f s; its requests are recomputed "
+                            "elsewhere", instance_id, drain_timeout)
+                timed_out = True
+                self._run(self.core.instance_failed(instance_id, self.clock()))
+                continue
             await asyncio.sleep(0.01)
         inst = self.instances.pop(instance_id)
-        was_alive = inst.view.alive
+        was_alive = inst.view.alive and not timed_out
         self.core.forget(instance_id)
         drained = self.clock()
         if inst.pump is not None:
@@ -222,7 +225,7 @@ class ClusterRuntime:
             log.error("instance %s removed with blocks in use: %s", instance_id, pool)
         spec = self.config.role(role)
         self.num_gpus -= spec.tp * spec.pp if spec is not None else 1
-        rec = Removal(instance_id, role, requested, drained, pool)
+        rec = Removal(instance_id, role, requested, drained, pool, timed_out)
         self.removals.append(rec)
         log.info("instance %s removed after %.3f s of draining", instance_id,
                  drained - requested)
@@ -306,7 +309,9 @@ class ClusterRuntime:
                    if r.stage in ("queued", "prefill"))
 
     def instance_status(self) -> list[InstanceStatus]:
-        return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive, i.view.stats)
+        removing = self.controller.removing
+        return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive, i.view.stats,
+                               i.view.draining or i.view.instance_id in removing)
                 for i in self.instances.values()]
 
     async def check_integrity(self) -> dict[str, dict[str, int]]:

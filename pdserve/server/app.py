@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +26,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__, grammar
-from pdserve.cluster.protocol import QueueFullError, RequestFailedError, ServingRuntime
+from pdserve.cluster.protocol import (
+    QueueFullError,
+    RequestFailedError,
+    ScalableRuntime,
+    ServingRuntime,
+)
 from pdserve.request import RequestOutput, SamplingParams, derive_seed, validate_prompt
 from pdserve.server.errors import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -437,33 +441,51 @@ class OpenAIServer:
         return Response("{}", media_type="application/json")
 
 
+ADMIN_ROLES = ("colocated", "prefill", "decode", "temporal")
+
+
 class AdminInstancesRequest(BaseModel):
     """``POST /admin/instances``: ``{"action": "add", "role": ROLE[, "instance_id": ID]}`` or
-    ``{"action": "remove", "instance_id": ID}`` (live scaling, replanning from outside)."""
+    ``{"action": "remove", "instance_id": ID[, "drain_timeout": SECONDS]}`` (live scaling,
+    replanning from outside)."""
 
     model_config = ConfigDict(extra="forbid")
     action: Literal["add", "remove"]
-    role: str | None = None
-    instance_id: str | None = None
+    role: Literal["colocated", "prefill", "decode", "temporal"] | None = None
+    instance_id: str | None = Field(default=None, min_length=1, max_length=128)
+    drain_timeout: float | None = Field(default=None, gt=0, le=86400)
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _known_role(cls, v: Any) -> Any:
+        if v is not None and v not in ADMIN_ROLES:
+            raise ValueError(f"unknown role {v!r}; use {', '.join(ADMIN_ROLES[:-1])} or "
+                             f"{ADMIN_ROLES[-1]}")
+        return v
 
 
-def _instances(runtime: Any) -> list[dict[str, Any]]:
+def _instances(runtime: ServingRuntime) -> list[dict[str, Any]]:
     return [{"instance_id": s.instance_id, "role": s.role, "alive": s.alive,
-             "draining": bool(getattr(runtime, "instances", {}).get(s.instance_id)
-                              and runtime.instances[s.instance_id].view.draining)}
-            for s in runtime.instance_status()]
+             "draining": s.draining} for s in runtime.instance_status()]
 
 
-async def admin_instances(runtime: Any, body: AdminInstancesRequest) -> dict[str, Any]:
-    """Add or remove an instance; a removal answers once the instance has drained."""
-    if not hasattr(runtime, "add_instance"):
+async def admin_instances(runtime: ServingRuntime, body: AdminInstancesRequest,
+                          max_instances: int) -> dict[str, Any]:
+    """Add or remove an instance through the runtime's :class:`ScalableRuntime` methods; a
+    removal answers once the instance has drained (or its ``drain_timeout`` passed). At most
+    ``max_instances`` instances run at once."""
+    if not isinstance(runtime, ScalableRuntime):
         raise APIError(400, "this runtime cannot add or remove instances")
     if body.action == "add":
         if not body.role:
             raise APIError(400, "action 'add' needs a role", param="role")
-        if body.role not in ("colocated", "prefill", "decode", "temporal"):
-            raise APIError(400, f"unknown role {body.role!r}; use colocated, prefill, decode "
-                                f"or temporal", param="role")
+        if body.drain_timeout is not None:
+            raise APIError(400, "action 'add' takes no drain_timeout", param="drain_timeout")
+        running = len(runtime.instance_status())
+        if running >= max_instances:
+            raise APIError(400, f"the server runs {running} instances, the most it may "
+                                f"(--max-instances {max_instances}); remove one first",
+                           param="action")
         try:
             iid = await runtime.add_instance(body.role, body.instance_id)
         except ValueError as e:
@@ -476,12 +498,14 @@ async def admin_instances(runtime: Any, body: AdminInstancesRequest) -> dict[str
     if body.role is not None:
         raise APIError(400, "action 'remove' takes an instance_id, not a role", param="role")
     try:
-        rec = await runtime.remove_instance(body.instance_id)
+        rec = await runtime.remove_instance(body.instance_id, body.drain_timeout)
     except ValueError as e:
         raise APIError(400, str(e), param="instance_id") from None
+    except RuntimeError as e:  # the server shut down while it drained
+        raise APIError(503, str(e)) from None
     return {"action": "remove", "instance_id": rec.instance_id, "role": rec.role,
-            "drain_seconds": rec.drained - rec.requested, "pool": rec.pool,
-            "instances": _instances(runtime)}
+            "drain_seconds": rec.drained - rec.requested, "drain_timed_out": rec.timed_out,
+            "pool": rec.pool, "instances": _instances(runtime)}
 
 
 def _timeline(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -501,12 +525,21 @@ def _tokenizer_vocab_size(tokenizer: Any) -> int | None:
 def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
               api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              pair_log: PairLog | None = None) -> FastAPI:
+              pair_log: PairLog | None = None, enable_admin: bool = False,
+              admin_key: str | None = None, max_instances: int | None = None) -> FastAPI:
     """The FastAPI app serving ``runtime`` (already started) under ``served_model_name``
     (default: :func:`default_served_model_name` of the runtime's model, never a cache path).
-    ``api_key`` protects the ``/v1`` endpoints; bodies over ``max_request_bytes`` get a 413.
-    With ``pair_log`` every choice that finishes (stop or length) is logged as a (prompt,
-    output length) pair, the length predictor's training data (TetriInfer §3.3.2)."""
+    ``api_key`` protects every endpoint but ``/health``, ``/ping`` and ``/version``; bodies over
+    ``max_request_bytes`` get a 413. With ``pair_log`` every choice that finishes (stop or
+    length) is logged as a (prompt, output length) pair, the length predictor's training data
+    (TetriInfer §3.3.2). ``/admin`` is served only with ``enable_admin`` or an ``admin_key``
+    (which it then requires instead of ``api_key``), and adds instances up to
+    ``max_instances`` in all (default: twice the instances running now)."""
+    admin = enable_admin or bool(admin_key)
+    if max_instances is None:
+        max_instances = 2 * max(len(runtime.instance_status()), 1)
+    if max_instances < 1:
+        raise ValueError(f"max_instances must be >= 1, got {max_instances}")
     server = OpenAIServer(runtime, served_model_name or default_served_model_name(
         runtime.model_name), pair_log)
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving")
@@ -529,8 +562,8 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if api_key or admin_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, admin_key=admin_key)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -556,8 +589,12 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     async def health() -> Response:
         return server.health()
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", operation_id="ping_get")
     async def ping() -> Response:
+        return server.health()
+
+    @app.post("/ping", operation_id="ping_post")
+    async def ping_post() -> Response:
         return server.health()
 
     @app.get("/version")
@@ -568,25 +605,24 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def _admin_auth(raw: Request) -> None:
-        if api_key and not secrets.compare_digest(raw.headers.get("authorization", ""),
-                                                  f"Bearer {api_key}"):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
-                                "<key>')")
+    if not admin:
+        @app.api_route("/admin/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
+        async def admin_off(rest: str) -> Response:
+            raise APIError(404, "the admin API is off; start the server with --enable-admin "
+                                "or --admin-key-file")
+        return app
 
     @app.get("/admin/instances")
-    async def list_instances(raw: Request) -> dict[str, Any]:
-        _admin_auth(raw)
+    async def list_instances() -> dict[str, Any]:
         return {"instances": _instances(runtime)}
 
     @app.post("/admin/instances")
     async def scale_instances(raw: Request) -> dict[str, Any]:
-        _admin_auth(raw)  # before looking at the body
         try:
             body = AdminInstancesRequest.model_validate_json(await raw.body())
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
-        return await admin_instances(runtime, body)
+        return await admin_instances(runtime, body, max_instances)
 
     return app
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -43,8 +44,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     m.add_argument("--served-model-name", help="model name clients use (default: --model)")
     m.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     m.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    m.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints "
+    m.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint "
+                                     "but /health, /ping and /version (visible in `ps`: "
+                                     "prefer --api-key-file or $PDSERVE_API_KEY) "
                                      "(default: none)")
+    m.add_argument("--api-key-file", metavar="FILE",
+                   help="read the API key from FILE (its first line) (default: none)")
+    m.add_argument("--enable-admin", action="store_true",
+                   help="serve /admin/instances (live scaling), behind the API key if one is "
+                        "set (default: off)")
+    m.add_argument("--admin-key-file", metavar="FILE",
+                   help="serve /admin/instances behind this separate key (its first line; "
+                        "also $PDSERVE_ADMIN_KEY) (default: none)")
+    m.add_argument("--max-instances", type=positive_int,
+                   help="the most instances /admin/instances may run at once (default: twice "
+                        "the deployment's)")
     m.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
     m.add_argument("--log-level", default="info",
@@ -100,11 +114,13 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
                 log_level: str = "info",
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                 pair_log: PairLog | None = None,
-                replan: Callable[[Any], Any] | None = None) -> None:
+                replan: Callable[[Any], Any] | None = None,
+                admin: dict[str, Any] | None = None) -> None:
     """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down. With
     ``pair_log``, every finished request is logged as a (prompt, output length) pair; with
     ``replan`` (:func:`pdserve.flags.replanner_from_args`), a live replanner watches the
-    runtime."""
+    runtime; ``admin`` holds :func:`~pdserve.server.app.build_app`'s ``enable_admin``,
+    ``admin_key`` and ``max_instances``."""
     import uvicorn
 
     from pdserve.cluster.runtime import build_runtime
@@ -122,7 +138,8 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     main_thread = threading.current_thread() is threading.main_thread()
     handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
     try:
-        app = build_app(runtime, served_model_name, api_key, max_request_bytes, pair_log)
+        app = build_app(runtime, served_model_name, api_key, max_request_bytes, pair_log,
+                        **(admin or {}))
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
         # uvicorn re-raises the signal it caught once it has stopped; route it to a no-op so
@@ -148,8 +165,45 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
             loop.remove_signal_handler(sig)
 
 
+def _key_from(flag: str | None, file: str | None, env: str, what: str) -> str | None:
+    """A key from its flag, its file's first line or the environment variable ``env`` (one
+    of them at most). ``ValueError`` names the flag or file that is wrong."""
+    given = [name for name, v in ((f"--{what}", flag), (f"--{what}-file", file)) if v]
+    if len(given) > 1:
+        raise ValueError(f"give one of {' and '.join(given)}, not both")
+    if file:
+        try:
+            with open(file, encoding="utf-8") as f:
+                flag = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--{what}-file {file!r} cannot be read: {e}") from None
+        if not flag:
+            raise ValueError(f"--{what}-file {file!r} is empty")
+    elif flag is None:
+        flag = os.environ.get(env) or None
+    if flag is not None and (not flag.isprintable() or not flag.isascii() or " " in flag):
+        raise ValueError(f"the {what.replace('-', ' ')} must be printable ASCII without "
+                         f"spaces (an HTTP header carries it)")
+    return flag
+
+
+def keys_from_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(api key, admin key)`` from the flags, files and ``$PDSERVE_API_KEY`` /
+    ``$PDSERVE_ADMIN_KEY``."""
+    return (_key_from(args.api_key, args.api_key_file, "PDSERVE_API_KEY", "api-key"),
+            _key_from(None, args.admin_key_file, "PDSERVE_ADMIN_KEY", "admin-key"))
+
+
 def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    api_key, admin_key = keys_from_args(args)
+    if args.max_instances is not None and not (args.enable_admin or admin_key):
+        raise ValueError("--max-instances caps /admin/instances, which is off: add "
+                         "--enable-admin or --admin-key-file")
+    if args.max_instances is not None and args.max_instances < sum(r.count for r in
+                                                                   config.roles):
+        raise ValueError(f"--max-instances {args.max_instances} is below the deployment's "
+                         f"{sum(r.count for r in config.roles)} instances")
     replan = replanner_from_args(args, config)  # bad replanning settings fail before the load
     pair_log = None
     if args.log_length_pairs:
@@ -158,9 +212,12 @@ def _serve(args: argparse.Namespace) -> int:
         pair_log = PairLog(args.log_length_pairs)  # a bad path fails before the model loads
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            extra = {"replan": replan} if replan is not None else {}
+            extra: dict[str, Any] = {"replan": replan} if replan is not None else {}
+            if args.enable_admin or admin_key:
+                extra["admin"] = {"enable_admin": True, "admin_key": admin_key,
+                                  "max_instances": args.max_instances}
             asyncio.run(serve(config, args.host, args.port, args.served_model_name,
-                              args.api_key, args.log_level, args.max_request_bytes, pair_log,
+                              api_key, args.log_level, args.max_request_bytes, pair_log,
                               **extra))
     finally:
         if pair_log is not None:

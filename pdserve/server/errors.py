@@ -6,7 +6,8 @@ HTTP status in ``code`` (:class:`APIError`); a 429 carries ``Retry-After``.
 
 from __future__ import annotations
 
-import secrets
+import hashlib
+import hmac
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -80,21 +81,37 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"invalid value for '{path}': {msg}", param=param)
 
 
-class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every ``/v1`` path."""
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})  # never behind a key
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+def _bearer_digest(key: str) -> bytes:
+    return hashlib.sha256(b"Bearer " + key.encode("utf-8")).digest()
+
+
+class APIKeyMiddleware:
+    """With ``api_key``, requires ``Authorization: Bearer <key>`` on every path but
+    ``OPEN_PATHS``; ``/admin`` paths take ``admin_key`` instead when one is set. The header's raw
+    bytes (any, non-ASCII too) are hashed and the SHA-256 digests compared in constant time, so
+    neither the key's length nor its prefix leaks through timing."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None = None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api = _bearer_digest(api_key) if api_key else None
+        self.admin = _bearer_digest(admin_key) if admin_key else self.api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(got, self.expected):
-                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
-                                    "<key>')")
-                await err.response()(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            admin = scope["path"] == "/admin" or scope["path"].startswith("/admin/")
+            want = self.admin if admin else self.api
+            if want is not None:
+                got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"),
+                           b"")
+                if not hmac.compare_digest(hashlib.sha256(got).digest(), want):
+                    which = "admin key" if admin and want is not self.api else "API key"
+                    err = APIError(401, f"invalid or missing {which} (send 'Authorization: "
+                                        f"Bearer <key>')")
+                    await err.response()(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 

@@ -173,7 +173,7 @@ async def test_admin_endpoint_adds_and_removes_with_openai_errors() -> None:
 
     rt = runtime("disaggregated", p=1, d=1)
     await rt.start()
-    app = build_app(rt, "fake", api_key="k")
+    app = build_app(rt, "fake", api_key="k", enable_admin=True)
     auth = {"Authorization": "Bearer k"}
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app),

@@ -160,7 +160,7 @@ async def test_api_key() -> None:
         assert (await c.post(COMPL, json=body, headers=ok)).status_code == 200
         assert (await c.get("/v1/models", headers=ok)).status_code == 200
         assert (await c.get("/health")).status_code == 200
-        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/metrics", headers=ok)).status_code == 200
 
 
 def test_error_body_is_compact_json() -> None:
