@@ -38,7 +38,7 @@ from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import Settings, build_workload, run_workload
 from pdserve.bench.targets import HttpTarget
 from pdserve.config import ClusterConfig, Link, ModelConfig
-from pdserve.sim.measurements import handoff_link, overhead_from_step_log, request_overhead
+from pdserve.sim.serving_path import handoff_link, overhead_from_step_log, request_overhead
 from pdserve.sim.target import SimTarget, SimulationConfig
 
 con = Console(stderr=True)

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.metrics import SLO
-from pdserve.planner.search import STRATEGIES, Plan, Problem, plan
+from pdserve.planner.problem import STRATEGIES, Problem
+from pdserve.planner.search import Plan, plan
 
 PROFILE = "distserve_profiler-a100-80g.distserve"
 SLO_13B = SLO(0.25, 0.1)  # DistServe Table 1, chatbot OPT-13B
@@ -42,10 +43,10 @@ def _cpu() -> float:
 
 def timed_plan(p: Problem, workers: int = 2, strategies: tuple[str, ...] = STRATEGIES,
                prune: bool = True, early_stop: bool = True) -> tuple[Plan, float, float]:
-    from pdserve.planner import search
+    from pdserve.planner import problem, units
 
-    search.unit_model.cache_clear()
-    search.base_workload.cache_clear()
+    units.unit_model.cache_clear()
+    problem.base_workload.cache_clear()
     c0, t0 = _cpu(), time.perf_counter()
     res = plan(p, workers, strategies=strategies, prune=prune, early_stop=early_stop)
     return res, time.perf_counter() - t0, _cpu() - c0
@@ -119,7 +120,7 @@ TABLE3 = [("opt-13b", "distserve-chatbot", SLO_13B, (2, 1), (1, 1)),
 
 
 def cmd_table3(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from pdserve.planner import search
+    from pdserve.planner import problem, units
 
     """Every prefill and decode unit searched to convergence (no pruning, no early stop) on
     one node of 8 A100 (Alg. 1's per-phase search; KV over NVLink): each phase's ranking by
@@ -135,11 +136,11 @@ def cmd_table3(args: argparse.Namespace) -> list[dict[str, Any]]:
         # a placement, and a workload whose best pair needs more than one node would make
         # plan() refuse the cluster before the rankings are out
         p = replace(p, early_probes=not args.no_early_probes)
-        search.unit_model.cache_clear()
-        search.base_workload.cache_clear()
+        units.unit_model.cache_clear()
+        problem.base_workload.cache_clear()
         c0, t0 = _cpu(), time.perf_counter()
-        with search.UnitCache(p, args.workers) as cache:
-            results = cache.get(search.candidate_units(p, ("disaggregated",)))
+        with units.UnitCache(p, args.workers) as cache:
+            results = cache.get(units.candidate_units(p, ("disaggregated",)))
         wall, cpu = time.perf_counter() - t0, _cpu() - c0
         row: dict[str, Any] = {"case": name, "wall_s": wall, "cpu_s": cpu,
                                "paper_prefill": pre, "paper_decode": dec}

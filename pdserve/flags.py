@@ -301,8 +301,8 @@ def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
     if not getattr(args, "replan", False):
         return None
     from pdserve.bench.metrics import SLO
+    from pdserve.planner.problem import Problem
     from pdserve.planner.replan import LiveReplanner, ShiftDetector, deployed_planner
-    from pdserve.planner.search import Problem
 
     if args.replan_profile and args.replan_hardware:
         raise ValueError("give --replan-profile or --replan-hardware, not both")
@@ -312,7 +312,7 @@ def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
                       slo=SLO(args.replan_slo_ttft, args.replan_slo_tpot),
                       num_requests=args.replan_num_requests, nodes=1,
                       gpus_per_node=max(r.tp * r.pp for r in config.roles))
-    from pdserve.planner.search import available_tps
+    from pdserve.planner.problem import available_tps
     from pdserve.sim.models import get_model_config
 
     available_tps(problem, get_model_config(problem.model))  # an unknown model/profile fails now

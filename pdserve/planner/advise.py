@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.planner.search import STRATEGIES, Problem, UnitResult, plan
+from pdserve.planner.problem import STRATEGIES, Problem
+from pdserve.planner.search import plan
+from pdserve.planner.units import UnitResult
 
 
 @dataclass

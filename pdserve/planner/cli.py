@@ -26,7 +26,7 @@ from pdserve.flags import (
     positive_int,
     say,
 )
-from pdserve.planner.search import Problem
+from pdserve.planner.problem import Problem
 from pdserve.sim.cli import add_latency_source_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
@@ -177,7 +177,7 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
 
 
 def _strategies(text: str) -> list[str]:
-    from pdserve.planner.search import STRATEGIES
+    from pdserve.planner.problem import STRATEGIES
 
     out = [s.strip() for s in text.split(",") if s.strip()]
     bad = set(out) - set(STRATEGIES)
@@ -244,7 +244,7 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
     (:func:`pdserve.planner.search.measure_whole`). A file whose ``simulation:`` latency
     source differs from the plan's is refused: the comparison would not be like for like."""
     from pdserve.config import ClusterConfig, load_data_file
-    from pdserve.planner.search import measure_whole
+    from pdserve.planner.placements import measure_whole
 
     p = result.problem
     mine = {"profile": p.profile} if p.profile else {"hardware": p.hardware or "A100-80GB"}

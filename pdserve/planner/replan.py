@@ -242,7 +242,7 @@ def deployed_planner(problem: Any, config: Any) -> Callable[[WindowStats], dict[
     reaches no goodput keeps one instance."""
     from dataclasses import replace
 
-    from pdserve.planner.search import Unit, evaluate_unit
+    from pdserve.planner.units import Unit, evaluate_unit
 
     if config.strategy not in ("colocated", "disaggregated"):
         raise ValueError(f"live replanning supports colocated and disaggregated deployments, "

@@ -44,10 +44,9 @@ from pdserve.sim.measurements import (
     from_vidur_mlp,
     load_samples,
     model_config,
-    overhead_from_step_log,
     save_samples,
-    serving_path,
 )
+from pdserve.sim.serving_path import overhead_from_step_log, serving_path
 
 FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap")
 SECONDS = ("comm_latency_s", "step_overhead_s", "layer_overhead_s", "seq_overhead_s")

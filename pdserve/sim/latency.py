@@ -145,7 +145,7 @@ class FittedProfile(LatencyModel):
         ms → s. ``model`` is a key (``facebook/opt-13b``), a catalogue name or a ModelConfig."""
         with open(path) as f:
             data = json.load(f)
-        key = _match_model_key(data, model)
+        key = match_model_key(data, model)
         entry = data[key].get(str(tp))
         if entry is None:
             raise ValueError(f"{os.fspath(path)!r} has no tp={tp} for {key!r}; "
@@ -207,7 +207,7 @@ def _norm_model_key(name: str) -> str:
     return name.strip().lower().rsplit("/", 1)[-1]
 
 
-def _match_model_key(data: dict[str, Any], model: str | ModelConfig) -> str:
+def match_model_key(data: dict[str, Any], model: str | ModelConfig) -> str:
     names = [model] if isinstance(model, str) else [
         model.name, str(model.hf_config.get("_name_or_path", ""))]
     wanted = {_norm_model_key(n) for n in names if n}

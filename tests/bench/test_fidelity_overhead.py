@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim.measurements import overhead_from_step_log
+from pdserve.sim.serving_path import overhead_from_step_log
 from tests.scripts import load_benchmark
 
 

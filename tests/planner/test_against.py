@@ -10,7 +10,7 @@ import yaml
 
 from pdserve.bench.metrics import SLO
 from pdserve.planner.cli import compare_whole
-from pdserve.planner.search import Problem
+from pdserve.planner.problem import Problem
 
 
 def _result(p: Problem) -> SimpleNamespace:
@@ -32,7 +32,7 @@ def test_a_deployment_on_another_latency_source_is_refused(tmp_path):
 def test_the_chosen_placement_and_a_file_get_the_same_probes(tmp_path, monkeypatch):
     """The rate search sees each deployment with a first bracket of (chosen per GPU) x (its
     GPUs): 1.0 x 1 for the chosen single instance, 1.0 x 2 for the two-instance file."""
-    import pdserve.planner.search as search
+    import pdserve.planner.placements as placements
 
     p = Problem(model="opt-13b", hardware="L20", slo=SLO(5.0, 0.1))
     f = tmp_path / "two.yaml"
@@ -44,7 +44,7 @@ def test_the_chosen_placement_and_a_file_get_the_same_probes(tmp_path, monkeypat
         seen.append((prob, dep.get("num_instances") or dep["roles"][0]["count"], hi))
         return 0.5 * hi, []
 
-    monkeypatch.setattr(search, "simulate_goodput", fake)
+    monkeypatch.setattr(placements, "simulate_goodput", fake)
     rows = compare_whole(_result(p), [str(f)], 1)
     assert [(prob is p, n, hi) for prob, n, hi in seen] == [(True, 1, 1.0), (True, 2, 2.0)]
     assert [(r["name"], r["num_gpus"], r["per_gpu_rps"]) for r in rows] == [

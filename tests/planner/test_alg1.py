@@ -7,15 +7,9 @@ import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.config import ClusterConfig
-from pdserve.planner.search import (
-    Problem,
-    Unit,
-    UnitResult,
-    alg1_placements,
-    colocated_placements,
-    node_layout,
-    replicate,
-)
+from pdserve.planner.placements import alg1_placements, node_layout, replica_placements, replicate
+from pdserve.planner.problem import Problem
+from pdserve.planner.units import Unit, UnitResult
 
 
 def test_replication_arithmetic():
@@ -57,12 +51,12 @@ def test_alg1_pairs_replicated_to_the_rate():
 
 def test_colocated_replicas_and_cluster_fit():
     p = Problem(rate=5.0, nodes=1, gpus_per_node=4)
-    pls = colocated_placements(p, [_r("colocated", 1, 1, 2.0), _r("colocated", 2, 1, 3.0)])
+    pls = replica_placements(p, [_r("colocated", 1, 1, 2.0), _r("colocated", 2, 1, 3.0)])
     a, b = pls
     assert (a.num_gpus, a.goodput_rps, a.fits) == (3, pytest.approx(6.0), True)
     assert (b.num_gpus, b.goodput_rps, b.fits) == (4, pytest.approx(6.0), True)
     p = Problem(rate=7.0, nodes=1, gpus_per_node=4)
-    assert [x.fits for x in colocated_placements(p, [_r("colocated", 2, 1, 3.0)])] == [False]
+    assert [x.fits for x in replica_placements(p, [_r("colocated", 2, 1, 3.0)])] == [False]
 
 
 def test_node_layout_matches_instance_specs():

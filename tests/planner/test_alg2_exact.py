@@ -24,14 +24,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.planner.search import (
-    NodeGroup,
-    Problem,
-    Unit,
-    UnitResult,
-    _group_ceiling,
-    alg2_search,
-)
+from pdserve.planner.alg2 import NodeGroup, alg2_search, group_ceiling
+from pdserve.planner.problem import Problem
+from pdserve.planner.units import Unit, UnitResult
 
 P = Problem(affinity="low", nodes=1, gpus_per_node=4, max_pp=1, top_k=1, rate=1.0)
 PRE2 = UnitResult(Unit("prefill", 2), goodput_rps=4.0, per_gpu_rps=2.0)
@@ -66,13 +61,13 @@ def _simulate_as_estimated(calls: list):
 
 def test_group_ceiling_by_hand():
     units = {r.unit: r for r in (PRE2, PRE1, DEC1, DEC2)}
-    assert _group_ceiling(NodeGroup(1, 2, 1, 1, 2), units) == pytest.approx(0.5)
-    assert _group_ceiling(NodeGroup(1, 2, 1, 1, 1), units) == pytest.approx(1 / 3)
-    assert _group_ceiling(NodeGroup(1, 1, 1, 1, 2), units) == pytest.approx(2 / 3)
-    assert _group_ceiling(NodeGroup(1, 1, 1, 2, 1), units) == pytest.approx(1.4 / 3)
-    assert _group_ceiling(NodeGroup(1, 2, 1, 2, 1), units) == pytest.approx(0.35)
+    assert group_ceiling(NodeGroup(1, 2, 1, 1, 2), units) == pytest.approx(0.5)
+    assert group_ceiling(NodeGroup(1, 2, 1, 1, 1), units) == pytest.approx(1 / 3)
+    assert group_ceiling(NodeGroup(1, 1, 1, 1, 2), units) == pytest.approx(2 / 3)
+    assert group_ceiling(NodeGroup(1, 1, 1, 2, 1), units) == pytest.approx(1.4 / 3)
+    assert group_ceiling(NodeGroup(1, 2, 1, 2, 1), units) == pytest.approx(0.35)
     pruned = {**units, DEC1.unit: UnitResult(DEC1.unit, pruned="dominated")}
-    assert _group_ceiling(NodeGroup(1, 2, 1, 1, 2), pruned) == 0.0
+    assert group_ceiling(NodeGroup(1, 2, 1, 1, 2), pruned) == 0.0
 
 
 def test_alg2_researches_exactly_the_stopped_units_that_could_win():

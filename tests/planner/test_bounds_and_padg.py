@@ -12,16 +12,10 @@ import yaml
 from pdserve.bench.metrics import SLO
 from pdserve.cli import main
 from pdserve.config import ClusterConfig
-from pdserve.planner.search import (
-    Problem,
-    Unit,
-    UnitResult,
-    candidate_units,
-    evaluate_unit,
-    partial_placements,
-    plan,
-    unpaired_units,
-)
+from pdserve.planner.placements import replica_placements
+from pdserve.planner.problem import Problem
+from pdserve.planner.search import plan
+from pdserve.planner.units import Unit, UnitResult, candidate_units, evaluate_unit, unpaired_units
 
 from .test_mdl_optimum import closed_form_goodput
 
@@ -119,7 +113,7 @@ def test_phase_units_without_room_for_the_other_phase_are_not_searched(const_pro
 def test_padg_placement_replicates_macro_instances():
     p = Problem(rate=5.0, nodes=2, gpus_per_node=4, slo=SLO(1.0, 0.1), macro_size=2)
     u = Unit("partial", 1, 1, size=2)
-    (pl,) = partial_placements(p, [UnitResult(u, 2.0, 1.0)])
+    (pl,) = replica_placements(p, [UnitResult(u, 2.0, 1.0)])
     # ceil(5 / 2) = 3 macro instances of 2 TP1 instances: 6 GPUs, capacity 6 req/s
     assert (pl.strategy, pl.num_gpus, pl.goodput_rps, pl.fits) == ("partial", 6, 6.0, True)
     spec = ClusterConfig.from_dict(pl.deployment)

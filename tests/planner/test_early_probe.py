@@ -10,14 +10,8 @@ import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.planner.early import max_misses
-from pdserve.planner.search import (
-    Problem,
-    Unit,
-    _unit_workload,
-    evaluate_unit,
-    run_probe,
-    unit_deployment,
-)
+from pdserve.planner.problem import Problem
+from pdserve.planner.units import Unit, evaluate_unit, run_probe, unit_deployment, unit_workload
 
 PROFILE = "distserve_profiler-a100-80g.distserve"
 
@@ -49,10 +43,10 @@ def _problem(**kw) -> Problem:
 
 
 def _probe(p: Problem, u: Unit, rate: float, early: bool):
-    from pdserve.planner.search import _helpers
+    from pdserve.planner.units import decode_feed
 
-    dep = unit_deployment(p, u, *_helpers(p, rate))
-    reqs = _unit_workload(p, u, rate).retimed(rate).requests
+    dep = unit_deployment(p, u, *decode_feed(p, rate))
+    reqs = unit_workload(p, u, rate).retimed(rate).requests
     return run_probe(p, dep, reqs, rate, u.kind, early)
 
 
@@ -101,28 +95,30 @@ def test_pair_ceiling_accounts_for_rounding_by_hand():
     incumbent). Below 6.36 it may still serve 4 req/s with one instance: the pair's ceiling is
     min(6.48, 6.36) / (4 + 6) = 0.636 per GPU — above the incumbent pair's
     min(6.48, 8.48) / (4 + 8) = 0.54 — so the stopped unit must be searched in full."""
-    from pdserve.planner.search import UnitResult, _pair_ceiling, _replicas
+    from pdserve.planner.placements import pair_ceiling, replicas
+    from pdserve.planner.units import UnitResult
 
     p = Problem(rate=4.0, nodes=4, gpus_per_node=8)
     pre = UnitResult(Unit("prefill", 4), goodput_rps=6.48, per_gpu_rps=1.62)
     stopped = UnitResult(Unit("decode", 3, 2), bound_rps=6.36, stopped="fails at 6.36")
     inc = UnitResult(Unit("decode", 4, 2), goodput_rps=8.48, per_gpu_rps=1.06)
     # one instance (g in [4, 6.36)), two (g in [2, 4)), three (g in [4/3, 2)), four, five
-    reps = _replicas(p, stopped)
+    reps = replicas(p, stopped)
     assert reps[:3] == [(1, 6.36), (2, 8.0), (3, 6.0)]
     assert [n for n, _ in reps] == [1, 2, 3, 4, 5]  # 5 x 6 GPUs <= 32
-    assert _pair_ceiling(p, pre, stopped) == pytest.approx(0.636)
-    assert _pair_ceiling(p, pre, inc) == pytest.approx(0.54)
-    assert _replicas(p, UnitResult(Unit("decode", 1), pruned="x")) == []
+    assert pair_ceiling(p, pre, stopped) == pytest.approx(0.636)
+    assert pair_ceiling(p, pre, inc) == pytest.approx(0.54)
+    assert replicas(p, UnitResult(Unit("decode", 1), pruned="x")) == []
 
 
 def test_research_pairs_searches_exactly_the_stopped_units_that_could_win():
-    """The loop of ``_research_pairs`` with a stand-in cache: of two stopped decode units, the
+    """The loop of ``research_pairs`` with a stand-in cache: of two stopped decode units, the
     one whose pair ceiling reaches the best searched pair (TP3 PP2, ceiling 0.636 > 0.54) is
     searched in full; the other (TP2 PP1 failing at 1.0 req/s: >= 4 instances of 2 GPUs, best
     with 5 at up to 1.0 each, min(6.48, 5) / (4 + 10) = 0.357) is not. (Failing at 2.12 it
     would have to be searched: 3 instances at up to 2 req/s make min(6.48, 6) / 10 = 0.6.)"""
-    from pdserve.planner.search import UnitResult, _pair_ceiling, _research_pairs
+    from pdserve.planner.placements import pair_ceiling, research_pairs
+    from pdserve.planner.units import UnitResult
 
     p = Problem(rate=4.0, nodes=4, gpus_per_node=8)
     pre = UnitResult(Unit("prefill", 4), goodput_rps=6.48, per_gpu_rps=1.62)
@@ -143,9 +139,9 @@ def test_research_pairs_searches_exactly_the_stopped_units_that_could_win():
             return out
 
     cache = Cache()
-    res = _research_pairs(p, cache, [pre, inc, win, lose])
+    res = research_pairs(p, cache, [pre, inc, win, lose])
     assert cache.asked == [win.unit]
     got = {r.unit: r for r in res}
     assert got[win.unit].goodput_rps == 5.75 and got[lose.unit].stopped
-    assert _pair_ceiling(p, pre, lose) == pytest.approx(5 / 14)
-    assert _pair_ceiling(p, pre, replace(lose, bound_rps=2.12)) == pytest.approx(0.6)
+    assert pair_ceiling(p, pre, lose) == pytest.approx(5 / 14)
+    assert pair_ceiling(p, pre, replace(lose, bound_rps=2.12)) == pytest.approx(0.6)

@@ -21,8 +21,11 @@ from types import SimpleNamespace
 import pytest
 
 import pdserve.planner.search as search
+import pdserve.planner.units as unit_mod
 from pdserve.bench.metrics import SLO
-from pdserve.planner.search import Problem, Unit, UnitResult, plan
+from pdserve.planner.problem import Problem
+from pdserve.planner.search import plan
+from pdserve.planner.units import Unit, UnitResult
 
 UNITS = {Unit("colocated", 1, 1, True): 1.0, Unit("partial", 1, 1, size=2): 2.2}
 WHOLE = {"colocated 4x(TP1 PP1 chunked)": 4.8, "partial 2x[2x temporal (TP1 PP1)]": 3.6}
@@ -43,9 +46,9 @@ def stand_ins(monkeypatch):
         simulated.append(pl.name)
         return pl.name, WHOLE[pl.name]
 
-    monkeypatch.setattr(search, "evaluate_unit", evaluate_unit)
-    monkeypatch.setattr(search, "unit_model", lambda p, u: SimpleNamespace(capacity_rps=1.0))
-    monkeypatch.setattr(search, "_pair_eval", pair_eval)
+    monkeypatch.setattr(unit_mod, "evaluate_unit", evaluate_unit)
+    monkeypatch.setattr(unit_mod, "unit_model", lambda p, u: SimpleNamespace(capacity_rps=1.0))
+    monkeypatch.setattr(search, "pair_eval", pair_eval)
     return simulated
 
 
@@ -84,7 +87,7 @@ def test_estimates_above_the_best_whole_simulation_are_simulated_too(stand_ins, 
     whole = {"colocated 4x(TP1 PP1)": 4.0, "colocated 4x(TP1 PP1 chunked)": 4.4,
              "colocated 2x(TP2 PP1)": 4.2}
     # capacity bounds high enough that no unit is pruned as dominated
-    monkeypatch.setattr(search, "unit_model",
+    monkeypatch.setattr(unit_mod, "unit_model",
                         lambda p, u: SimpleNamespace(capacity_rps=10.0 * u.num_gpus))
     saved = dict(UNITS), dict(WHOLE)
     UNITS.clear()

@@ -17,7 +17,8 @@ import math
 import pytest
 
 from pdserve.bench.metrics import SLO
-from pdserve.planner.search import Problem, Unit, UnitCache
+from pdserve.planner.problem import Problem
+from pdserve.planner.units import Unit, UnitCache
 
 D, K = 0.1, 1.6  # TP1 prefill time (s); TP2 speed-up
 

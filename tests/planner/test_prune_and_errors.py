@@ -7,7 +7,9 @@ import pytest
 from pdserve.bench.metrics import SLO
 from pdserve.cli import main
 from pdserve.config import ClusterConfig, kv_cache_blocks
-from pdserve.planner.search import Problem, Unit, UnitCache, evaluate_unit, plan
+from pdserve.planner.problem import Problem
+from pdserve.planner.search import plan
+from pdserve.planner.units import Unit, UnitCache, evaluate_unit
 from pdserve.sim.hardware import get_device
 from pdserve.sim.models import get_model_config
 
@@ -39,7 +41,7 @@ def test_a_kv_cache_smaller_than_the_longest_request_is_pruned():
     r = evaluate_unit(p, Unit("colocated", 1))
     assert r.pruned == ("does not fit: colocated TP1 PP1 prefill-first: KV cache holds 1360 "
                         "tokens, fewer than the longest request (2000)")
-    from pdserve.planner.search import unit_model
+    from pdserve.planner.units import unit_model
 
     assert unit_model(p, Unit("colocated", 2)).kv_tokens == 16112  # 1,007 blocks of 16
 

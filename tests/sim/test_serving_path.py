@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.bench.metrics import RequestRecord
 from pdserve.request import Timeline
-from pdserve.sim.measurements import handoff_link, request_overhead, serving_path
+from pdserve.sim.serving_path import handoff_link, request_overhead, serving_path
 
 
 def test_request_overhead_is_the_client_wait_beyond_queue_to_first_token() -> None:

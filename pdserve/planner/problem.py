@@ -1,0 +1,174 @@
+"""What the planner is asked (DistServe §4): the :class:`Problem` (model, latency source,
+workload, SLOs, attainment target, traffic rate, cluster) and what follows from it alone — the
+TP and PP degrees a latency source can price and the problem's workload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+from pdserve.bench.metrics import SLO
+from pdserve.bench.workloads import Workload, make_workload
+from pdserve.config import ClusterConfig, Link, ModelConfig
+from pdserve.sim.models import get_model_config
+
+KINDS = ("colocated", "prefill", "decode", "partial")
+STRATEGIES = ("colocated", "disaggregated", "partial")
+AFFINITIES = ("high", "low")
+DEFAULT_LM = 512  # DistServe §3.1: 512 tokens saturate an A100 for a 13B model
+
+
+# ------------------------------------------------------------------------------- the problem
+@dataclass(frozen=True)
+class Problem:
+    """What the planner is asked (DistServe §4: model, workload, SLOs, attainment target,
+    traffic rate, cluster). ``engine``: engine settings every instance shares (``EngineConfig``
+    names); ``gpu_memory_gib`` overrides the device's memory (through the share of it the KV
+    pool may use, so the one KV formula stays in charge); links ``None`` = the device's
+    intra-node link and, across nodes, InfiniBand HDR (high affinity) or 25 Gb/s Ethernet
+    (low affinity, DistServe §6.1)."""
+
+    model: str = "opt-13b"
+    profile: str | None = None
+    hardware: str | None = None
+    workload: str = "distserve-chatbot"
+    num_requests: int = 300
+    seed: int = 0
+    slo: SLO = SLO(0.25, 0.1)
+    target: float = 0.9
+    rate: float = 1.0
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float | None = None
+    intra_node_link: Link | None = None
+    inter_node_link: Link | None = None
+    affinity: str = "high"
+    engine: tuple[tuple[str, Any], ...] = ()
+    lm: int = DEFAULT_LM
+    precision: float = 0.04  # relative width of the goodput bracket
+    max_probes: int = 10
+    max_tp: int | None = None
+    max_pp: int | None = None
+    joint: bool = True  # simulate the best placements of each strategy whole (_simulate_whole)
+    top_k: int = 2
+    traces_dir: str | None = None
+    output_scale: float = 1.0  # every output length times this (the advisor's length ratio)
+    horizon: float = 2.0  # a probe spans at least this many request lifetimes (probe_requests)
+    macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
+    early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
+
+    def __post_init__(self) -> None:
+        if self.affinity not in AFFINITIES:
+            raise ValueError(f"node affinity must be one of {AFFINITIES}, got {self.affinity!r}")
+        for name in ("rate", "precision", "output_scale", "horizon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("nodes", "gpus_per_node", "num_requests", "max_probes", "lm", "top_k",
+                     "macro_size"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not 0 < self.target <= 1:
+            raise ValueError(f"attainment target must be in (0, 1], got {self.target!r}")
+        object.__setattr__(self, "engine", tuple(sorted(dict(self.engine).items())))
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def engine_settings(self) -> dict[str, Any]:
+        """Shared engine settings with the simulation defaults and the memory override."""
+        e = {"dtype": "float16", "enable_prefix_caching": False, **dict(self.engine)}
+        if self.gpu_memory_gib is not None:
+            dev = device_memory_gib(self)
+            share = e.get("gpu_memory_utilization", 0.9) * self.gpu_memory_gib / dev
+            if share > 1:
+                raise ValueError(f"gpu memory {self.gpu_memory_gib:g} GiB x utilisation exceeds "
+                                 f"the {dev:g} GiB the latency source's device has")
+            e["gpu_memory_utilization"] = share
+        return e
+
+    def links(self) -> tuple[Link | None, Link]:
+        """``(intra-node, cross-node)`` KV links."""
+        from pdserve.sim.hardware import get_link
+
+        inter = self.inter_node_link
+        if inter is None:
+            inter = get_link("ib-hdr" if self.affinity == "high" else "eth-25g")
+        return self.intra_node_link, inter
+
+
+def device_memory_gib(p: Problem) -> float:
+    from pdserve.sim.target import SimulationConfig, base_model, device_of, step_model
+
+    sim = SimulationConfig(ClusterConfig(model=p.model), profile=p.profile, hardware=p.hardware)
+    tp = available_tps(p, get_model_config(p.model))[0]
+    dev = device_of(sim, base_model(step_model(sim, model_config(p.model), tp, 1, "float16")))
+    if dev is None:
+        raise ValueError("the latency source has no GPU device: --gpu-memory-gib needs one")
+    return dev.memory_bytes / (1 << 30)
+
+
+@lru_cache(maxsize=8)
+def model_config(name: str) -> ModelConfig:
+    return get_model_config(name)
+
+
+def available_tps(p: Problem, model: ModelConfig) -> list[int]:
+    """TP degrees a latency source can price: a profile's entries for the model, or (analytic)
+    the powers of two dividing the heads, up to a node."""
+    cap = min(p.gpus_per_node, p.max_tp or p.gpus_per_node)
+    if p.profile is not None:
+        import json
+
+        from pdserve.sim.latency import match_model_key
+        from pdserve.sim.target import resolve_profile
+
+        path = resolve_profile(p.profile)
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") == "pdserve-latency-profile":
+            tps = [int(data.get("tp", 1))]
+        else:
+            tps = sorted(int(t) for t in data[match_model_key(data, model)])
+    else:
+        tps = [t for t in (1, 2, 4, 8, 16) if model.num_heads % t == 0]
+    out = [t for t in tps if t <= cap]
+    if not out:
+        raise ValueError(f"no tensor-parallel degree of {p.model} fits {cap} GPUs per node "
+                         f"(the latency source has tp {tps})")
+    return out
+
+
+def available_pps(p: Problem, model: ModelConfig, tp: int, span_nodes: bool) -> list[int]:
+    """PP degrees: dividing the layers; within a node (``tp·pp ≤ M``) unless ``span_nodes``
+    (Alg. 2: one stage per node, ``pp ≤ nodes``)."""
+    limit = p.nodes if span_nodes else p.gpus_per_node // tp
+    limit = min(limit, p.max_pp or limit)
+    return [k for k in range(1, limit + 1) if model.num_layers % k == 0]
+
+
+
+@lru_cache(maxsize=64)
+def base_workload(p: Problem, num_requests: int | None = None) -> Workload:
+    """The problem's workload of ``num_requests`` (default ``p.num_requests``), untimed
+    (``retimed(rate)`` gives each probe's arrivals)."""
+    model = model_config(p.model)
+    w = make_workload(p.workload, num_requests or p.num_requests, seed=p.seed, rate=1.0,
+                      vocab_size=model.vocab_size, max_model_len=max_model_len(p),
+                      prompt_mode="ids", traces_dir=p.traces_dir)
+    if p.output_scale != 1.0:  # longer or shorter answers, still inside the context
+        limit = max_model_len(p)
+        w = replace(w, requests=[
+            replace(r, output_len=max(1, min(round(r.output_len * p.output_scale),
+                                             limit - r.prompt_len)))
+            for r in w.requests])
+    return w
+
+
+
+def max_model_len(p: Problem) -> int:
+    e = dict(p.engine)
+    return int(e.get("max_model_len") or model_config(p.model).max_position_embeddings)
+
