@@ -40,8 +40,18 @@ def test_bench_against_http_server(fake_server: FakeServer, tmp_path: Path, caps
     assert rc == 0
     data = json.loads(out.read_text())
     s = data["summary"]
-    assert s["num_ok"] == 6 and s["num_gpus"] == 2 and s["attainment"] == 1.0
-    assert s["ttft"]["mean"] == pytest.approx(0.1, abs=0.1)
+    assert s["num_ok"] == 6 and s["num_gpus"] == 2
+    # attainment recomputed from the saved token times (no wall-clock bound: a busy machine
+    # may miss the SLO, and the summary must say so)
+    met = 0
+    for r in data["records"]:
+        tl = r["timeline"]
+        times = tl["token_times"]
+        assert len(times) == 5 and times == sorted(times)
+        ttft, tpot = times[0] - tl["arrival"], (times[-1] - times[0]) / 4
+        met += ttft <= 0.3 and tpot <= 0.05
+    assert s["attainment"] == pytest.approx(met / 6)
+    assert s["ttft"]["mean"] >= 0.1  # the fake server waits 0.1 s before the first token
     assert s["breakdown"] is not None  # the fake server returns timelines
     assert data["workload"]["num_requests"] == 6 and data["slo"] == {"ttft": 0.3, "tpot": 0.05}
     assert len(data["records"]) == 6 and data["records"][0]["timeline"]["token_times"]

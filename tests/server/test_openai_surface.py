@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -191,41 +192,51 @@ async def test_body_limit_is_413() -> None:
         assert r.status_code == 200
 
 
-class SlowTokenizerRuntime(FakeRuntime):
-    """A tokenizer that sleeps ``delay`` seconds per call (like a long prompt)."""
+class BlockingTokenizerRuntime(FakeRuntime):
+    """A tokenizer whose every call blocks until :attr:`release` is set (like a long prompt);
+    :attr:`calls` counts the calls."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self) -> None:
         super().__init__(max_model_len=1024)
+        self.release = threading.Event()
+        self.calls = 0
         tok = self.tokenizer
         encode = tok.encode
 
-        def slow(text: str, add_special_tokens: bool = True) -> list[int]:
-            time.sleep(delay)
+        def blocking(text: str, add_special_tokens: bool = True) -> list[int]:
+            self.calls += 1
+            assert self.release.wait(30), "the test never released the tokenizer"
             return encode(text, add_special_tokens)
 
-        tok.encode = slow  # type: ignore[method-assign]
+        tok.encode = blocking  # type: ignore[method-assign]
 
 
 async def test_tokenization_does_not_block_the_loop() -> None:
-    runtime = SlowTokenizerRuntime(delay=0.5)
-    async with await _client(runtime) as c:
-        t0 = time.perf_counter()
-        long = "abc " * 100  # over INLINE_TEXT: tokenized on the worker thread
-        slow = asyncio.create_task(c.post(COMPL, json={"prompt": long, "max_tokens": 1}))
-        tok = asyncio.create_task(c.post("/tokenize", json={"prompt": long}))
-        await asyncio.sleep(0.05)
-        assert (await c.get("/health")).status_code == 200
-        assert time.perf_counter() - t0 < 0.3  # not behind the two 0.5 s encodes
-        assert not slow.done()
-        assert (await slow).status_code == 200 and (await tok).json()["count"] == 400
+    runtime = BlockingTokenizerRuntime()
+    try:
+        async with await _client(runtime) as c:
+            long = "abc " * 100  # over INLINE_TEXT: tokenized on the worker thread
+            slow = asyncio.create_task(c.post(COMPL, json={"prompt": long, "max_tokens": 1}))
+            tok = asyncio.create_task(c.post("/tokenize", json={"prompt": long}))
+            while runtime.calls < 1:  # an encode is under way (and blocked) off the loop
+                await asyncio.sleep(0.01)
+            # the loop answers while the encode blocks (the other waits its turn)
+            assert (await c.get("/health")).status_code == 200
+            assert not slow.done() and not tok.done()
+            runtime.release.set()
+            assert (await slow).status_code == 200 and (await tok).json()["count"] == 400
+    finally:
+        runtime.release.set()
 
 
 async def test_too_many_characters_are_refused_without_tokenizing() -> None:
-    runtime = SlowTokenizerRuntime(delay=5.0)
-    async with await _client(runtime) as c:
-        t0 = time.perf_counter()
-        r = await c.post(COMPL, json={"prompt": "a" * 100_000})
-        assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
-        r = await c.post("/tokenize", json={"prompt": "a" * 100_000})
-        assert r.status_code == 400
-        assert time.perf_counter() - t0 < 1.0
+    runtime = BlockingTokenizerRuntime()
+    try:
+        async with await _client(runtime) as c:
+            r = await c.post(COMPL, json={"prompt": "a" * 100_000})
+            assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+            r = await c.post("/tokenize", json={"prompt": "a" * 100_000})
+            assert r.status_code == 400
+        assert runtime.calls == 0
+    finally:
+        runtime.release.set()

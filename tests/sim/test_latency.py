@@ -4,7 +4,6 @@ the analytic roofline (monotonicity, TP, GQA, bound against DistServe's measured
 KV transfer time and pipeline parallelism."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +34,8 @@ OPT13_TP1 = {
     "decoding_smallbs": [19.934702624895458, 0.0006269356524350583, 0.03850697740828398],
     "decoding_largebs": [7.1661889468253595, 0.0005798000403396046, 0.15831096191764046],
 }
-SHARED = str(Path(__file__).resolve().parents[2] / "pdserve" / "data" / "profiles"
-             / "distserve_profiler-a100-80g.distserve.json")  # shipped with pdserve
+SHIPPED = str(Path(__file__).resolve().parents[2] / "pdserve" / "data" / "profiles"
+              / "distserve_profiler-a100-80g.distserve.json")  # shipped with pdserve
 OPT13 = get_model_config("opt-13b")
 
 
@@ -90,21 +89,20 @@ def test_batch_time_uses_scheduled_batch(prof):
     assert prof.batch_time(batch) == prof.step_time([(100, 50)], [21])
 
 
-@pytest.mark.skipif(not os.path.exists(SHARED), reason="shared DistServe profiles not present")
 def test_loads_shipped_distserve_files():
     for engine in ("distserve", "vllm"):
-        path = SHARED.replace("distserve.json", f"{engine}.json")
+        path = SHIPPED.replace("distserve.json", f"{engine}.json")
         for model, tps in (("facebook/opt-13b", (1, 2, 4)), ("opt-66b", (2, 3, 4, 8))):
             for tp in tps:
                 p = FittedProfile.load(path, model, tp)
                 assert p.tp == tp and p.decode_threshold == 95
                 assert p.prefill_time([512]) > p.decode_time([512])
-    p = FittedProfile.from_distserve_json(SHARED, OPT13, 1)
+    p = FittedProfile.from_distserve_json(SHIPPED, OPT13, 1)
     assert p.prefill == pytest.approx(tuple(x * 1e-3 for x in OPT13_TP1["prefill"]))
     with pytest.raises(ValueError, match="no tp=8"):
-        FittedProfile.from_distserve_json(SHARED, OPT13, 8)
+        FittedProfile.from_distserve_json(SHIPPED, OPT13, 8)
     with pytest.raises(ValueError, match="not in profile"):
-        FittedProfile.from_distserve_json(SHARED, "llama-2-7b", 1)
+        FittedProfile.from_distserve_json(SHIPPED, "llama-2-7b", 1)
 
 
 def test_own_format_roundtrip(prof, tmp_path):

@@ -15,9 +15,8 @@ from pdserve.config import ClusterConfig
 from pdserve.sim.latency import FittedProfile
 from pdserve.sim.target import SimulationConfig, build_simulator
 
-DISTSERVE = Path(__file__).resolve().parents[3] / "shared" / "profiles" / \
-    "distserve_profiler-a100-80g.distserve.json"
-needs_distserve = pytest.mark.skipif(not DISTSERVE.is_file(), reason="DistServe profile missing")
+DISTSERVE = Path(__file__).resolve().parents[2] / "pdserve" / "data" / "profiles" / \
+    "distserve_profiler-a100-80g.distserve.json"  # shipped with pdserve
 DISAGG = ["--target-option", "strategy=disaggregated", "--target-option", "num_prefill=2",
           "--target-option", "hardware=A100-80GB", "--target-option", "kv_link=eth-25g"]
 
@@ -61,7 +60,6 @@ def test_unknown_sim_option_is_a_usage_error(capsys) -> None:
     assert rc == 2 and "colour" in capsys.readouterr().err
 
 
-@needs_distserve
 def test_simulate_with_distserve_profile(tmp_path: Path, capsys) -> None:
     out = tmp_path / "s.json"
     rc = pdserve_main(["simulate", "--profile", str(DISTSERVE), "--model", "opt-13b",
@@ -183,7 +181,6 @@ def test_sim_target_options_reach_the_simulation() -> None:
     assert t.describe["latency_source"] == "H100"
 
 
-@needs_distserve
 def test_simulate_tp_missing_from_distserve_profile(capsys) -> None:
     rc = pdserve_main(["simulate", "--profile", str(DISTSERVE), "--model", "opt-13b",
                        "--tp", "3", "--workload", "fixed:input=8,output=2", "--rate", "1",
