@@ -24,7 +24,6 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,8 +34,8 @@ import pdserve  # noqa: F401 - first: sets OpenMP's wait policy before torch loa
 # isort: split
 import torch
 
+from pdserve.bench.experiments.bench_models import bench_llama_dir
 from pdserve.llm import LLM
-from pdserve.model.tiny import make_tiny_model
 from pdserve.request import SamplingParams
 
 PAD_ID = 3  # the tiny tokenizer's <pad>
@@ -91,17 +90,10 @@ def model_dir(args: argparse.Namespace) -> str:
         from pdserve.checkpoints import resolve_model
 
         return resolve_model(args.model)  # a directory, a .gguf file or a built-in name
-    name = (f"bench-llama-v{args.vocab_size}-h{args.hidden_size}-i{args.intermediate_size}"
-            f"-l{args.num_layers}-a{args.num_heads}-kv{args.num_kv_heads}")
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(tempfile.gettempdir(), "pdserve")
-    path = os.path.join(root, name)
-    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        make_tiny_model(path, "llama", seed=args.seed, vocab_size=args.vocab_size,
-                        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                        num_layers=args.num_layers, num_heads=args.num_heads,
-                        num_kv_heads=args.num_kv_heads,
-                        max_position_embeddings=args.max_position_embeddings)
-    return path
+    return bench_llama_dir(args.seed, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                           intermediate_size=args.intermediate_size, num_layers=args.num_layers,
+                           num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                           max_position_embeddings=args.max_position_embeddings)
 
 
 def warm_llm(path: str, wl: Workload, args: argparse.Namespace) -> tuple[LLM, list]:

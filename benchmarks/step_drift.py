@@ -36,14 +36,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     from pdserve.config import ModelConfig
     from pdserve.sim.latency import ProfileSample
-    from pdserve.sim.profiler import _engine, measure
+    from pdserve.sim.profiler import measure, profiling_engine
 
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dir(args.model)
     n = args.context
     shapes = {"decode": ProfileSample((), (n,), 0.0),
               "prefill": ProfileSample(((0, n),), (), 0.0)}
-    engine = _engine(args.model, "cpu", "float32", 4 * (n // 16 + 2), 16,
+    engine = profiling_engine(args.model, "cpu", "float32", 4 * (n // 16 + 2), 16,
                      min(cfg.max_position_embeddings, 4096))
     for sh in shapes.values():  # warm up
         measure(engine, sh, 5, "median")

@@ -38,11 +38,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.bench.experiments import bench_models
+from pdserve.bench.experiments.bench_models import BUSY_CODE
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # pdserve-adaptive: pdserve with the load-adaptive thread count (PDSERVE_ADAPTIVE_THREADS=1)
 SYSTEMS = ("pdserve", "pdserve-adaptive", "vllm", "transformers")
 CONDITIONS = ("quiet", "busy")
-BUSY_CODE = "while 1: pass"
 
 
 # ---------------------------------------------------------------------- workers (own process)
@@ -110,19 +112,7 @@ def worker_main(system: str, spec_path: str, out_path: str) -> int:
 
 # ---------------------------------------------------------------------- driver
 def resolve_models(args: argparse.Namespace) -> dict[str, str]:
-    import offline_throughput as ot
-
-    paths = {}
-    for name in args.models:
-        if name == "llama56m":
-            paths[name] = ot.model_dir(ot.parse_args(["--seed", str(args.seed)]))
-        elif name == "smollm2":
-            from pdserve.checkpoints import resolve_model
-
-            paths[name] = resolve_model("smollm2-135m-instruct")
-        else:
-            paths[name] = name  # a Hugging Face directory
-    return paths
+    return bench_models.resolve_models(args.models, args.seed)
 
 
 def run_one(system: str, spec_path: str, args: argparse.Namespace) -> dict[str, Any]:

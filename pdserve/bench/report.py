@@ -103,7 +103,7 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
                    "P90 TTFT (ms)", "P90 TPOT (ms)", "converged"], body) + "\n"
 
 
-def _figure(width: float, height: float) -> Any:
+def figure(width: float, height: float) -> Any:
     """A figure on its own Agg canvas (no pyplot state; matplotlib imported on first plot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -113,7 +113,8 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG (parent folders made)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, dpi=120, bbox_inches="tight")
@@ -125,7 +126,7 @@ def plot_attainment_vs_rate(curves: Mapping[str, Sequence[tuple[float, float]]],
                             goodput: Mapping[str, float] | None = None) -> Path:
     """Attainment against per-GPU rate, one line per strategy, the target as a dashed line and
     each goodput as a dotted vertical line."""
-    fig = _figure(6.4, 4.2)
+    fig = figure(6.4, 4.2)
     ax = fig.add_subplot()
     for name, pts in curves.items():
         g = (num_gpus or {}).get(name, 1)
@@ -139,12 +140,12 @@ def plot_attainment_vs_rate(curves: Mapping[str, Sequence[tuple[float, float]]],
     ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_attainment_vs_scale(curves: Mapping[str, Sequence[tuple[float, float]]], target: float,
                              path: str | Path) -> Path:
-    fig = _figure(6.4, 4.2)
+    fig = figure(6.4, 4.2)
     ax = fig.add_subplot()
     for name, pts in curves.items():
         pts = sorted(pts)
@@ -155,13 +156,13 @@ def plot_attainment_vs_scale(curves: Mapping[str, Sequence[tuple[float, float]]]
     ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_latency_cdfs(records: Mapping[str, Sequence[RequestRecord]], path: str | Path,
                       slo: SLO | None = None) -> Path:
     """CDFs of TTFT, TPOT, ITL and E2E latency over successful requests, one line per run."""
-    fig = _figure(10, 7)
+    fig = figure(10, 7)
     axes = fig.subplots(2, 2).ravel()
     metrics = (("TTFT", lambda r: [r.ttft], slo.ttft if slo else None),
                ("TPOT", lambda r: [r.tpot], slo.tpot if slo else None),
@@ -180,12 +181,12 @@ def plot_latency_cdfs(records: Mapping[str, Sequence[RequestRecord]], path: str 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_breakdown(breakdowns: Mapping[str, Mapping[str, Any]], path: str | Path) -> Path:
     """Stacked bars of the mean time per stage (DistServe §6.3), one bar per run."""
-    fig = _figure(7, 1.2 + 0.6 * max(1, len(breakdowns)))
+    fig = figure(7, 1.2 + 0.6 * max(1, len(breakdowns)))
     ax = fig.add_subplot()
     names = list(breakdowns)
     left = np.zeros(len(names))
@@ -196,7 +197,7 @@ def plot_breakdown(breakdowns: Mapping[str, Mapping[str, Any]], path: str | Path
     ax.set_xlabel("mean time per request (ms)")
     ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35))
     ax.grid(alpha=0.3, axis="x")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_grouped_bars(rows: Sequence[Mapping[str, Any]], group: str, series: str,
@@ -208,7 +209,7 @@ def plot_grouped_bars(rows: Sequence[Mapping[str, Any]], group: str, series: str
 
     groups = sorted({r[group] for r in rows})
     names = list(dict.fromkeys(r[series] for r in rows))
-    fig = _figure(4.3 * len(metrics), 3.6)
+    fig = figure(4.3 * len(metrics), 3.6)
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     width = 0.8 / len(names)
     for ax, (key, label) in zip(axes, metrics):
@@ -222,4 +223,4 @@ def plot_grouped_bars(rows: Sequence[Mapping[str, Any]], group: str, series: str
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)

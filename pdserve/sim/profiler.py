@@ -62,8 +62,10 @@ QUICK_GRID = ProfileGrid(
     max_prefill_tokens=512, repeats=3)
 
 
-def _engine(model_dir: str, device: str, dtype: str, num_blocks: int, block_size: int,
+def profiling_engine(model_dir: str, device: str, dtype: str, num_blocks: int, block_size: int,
             max_len: int):
+    """An engine on the real executor, as the profiler times it: no prefix caching, a fixed
+    torch thread count on CPU."""
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.engine.model_executor import ModelExecutor
@@ -153,7 +155,7 @@ def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = Non
     shapes = list(shapes) if shapes is not None else grid.shapes(max_len)
     need = max(sum(cdiv(s + n, block_size) for s, n in sh.prefill_chunks)
                + sum(cdiv(c, block_size) for c in sh.decode_context_lens) for sh in shapes)
-    engine = _engine(model_dir, device, dtype, need + 1, block_size, max_len)
+    engine = profiling_engine(model_dir, device, dtype, need + 1, block_size, max_len)
     reps = repeats or grid.repeats
     say = log or (lambda m: None)
     say(f"profiling {model_dir} on {device} ({dtype}): {len(shapes)} shapes x {reps} repeats")

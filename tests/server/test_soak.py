@@ -1,18 +1,19 @@
-"""A short run of benchmarks/soak.py: mixed requests with random client cancels against the
-colocated and disaggregated in-process deployments; every request ends with a result or an
-explicit error, and no KV block leaks."""
+"""A short run of pdserve.bench.experiments.soak (benchmarks/soak.py): mixed requests with random
+client cancels against the colocated and disaggregated in-process deployments; every request
+ends with a result or an explicit error, and no KV block leaks."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 
 from tests.cluster.realstack import tiny_model
-from tests.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def soak_module():
-    return load_benchmark("soak")
+    return importlib.import_module("pdserve.bench.experiments.soak")
 
 
 async def test_short_soak(soak_module, tmp_path_factory: pytest.TempPathFactory) -> None:

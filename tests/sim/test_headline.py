@@ -1,5 +1,7 @@
-"""benchmarks/distserve_headline.py: the chatbot recipe, the two placements, a small run."""
+"""pdserve.bench.experiments.distserve_headline (benchmarks/distserve_headline.py): the chatbot
+recipe, the two placements, a small run."""
 
+import importlib
 import os
 from pathlib import Path
 
@@ -12,7 +14,6 @@ from pdserve.cli import main as pdserve_main
 from pdserve.sim.latency import FittedProfile
 from pdserve.sim.models import get_model_config
 from pdserve.sim.target import build_simulator
-from tests.scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = os.environ.get("PDSERVE_DISTSERVE_PROFILE",
@@ -24,7 +25,7 @@ needs_profile = pytest.mark.skipif(not os.path.isfile(PROFILE),
 
 @pytest.fixture(scope="module")
 def hl():
-    return load_benchmark("distserve_headline")
+    return importlib.import_module("pdserve.bench.experiments.distserve_headline")
 
 
 @pytest.fixture(scope="module")
