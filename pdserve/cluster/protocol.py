@@ -60,9 +60,21 @@ class ServingRuntime(Protocol):
     max_model_len: int
     tokenizer: Any
     num_gpus: int
+    # the bound of the waiting queue (``None``: unbounded); a front end refuses a request with
+    # more choices than it at once, and one that does not fit now before any sample runs
+    max_waiting_requests: int | None
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+                 params: SamplingParams, admitted: bool = False
+                 ) -> AsyncIterator[RequestOutput]:
+        """``admitted``: a later sample of a request the front end already admitted (its
+        queue check passed for all of them): not refused for a full queue."""
+        ...
+
+    def num_waiting(self) -> int:
+        """Accepted requests waiting for their first token (what ``max_waiting_requests``
+        bounds)."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 

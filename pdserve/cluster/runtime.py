@@ -247,17 +247,23 @@ class ClusterRuntime:
             inst.client.adopt(handle.actor)
 
     # ------------------------------------------------------------------ requests
+    @property
+    def max_waiting_requests(self) -> int:
+        return self.config.max_waiting_requests
+
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                 params: SamplingParams, admitted: bool = False
+                 ) -> AsyncIterator[RequestOutput]:
         """Validate and dispatch now (raising ``ValueError``/``QueueFullError`` at the call),
-        then stream outputs through the returned iterator; iterate it to the end or close it."""
+        then stream outputs through the returned iterator; iterate it to the end or close it.
+        ``admitted`` skips the queue bound (a later sample of an admitted request)."""
         validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         dead = self._dead_roles()
         if dead:  # fail fast (HTTP 503) rather than prefill a request nobody can finish
             raise RequestFailedError(f"no live {' or '.join(dead)} instance left")
-        if self.num_waiting() >= self.config.max_waiting_requests:
+        if not admitted and self.num_waiting() >= self.config.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit "
                                  f"{self.config.max_waiting_requests}); retry later")
         stream = _Stream(list(prompt_token_ids),

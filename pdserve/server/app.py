@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import time
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -68,6 +69,12 @@ if TYPE_CHECKING:
 INLINE_TEXT = 256  # characters; shorter texts are tokenized on the loop (a few microseconds)
 LARGE_TEXT = 1 << 16  # characters; longer texts are tokenized on their own thread
 DONE = b"data: [DONE]\n\n"
+INLINE_BODY = 64 << 10  # bytes; larger bodies are parsed and validated on a worker thread
+# choices × max_tokens × (top logprobs + 1) a request may ask for: each entry is ~50 bytes of
+# response (n=128, top_logprobs=20, max_tokens=1000 built 178 MB on the event loop)
+MAX_LOGPROB_ENTRIES = 1 << 19
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -135,6 +142,9 @@ class OpenAIServer:
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
         self.large_text_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer-l")
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        # parsing large bodies and building responses: off the loop, one at a time
+        self.body_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-body")
+        self.response_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-response")
         self._max_chars: int | None = None
 
     @property
@@ -199,10 +209,28 @@ class OpenAIServer:
         except Exception as e:
             raise APIError(400, f"cannot decode tokens: {e}", param=field) from e
 
+    async def parse(self, raw: Request, model: type[M]) -> M:
+        """The request body as ``model``; bodies over ``INLINE_BODY`` bytes are parsed and
+        validated on a worker thread (a 7 MiB token list takes a second of CPU)."""
+        data = await raw.body()
+        if not data.strip():
+            raise APIError(400, "request body is required")
+        if len(data) <= INLINE_BODY:
+            return _validate(model, data)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.body_pool, _validate, model, data)
+
     async def _chat_prompt(self, messages: list[Any]) -> list[int]:
-        for m in messages:
-            if isinstance(m.content, str):
-                await self._check_chars(m.content, "messages")
+        # bounded before the template runs: the turns' text together (templates only add)
+        total = sum(len(m.content) for m in messages if isinstance(m.content, str))
+        limit = await self.max_chars()
+        if total > limit:
+            raise APIError(400, f"This model's maximum context length is "
+                                f"{self.runtime.max_model_len} tokens, and the messages have "
+                                f"{total} characters together, more than that many tokens can "
+                                f"hold (no token is longer than "
+                                f"{limit // self.runtime.max_model_len} characters). Please "
+                                "shorten the messages.", param="messages")
         try:
             ids = await self._off_loop(apply_chat_template, self.tokenizer,
                                        [m.to_template_dict() for m in messages])
@@ -295,6 +323,16 @@ class OpenAIServer:
             if vocab is not None and t >= vocab:
                 raise APIError(400, f"logit_bias token id {t} is outside the vocabulary "
                                     f"[0, {vocab})", param="logit_bias")
+        if params.logprobs is not None:
+            choices = body.n * (len(body.prompts) if isinstance(body, CompletionRequest) else 1)
+            entries = choices * max_tokens * (params.logprobs + 1)
+            if entries > MAX_LOGPROB_ENTRIES:
+                field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+                raise APIError(400, f"choices × max_tokens × ({field} + 1) = {choices} × "
+                                    f"{max_tokens} × {params.logprobs + 1} = {entries} "
+                                    f"log-probabilities, more than the {MAX_LOGPROB_ENTRIES} a "
+                                    f"response may hold; lower n, max_tokens or {field}",
+                               param=field)
         if n + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                                 f"However, you requested {n + max_tokens} tokens ({n} in the "
@@ -326,6 +364,7 @@ class OpenAIServer:
                 validate_prompt(ids, self.runtime.max_model_len, vocab)
             except ValueError as e:
                 raise self._runtime_error(e, fmt.prompt_field) from e
+        self._admit(len(ids_list) * fmt.n)
         jobs = []
         for ids, p in zip(ids_list, params):
             for j in range(fmt.n):
@@ -350,7 +389,28 @@ class OpenAIServer:
             if out.finish_reason == "error":
                 raise APIError(500, out.error or "the request failed")
         timeline = _timeline(finals) if body.return_timeline else None
-        return Response(dump_json(fmt.response(finals, timeline)), media_type="application/json")
+
+        def build() -> str:  # logprobs of 128 choices: seconds of CPU, not on the loop
+            return dump_json(fmt.response(finals, timeline))
+
+        text = await asyncio.get_running_loop().run_in_executor(self.response_pool, build)
+        return Response(text, media_type="application/json")
+
+    def _admit(self, choices: int) -> None:
+        """Refuse, before any sample runs, a request whose choices the waiting queue cannot
+        take: 400 when it never could (more choices than the bound), 429 when it is full now.
+        The runtime admits the later samples of an admitted request whatever the queue."""
+        bound = self.runtime.max_waiting_requests
+        if bound is None:
+            return
+        if 0 < bound < choices:  # (a bound of 0: a runtime that is full for now)
+            raise APIError(400, f"the request has {choices} choices (prompts × n), more than "
+                                f"the {bound} requests the server queues "
+                                f"(--max-waiting-requests); lower n", param="n")
+        waiting = self.runtime.num_waiting()
+        if waiting + choices > bound:
+            raise APIError(429, f"{waiting} requests are waiting (limit {bound}) and this one "
+                                f"adds {choices}; retry later")
 
     def _log_pair(self, prompt_ids: list[int], out: RequestOutput) -> None:
         assert self.pair_log is not None
@@ -508,6 +568,50 @@ async def admin_instances(runtime: ServingRuntime, body: AdminInstancesRequest,
             "pool": rec.pool, "instances": _instances(runtime)}
 
 
+def _validate(model: type[M], data: bytes) -> M:
+    """``data`` (JSON: the standard library's reading, lone surrogates included, which the
+    models then refuse by name) as ``model``; ``APIError``/``RequestValidationError``."""
+    try:
+        value = json.loads(data)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e.msg}") from None
+    except ValueError as e:  # not UTF-8/16/32
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+REQUEST_MODELS: dict[str, type[BaseModel]] = {}
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of an endpoint that parses ``model`` itself (off the loop);
+    :func:`_openapi` adds the model's schema to the components."""
+    REQUEST_MODELS[model.__name__] = model
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request models the endpoints parse themselves."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, model in REQUEST_MODELS.items():
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps.update(js.pop("$defs", {}))
+            comps[name] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def _timeline(finals: list[RequestOutput]) -> dict[str, Any]:
     """One choice's timeline, or ``{"choices": [...]}`` for several."""
     if len(finals) == 1:
@@ -542,7 +646,9 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
         raise ValueError(f"max_instances must be >= 1, got {max_instances}")
     server = OpenAIServer(runtime, served_model_name or default_served_model_name(
         runtime.model_name), pair_log)
-    app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving")
+    app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving",
+                  version=__version__)
+    app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -565,25 +671,25 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     if api_key or admin_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, admin_key=admin_key)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await server.completions(body, raw)
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        return await server.completions(await server.parse(raw, CompletionRequest), raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await server.chat(body, raw)
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
+    async def chat_completions(raw: Request) -> Response:
+        return await server.chat(await server.parse(raw, ChatCompletionRequest), raw)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
         return server.models()
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return await server.tokenize(body)
+    @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        return await server.tokenize(await server.parse(raw, TokenizeRequest))
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return await server.detokenize(body)
+    @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize(raw: Request) -> DetokenizeResponse:
+        return await server.detokenize(await server.parse(raw, DetokenizeRequest))
 
     @app.get("/health")
     async def health() -> Response:

@@ -7,13 +7,27 @@ so that a bad value becomes a 400 naming its field. Value ranges of sampling fie
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.request import SamplingParams
 
 MAX_CHOICES = 128  # n × prompts per request
+# Admission bounds (a 400 naming the limit; docs/api.md). OpenAI caps ``stop`` at 4 strings;
+# pdserve allows 16 (vLLM has no cap) of at most 1,024 characters: every new token is checked
+# against each of them, so a request with 700,000 slowed every other on its instance 20x.
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096  # chat turns per request (checked before the template runs)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions ``logprobs``
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap for chat ``top_logprobs``
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -66,8 +80,11 @@ class _GenerationRequest(_Request):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: (Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+           | Annotated[list[Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]],
+                       Field(max_length=MAX_STOP)]
+           | None) = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
@@ -194,6 +211,14 @@ class _GenerationRequest(_Request):
             guided_regex=guided_regex, **kw)
 
 
+def _few_messages(v: Any) -> Any:
+    """Refuse too many chat turns by count, before any of them is validated."""
+    if isinstance(v, list) and len(v) > MAX_MESSAGES:
+        raise ValueError(f"messages has {len(v)} turns, more than the {MAX_MESSAGES} a request "
+                         "may have")
+    return v
+
+
 def _is_token_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
@@ -300,11 +325,13 @@ class ChatCompletionRequest(_GenerationRequest):
     defaults to the rest of the context; ``logprobs`` is a flag and ``top_logprobs`` the number
     of alternatives (at most 20)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    _messages_count = field_validator("messages", mode="before")(_few_messages)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -337,8 +364,11 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None \
+        = None
     add_special_tokens: bool = True
+
+    _messages_count = field_validator("messages", mode="before")(_few_messages)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> TokenizeRequest:

@@ -93,21 +93,31 @@ class FakeRuntime:
     async def shutdown(self) -> None:
         self.started = False
 
+    @property
+    def max_waiting_requests(self) -> int | None:
+        return None if self.lazy else self.max_waiting  # a lazy runtime tells only later
+
+    def num_waiting(self) -> int:
+        return len(self.active)
+
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                 params: SamplingParams, admitted: bool = False
+                 ) -> AsyncIterator[RequestOutput]:
         if self.lazy:
-            return self._lazy(request_id, prompt_token_ids, params)
-        return self._generate(request_id, prompt_token_ids, params)
+            return self._lazy(request_id, prompt_token_ids, params, admitted)
+        return self._generate(request_id, prompt_token_ids, params, admitted)
 
     async def _lazy(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        async for out in self._generate(request_id, prompt_token_ids, params):
+                    params: SamplingParams, admitted: bool) -> AsyncIterator[RequestOutput]:
+        async for out in self._generate(request_id, prompt_token_ids, params, admitted):
             yield out
 
     def _generate(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                  params: SamplingParams, admitted: bool = False
+                  ) -> AsyncIterator[RequestOutput]:
         validate_prompt(prompt_token_ids, self.max_model_len, self.tokenizer.vocab_size)
-        if self.max_waiting is not None and len(self.active) >= self.max_waiting:
+        if (self.max_waiting is not None and not admitted
+                and len(self.active) >= self.max_waiting):
             raise QueueFullError(f"{len(self.active)} requests are waiting (limit "
                                  f"{self.max_waiting}); retry later")
         self.active.add(request_id)

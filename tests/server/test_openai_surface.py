@@ -32,9 +32,9 @@ class RecordingRuntime(FakeRuntime):
         super().__init__(**kw)
         self.submit_times: dict[str, float] = {}
 
-    def generate(self, request_id, prompt_token_ids, params):  # type: ignore[override]
+    def generate(self, request_id, prompt_token_ids, params, **kw):  # type: ignore[override]
         self.submit_times[request_id] = time.time()
-        return super().generate(request_id, prompt_token_ids, params)
+        return super().generate(request_id, prompt_token_ids, params, **kw)
 
 
 async def _client(runtime: FakeRuntime, **kw: Any) -> httpx.AsyncClient:
