@@ -41,8 +41,8 @@ from typing import Any
 from pdserve.cluster.controller import ClusterRequest
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.routing import InstanceView, make_router
-from pdserve.engine.kv_cache import NO_PARENT, BlockStored
-from pdserve.request import SamplingParams, Timeline, block_hashes
+from pdserve.engine.kv_cache import BlockStored
+from pdserve.request import NO_PARENT, SamplingParams, Timeline, block_hashes
 
 BS = 16
 PREFIX, CONT = 2048, 512  # tokens of a shared prefix and of each continuation

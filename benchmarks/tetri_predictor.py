@@ -23,13 +23,8 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pdserve.predict import Oracle  # noqa: E402
-from pdserve.predict.train import (  # noqa: E402
-    accuracy_table,
-    evaluate,
-    fit_predictor,
-    load_pairs,
-    split,
-)
+from pdserve.predict.data import fit_predictor, load_pairs  # noqa: E402
+from pdserve.predict.train import accuracy_table, evaluate, split  # noqa: E402
 from pdserve.sim.latency import FittedProfile  # noqa: E402
 from pdserve.sim.target import resolve_profile  # noqa: E402
 

@@ -17,7 +17,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 def __getattr__(name: str):
     if name == "LLM":  # lazy: importing pdserve must not import torch
-        from pdserve.llm import LLM
+        from pdserve.llm import LLM  # lazy: torch
 
         return LLM
     raise AttributeError(name)

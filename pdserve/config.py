@@ -18,12 +18,24 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import cache
+from pathlib import Path
 from typing import Any, Literal
 
 Role = Literal["colocated", "prefill", "decode", "temporal"]
 ROLES: tuple[str, ...] = ("colocated", "prefill", "decode", "temporal")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Names of the registered policies that the configs validate against. They live here, below the
+# packages that register the classes (pdserve.engine, pdserve.predict, pdserve.cluster.flip),
+# so that a config imports nothing above it; each registry refuses a class whose name is not
+# in its table (pdserve.registry.Registry ``names``).
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "preble", "sjf", "ljf")
+ADMISSION_POLICIES: tuple[str, ...] = ("greedy", "reserve-static", "reserve-dynamic")
+LENGTH_PREDICTORS: tuple[str, ...] = ("none", "oracle", "majority", "prompt-length",
+                                      "classifier")
+FLIP_POLICIES: tuple[str, ...] = ("none", "idle", "load")
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -350,13 +362,12 @@ class SchedulerConfig:
                  f"prefill_sched_batch must be >= 1, got {self.prefill_sched_batch}")
         _require(self.prefill_chunk_size is None or self.prefill_chunk_size >= 1,
                  f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
-        from pdserve.engine.admission import ADMISSIONS
-        from pdserve.engine.policies import POLICIES
-
-        _require(self.policy in POLICIES,
-                 f"unknown scheduling policy {self.policy!r}; available: {sorted(POLICIES)}")
-        _require(self.admission in ADMISSIONS,
-                 f"unknown admission policy {self.admission!r}; available: {sorted(ADMISSIONS)}")
+        _require(self.policy in SCHEDULING_POLICIES,
+                 f"unknown scheduling policy {self.policy!r}; available: "
+                 f"{sorted(SCHEDULING_POLICIES)}")
+        _require(self.admission in ADMISSION_POLICIES,
+                 f"unknown admission policy {self.admission!r}; available: "
+                 f"{sorted(ADMISSION_POLICIES)}")
         _require(not (self.role == "temporal" and self.enable_chunked_prefill),
                  "a temporal instance runs prefill-only and decode-only phases (EcoServe "
                  "§4.2.1): enable_chunked_prefill must be false")
@@ -542,6 +553,77 @@ class Link:
         return self.bandwidth_gb_per_s is not None or self.latency_s > 0
 
 
+LINKS_FILE = Path(__file__).resolve().parent / "data" / "hardware" / "links.yaml"
+
+
+@cache
+def link_catalogue() -> tuple[dict[str, Link], dict[str, str]]:
+    """The shipped link catalogue (``data/hardware/links.yaml``): links by lower-case name, and
+    aliases (lower case) -> names."""
+    d = load_data_file(LINKS_FILE, "hardware file")
+    where = str(LINKS_FILE)
+    if not isinstance(d, dict):
+        raise ValueError(f"hardware file {where!r}: expected a mapping at the top level")
+    links: dict[str, Link] = {}
+    for i, lk in enumerate(d.get("links") or []):
+        if not isinstance(lk, dict) or lk.get("name") is None or \
+                lk.get("bandwidth_gb_per_s") is None:
+            raise ValueError(f"{where}: links[{i}] needs a name and a bandwidth_gb_per_s")
+        try:
+            spec = Link(**lk)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: links[{i}]: {e}") from None
+        links[spec.name.lower()] = spec
+    aliases = {str(k).lower(): str(v).lower() for k, v in (d.get("aliases") or {}).items()}
+    return links, aliases
+
+
+def get_link(name: str | Link) -> Link:
+    """Link by case-insensitive name or alias (``nvlink`` = NVLink 3, ``ethernet`` = 25 Gb/s)."""
+    if isinstance(name, Link):
+        return name
+    links, aliases = link_catalogue()
+    key = name.strip().lower().replace("_", "-")
+    key = aliases.get(key, key)
+    if key in links:
+        return links[key]
+    raise ValueError(f"unknown link {name!r}; choices: "
+                     f"{', '.join(sorted(lk.name for lk in links.values()))} "
+                     f"(aliases: {', '.join(sorted(aliases))})")
+
+
+def check_granularity(granularity: Any) -> int:
+    """A length predictor's bucket size (TetriInfer §3.3.2), checked."""
+    if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
+        raise ValueError(f"predictor granularity must be an integer >= 1 token, got "
+                         f"{granularity!r}")
+    return granularity
+
+
+def flip_settings(spec: str) -> tuple[str, tuple[float, ...]]:
+    """TetriInfer §3.5's flip policy as a deployment names it — ``none`` | ``idle[:SECONDS]`` |
+    ``load[:SHARE[:SECONDS]]`` — as ``(name, values)``, checked (clear errors);
+    :func:`pdserve.cluster.flip.parse_flip` builds the policy from them."""
+    name, *args = str(spec).split(":")
+    if name not in FLIP_POLICIES:
+        raise ValueError(f"unknown flip policy {spec!r}; use none, idle[:SECONDS] or "
+                         f"load[:SHARE[:SECONDS]]")
+    try:
+        values = tuple(float(a) for a in args)
+    except ValueError as e:
+        raise ValueError(f"bad flip policy {spec!r}: {e}") from None
+    most = {"none": 0, "idle": 1, "load": 2}[name]
+    if len(values) > most:
+        raise ValueError(f"bad flip policy {spec!r}: {name} takes at most {most} value(s)")
+    if name == "idle" and values and not values[0] > 0:
+        raise ValueError(f"flip idle time must be > 0 s, got {values[0]}")
+    if name == "load" and values and not 0 < values[0] <= 1:
+        raise ValueError(f"flip load threshold must be in (0, 1], got {values[0]}")
+    if name == "load" and len(values) > 1 and not values[1] > 0:
+        raise ValueError(f"flip window must be > 0 s, got {values[1]}")
+    return name, values
+
+
 @dataclass(frozen=True)
 class RoleSpec:
     """The instances of one role: how many, their parallelism (TP × PP GPUs each; ``ep``: the
@@ -673,16 +755,13 @@ class ClusterConfig:
                  f"mitosis_initial must be >= 1, got {self.mitosis_initial}")
         object.__setattr__(self, "engine", dict(self.engine))
         self.engine_config()  # validates the shared engine settings now
-        from pdserve.cluster.flip import parse_flip
-        from pdserve.predict import PREDICTOR_NAMES, check_granularity
-
-        _require(self.length_predictor in PREDICTOR_NAMES,
+        _require(self.length_predictor in LENGTH_PREDICTORS,
                  f"unknown length predictor {self.length_predictor!r}; available: "
-                 f"{list(PREDICTOR_NAMES)}")
+                 f"{list(LENGTH_PREDICTORS)}")
         check_granularity(self.predictor_granularity)
         _require(0.0 <= self.predictor_accuracy <= 1.0,
                  f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
-        parse_flip(self.flip)
+        flip_settings(self.flip)
         if self.gpus_per_node is not None:
             for r in self.roles:
                 _require(r.tp * r.pp <= self.gpus_per_node,
@@ -770,8 +849,6 @@ class ClusterConfig:
             if isinstance(d.get(name), Mapping):
                 d[name] = Link(**d[name])
             elif isinstance(d.get(name), str):  # a catalogue link (nvlink3, eth-25g, ...)
-                from pdserve.sim.hardware import get_link
-
                 d[name] = get_link(d[name])
         return cls(engine=engine, roles=tuple(roles), **d)
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import MISSING, fields
 from typing import Any, NoReturn
 
+from pdserve.cluster.routing import ROUTERS
 from pdserve.config import (
     BACKENDS,
     DTYPES,
@@ -39,6 +40,7 @@ from pdserve.config import (
 )
 from pdserve.engine.admission import ADMISSIONS
 from pdserve.engine.policies import POLICIES
+from pdserve.predict import PREDICTOR_NAMES
 
 _FIELDS = {f.name: (cls, f) for cls in (EngineConfig, CacheConfig, SchedulerConfig)
            for f in fields(cls)}
@@ -173,9 +175,6 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
     """``--config``, ``--model``, the engine flags and the cluster flags (module docstring).
     ``live=False`` (the simulator) leaves out the backend and Ray flags and the engine's
     ``--device`` and ``--seed`` (a simulated step samples nothing)."""
-    from pdserve.cluster.routing import ROUTERS
-    from pdserve.predict import PREDICTOR_NAMES
-
     d = parser.add_argument_group("deployment (flags override --config)")
     d.add_argument("--config", metavar="FILE",
                    help="deployment spec, YAML or JSON (ClusterConfig.from_dict keys: model, "
@@ -259,72 +258,6 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                      else ("role", "prefill_token_target", "device", "seed"))
 
 
-def add_replan_flags(parser: argparse.ArgumentParser) -> None:
-    """``--replan`` and its settings (DistServe section 4.4; ``pdserve serve``):
-    :func:`replanner_from_args` builds the live replanner they describe."""
-    r = parser.add_argument_group("live replanning (DistServe section 4.4)")
-    r.add_argument("--replan", action="store_true",
-                   help="watch the arrivals; when the arrival rate or the mean prompt or output "
-                        "length over a window moves by more than --replan-threshold, search each "
-                        "role's goodput for the new pattern at the deployed TP x PP and add or "
-                        "remove instances while serving (a removed instance drains first) "
-                        "(default: off)")
-    r.add_argument("--replan-window", type=positive, default=60.0, metavar="SECONDS",
-                   help="the monitor's sliding window (default: %(default)s)")
-    r.add_argument("--replan-threshold", type=positive, default=0.3, metavar="SHARE",
-                   help="relative change of the rate or a mean length that counts as a shift "
-                        "(default: %(default)s)")
-    r.add_argument("--replan-min-requests", type=positive_int, default=20, metavar="N",
-                   help="arrivals a window needs before it can report a shift "
-                        "(default: %(default)s)")
-    r.add_argument("--replan-profile", metavar="NAME|FILE",
-                   help="latency profile the replanning search simulates with (default: "
-                        "--replan-hardware)")
-    r.add_argument("--replan-hardware", metavar="NAME",
-                   help="hardware spec for the search's roofline model when no profile is "
-                        "given (default: A100-80GB)")
-    r.add_argument("--replan-model", metavar="NAME|DIR",
-                   help="the model the search prices (default: the served model)")
-    r.add_argument("--replan-slo-ttft", type=positive, default=0.25, metavar="SECONDS",
-                   help="TTFT SLO the search plans for (default: %(default)s)")
-    r.add_argument("--replan-slo-tpot", type=positive, default=0.1, metavar="SECONDS",
-                   help="TPOT SLO the search plans for (default: %(default)s)")
-    r.add_argument("--replan-num-requests", type=positive_int, default=100, metavar="N",
-                   help="requests per probe of the search (default: %(default)s)")
-
-
-def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
-                        ) -> Callable[[Any], Any] | None:
-    """``None`` without ``--replan``; else a function that attaches a
-    :class:`~pdserve.planner.replan.LiveReplanner` to a runtime (and returns it). Bad settings
-    raise ``ValueError`` now, before any model loads."""
-    if not getattr(args, "replan", False):
-        return None
-    from pdserve.bench.metrics import SLO
-    from pdserve.planner.problem import Problem
-    from pdserve.planner.replan import LiveReplanner, ShiftDetector, deployed_planner
-
-    if args.replan_profile and args.replan_hardware:
-        raise ValueError("give --replan-profile or --replan-hardware, not both")
-    problem = Problem(model=args.replan_model or config.model, profile=args.replan_profile,
-                      hardware=None if args.replan_profile else
-                      (args.replan_hardware or "A100-80GB"),
-                      slo=SLO(args.replan_slo_ttft, args.replan_slo_tpot),
-                      num_requests=args.replan_num_requests, nodes=1,
-                      gpus_per_node=max(r.tp * r.pp for r in config.roles))
-    from pdserve.planner.problem import available_tps
-    from pdserve.sim.models import get_model_config
-
-    available_tps(problem, get_model_config(problem.model))  # an unknown model/profile fails now
-    planner = deployed_planner(problem, config)
-    window, thr, least = args.replan_window, args.replan_threshold, args.replan_min_requests
-
-    def attach(runtime: Any) -> LiveReplanner:
-        return LiveReplanner(runtime, ShiftDetector(window, None, thr, thr, least), planner)
-
-    return attach
-
-
 _ECO_FIELDS = ("slo_ttft", "slo_tpot", "macro_instance_size", "mitosis", "mitosis_lower",
                "mitosis_upper", "mitosis_initial", "mitosis_interval")
 _CLUSTER_FLAGS = _ECO_FIELDS + (
@@ -381,12 +314,9 @@ def guarded(cmd: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[Any]
     """``fn`` as a subcommand ``func``: bad values → exit 2, failed runs → exit 1, one line."""
 
     def run(args: argparse.Namespace) -> int:
-        from pdserve.bench.traces import TraceNotFoundError
-
         try:
             return int(fn(args))
-        except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
-                TraceNotFoundError) as e:
+        except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else e
             say(f"pdserve {cmd}: error: {msg}")
             return 2

@@ -29,7 +29,7 @@ class LLM:
 
     def __init__(self, model: str, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, **engine_kwargs: Any) -> None:
-        from pdserve.model.parallel import check_live_layout
+        from pdserve.model.parallel import check_live_layout  # lazy: torch (pdserve.model)
 
         model = resolve_model(model)
         model_config = ModelConfig.from_dir(model)
@@ -38,7 +38,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(
             model, model_max_len=model_config.max_position_embeddings, **engine_kwargs)
         self.tokenizer = load_tokenizer(model)
-        from pdserve.engine.model_executor import ModelExecutor
+        from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
         self.engine = Engine(self.config, ModelExecutor(self.config), tokenizer=self.tokenizer)
         self._ids = itertools.count()

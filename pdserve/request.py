@@ -8,7 +8,32 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.kv_cache import hash_blocks
+# ---- chained block hashes: a full block of tokens is named by its whole prefix (the KV pool's
+# prefix reuse and the cluster's prefix index share them)
+NO_PARENT = -1
+
+
+def hash_block(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    return hash((parent_hash, tokens))
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int,
+                hashes: list[int] | None = None) -> list[int]:
+    """The chained :func:`hash_block` of every full block of ``token_ids``: ``hashes`` (the
+    chain of its first ``len(hashes)`` blocks, extended in place) or a new list."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    out = [] if hashes is None else hashes
+    n = len(token_ids) // block_size
+    if len(out) >= n:
+        return out
+    start = len(out) * block_size
+    toks = tuple(token_ids[start:n * block_size])  # only the new blocks' tokens, once
+    parent = out[-1] if out else NO_PARENT
+    for i in range(0, len(toks), block_size):
+        parent = hash((parent, toks[i:i + block_size]))  # = hash_block, inlined
+        out.append(parent)
+    return out
 
 
 def _bad(name: str, value: Any, rule: str) -> ValueError:
@@ -294,7 +319,7 @@ class Timeline:
 
 class Prompt(list):
     """A prompt's token ids that remember their chained block hashes
-    (:func:`pdserve.engine.kv_cache.hash_blocks`), so that a prompt is hashed once in a cluster:
+    (:func:`hash_blocks`), so that a prompt is hashed once in a cluster:
     the controller makes each prompt one of these, the prefix-aware router's index lookup and
     the engine's block pool (:class:`Request` keeps a reference) share the chain. A prompt is
     not changed once made (the chain is computed for the first block size asked for and

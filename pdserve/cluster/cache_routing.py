@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from pdserve.cluster.prefix_index import PrefixIndex, block_size_of
 from pdserve.cluster.routing import InstanceView, Router, register
 from pdserve.cluster.routing import require as _check
-from pdserve.engine.kv_cache import NO_PARENT, KVEvent
-from pdserve.request import block_hashes
+from pdserve.engine.kv_cache import KVEvent
+from pdserve.request import NO_PARENT, block_hashes
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest

@@ -23,45 +23,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.cluster.actions import Action, Fail, Send, Transfer
+from pdserve.cluster.flip import NoFlip, TransitionWatcher, parse_flip
 from pdserve.cluster.routing import InstanceView, Router, make_router
+from pdserve.cluster.tetri import decode_demand
 from pdserve.cluster.worker import (
     Abort,
     AddRequest,
     AddTransfer,
-    Command,
     Release,
     StepReport,
     TokenDelta,
 )
 from pdserve.engine.engine import EngineStats
+from pdserve.predict import make_predictor
 from pdserve.request import Prompt, SamplingParams, Timeline
-
-
-@dataclass(slots=True)
-class Send:
-    instance_id: str
-    command: Command
-
-
-@dataclass(slots=True)
-class Transfer:
-    """Move the KV of ``request_id`` from block ``first_block`` on, ``src`` → ``dst``."""
-
-    request_id: str
-    src: str
-    dst: str
-    first_block: int
-    num_tokens: int  # tokens whose KV moves (for link-time accounting)
-
-
-@dataclass(slots=True)
-class Fail:
-    request_id: str
-    message: str
-    timeline: Timeline
-
-
-Action = Send | Transfer | Fail
 
 MAX_DISPATCHES = 4  # a request re-dispatched after this many failed attempts fails instead
 
@@ -173,8 +149,6 @@ class Controller:
     def _count_decode(self, req: ClusterRequest, inst: InstanceView, sign: int) -> None:
         """Heavy/light decode counts and predicted KV tokens per decode instance (TetriInfer
         §3.3.4's load information, cluster/tetri.py)."""
-        from pdserve.cluster.tetri import decode_demand
-
         heavy, tokens = decode_demand(req)
         if heavy:
             inst.num_heavy += sign
@@ -482,3 +456,19 @@ class Controller:
 
     def get(self, request_id: str) -> ClusterRequest | None:
         return self.requests.get(request_id)
+
+
+def controller_extras(config: Any, model_max_len: int | None = None) -> dict[str, Any]:
+    """The controller's TetriInfer parts from a deployment (``ClusterConfig``): the length
+    predictor and the transition watcher — for both drivers (one construction path)."""
+    out: dict[str, Any] = {}
+    if config.strategy != "disaggregated":
+        return out
+    out["predictor"] = make_predictor(config.length_predictor, config.predictor_granularity,
+                                      config.predictor_accuracy, config.predictor_data)
+    policy = parse_flip(config.flip)
+    if not isinstance(policy, NoFlip):
+        schedulers = {r.role: config.engine_config(r, model_max_len).scheduler
+                      for r in config.roles}
+        out["flips"] = TransitionWatcher(policy, schedulers)
+    return out

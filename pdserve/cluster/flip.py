@@ -29,13 +29,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.cluster.actions import Action, Send
 from pdserve.cluster.routing import InstanceView
 from pdserve.cluster.worker import SetRole, StepReport
-from pdserve.config import SchedulerConfig
+from pdserve.config import FLIP_POLICIES as FLIP_NAMES
+from pdserve.config import SchedulerConfig, flip_settings
 from pdserve.registry import Registry
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import Action, Controller
+    from pdserve.cluster.controller import Controller
 
 OTHER = {"prefill": "decode", "decode": "prefill"}
 
@@ -65,7 +67,7 @@ class FlipPolicy:
         raise NotImplementedError
 
 
-FLIP_POLICIES: Registry[FlipPolicy] = Registry("flip policy")
+FLIP_POLICIES: Registry[FlipPolicy] = Registry("flip policy", names=FLIP_NAMES)
 register = FLIP_POLICIES.register
 
 
@@ -84,8 +86,6 @@ class IdleFlip(FlipPolicy):
     name = "idle"
 
     def __init__(self, window_s: float = 60.0) -> None:
-        if not window_s > 0:
-            raise ValueError(f"flip idle time must be > 0 s, got {window_s}")
         self.window_s = window_s
 
     def wants_flip(self, inst: InstanceView, act: Activity, now: float) -> bool:
@@ -100,10 +100,6 @@ class LowLoadFlip(FlipPolicy):
     name = "load"
 
     def __init__(self, threshold: float = 0.1, window_s: float = 60.0) -> None:
-        if not 0 < threshold <= 1:
-            raise ValueError(f"flip load threshold must be in (0, 1], got {threshold}")
-        if not window_s > 0:
-            raise ValueError(f"flip window must be > 0 s, got {window_s}")
         self.threshold, self.window_s = threshold, window_s
 
     def wants_flip(self, inst: InstanceView, act: Activity, now: float) -> bool:
@@ -112,17 +108,10 @@ class LowLoadFlip(FlipPolicy):
 
 
 def parse_flip(spec: str) -> FlipPolicy:
-    """``none`` | ``idle[:SECONDS]`` | ``load[:SHARE[:SECONDS]]`` → a policy (clear errors)."""
-    name, *args = str(spec).split(":")
-    cls = FLIP_POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown flip policy {spec!r}; use none, idle[:SECONDS] or "
-                         f"load[:SHARE[:SECONDS]]")
-    try:
-        values = [float(a) for a in args]
-        return cls(*values)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"bad flip policy {spec!r}: {e}") from None
+    """``none`` | ``idle[:SECONDS]`` | ``load[:SHARE[:SECONDS]]`` → a policy (the values are
+    checked by :func:`pdserve.config.flip_settings`, with clear errors)."""
+    name, values = flip_settings(spec)
+    return FLIP_POLICIES[name](*values)
 
 
 @dataclass
@@ -175,8 +164,6 @@ class TransitionWatcher:
             rec.done = now
 
     def tick(self, ctl: Controller, now: float) -> list[Action]:
-        from pdserve.cluster.controller import Send
-
         acts: list[Action] = []
         for iid, rec in self._open.items():  # drained instances flip now
             inst = ctl.instances[iid]

@@ -22,6 +22,7 @@ from typing import Any
 
 from pdserve.cluster.worker import Command, ImportKV, InstanceWorker, PullFailed, StepReport
 from pdserve.config import EngineConfig
+from pdserve.tokenizer import load_tokenizer
 
 # how long one reports() poll waits for a report before it returns an empty list (so a poll
 # left behind by a driver that went away frees its thread)
@@ -32,8 +33,7 @@ def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
                 num_threads: int | None = None, record_events: bool = False) -> InstanceWorker:
     """An instance over the real model: loads the weights (and the tokenizer unless given);
     ``record_events``: report the block pool's KV events (for prefix-aware routers)."""
-    from pdserve.engine.model_executor import ModelExecutor
-    from pdserve.tokenizer import load_tokenizer
+    from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
     executor = ModelExecutor(config, num_threads=num_threads)
     return InstanceWorker(instance_id, config, executor,

@@ -2,7 +2,7 @@
 
 Preble §4 ("Global scheduler data structures") keeps a radix tree of prompts whose nodes record
 the GPUs holding their KV. Here the tree is built over the engines' chained block hashes
-(:func:`pdserve.engine.kv_cache.hash_block`): a block's hash names its whole prefix, so one dict
+(:func:`pdserve.request.hash_block`): a block's hash names its whole prefix, so one dict
 ``hash -> node`` finds any block in O(1), and ``parent`` links give the tree::
 
     root ─ h0 ─ h1 ─ h2 ─ h3        a node = one full block (block_size tokens)
@@ -29,8 +29,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 
-from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored, KVEvent
-from pdserve.request import block_hashes
+from pdserve.engine.kv_cache import BlockRemoved, BlockStored, KVEvent
+from pdserve.request import NO_PARENT, block_hashes
 
 
 class Node:

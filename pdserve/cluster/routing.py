@@ -165,9 +165,3 @@ class LeastLoad(Router):
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
         return min(candidates, key=lambda i: (i.kv_load, i.active))
 
-
-# the prefix-aware routers register themselves in ROUTERS (they import this module)
-import pdserve.cluster.cache_routing  # noqa: E402, F401
-import pdserve.cluster.macro  # noqa: E402, F401
-import pdserve.cluster.prefix_routing  # noqa: E402, F401
-import pdserve.cluster.tetri  # noqa: E402, F401

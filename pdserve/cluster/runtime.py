@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.cluster.controller import Controller, Fail, Transfer
+from pdserve.cluster.controller import Controller, Fail, Transfer, controller_extras
 from pdserve.cluster.driver import Deliver, DriverCore, Effect, StartStep
 from pdserve.cluster.instances import (
     InProcessInstance,
@@ -43,9 +43,9 @@ from pdserve.cluster.protocol import (
 )
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
 from pdserve.cluster.scaling import InstanceHandle
-from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
+from pdserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("pdserve.runtime")
 
@@ -458,8 +458,6 @@ class ClusterRuntime:
 async def build_runtime(config: ClusterConfig, model_name: str | None = None) -> ClusterRuntime:
     """Load the model on every instance of the deployment (in-process or one Ray actor each)
     and start serving."""
-    from pdserve.tokenizer import load_tokenizer
-
     model_config = ModelConfig.from_dir(config.model)
     specs = config.instance_specs(model_config.max_position_embeddings)
     check_specs(specs, model_config)
@@ -483,7 +481,7 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
 def check_specs(specs: list[InstanceSpec], model_config: ModelConfig) -> None:
     """``ValueError`` naming the role and value when an instance's ``tp``/``pp``/``ep`` cannot
     run live (before anything loads)."""
-    from pdserve.model.parallel import check_live_layout
+    from pdserve.model.parallel import check_live_layout  # lazy: torch (pdserve.model)
 
     for s in specs:
         try:

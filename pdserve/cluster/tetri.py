@@ -22,7 +22,7 @@ Registered decode routers (``--decode-router``):
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdserve.cluster.routing import InstanceView, Router, register
 
@@ -100,22 +100,3 @@ class Imbalanced(Router):
         rest = candidates[1:]
         self._next += 1
         return rest[(self._next - 1) % len(rest)]
-
-
-def controller_extras(config: Any, model_max_len: int | None = None) -> dict[str, Any]:
-    """The controller's TetriInfer parts from a deployment (``ClusterConfig``): the length
-    predictor and the transition watcher — for both drivers (one construction path)."""
-    from pdserve.cluster.flip import NoFlip, TransitionWatcher, parse_flip
-    from pdserve.predict import make_predictor
-
-    out: dict[str, Any] = {}
-    if config.strategy != "disaggregated":
-        return out
-    out["predictor"] = make_predictor(config.length_predictor, config.predictor_granularity,
-                                      config.predictor_accuracy, config.predictor_data)
-    policy = parse_flip(config.flip)
-    if not isinstance(policy, NoFlip):
-        schedulers = {r.role: config.engine_config(r, model_max_len).scheduler
-                      for r in config.roles}
-        out["flips"] = TransitionWatcher(policy, schedulers)
-    return out

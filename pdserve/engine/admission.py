@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve.config import ADMISSION_POLICIES
 from pdserve.registry import Registry
 from pdserve.request import Request
 
@@ -39,7 +40,7 @@ class AdmissionPolicy:
         raise NotImplementedError
 
 
-ADMISSIONS: Registry[AdmissionPolicy] = Registry("admission policy")
+ADMISSIONS: Registry[AdmissionPolicy] = Registry("admission policy", names=ADMISSION_POLICIES)
 register = ADMISSIONS.register
 make_admission = ADMISSIONS.make
 

@@ -17,33 +17,7 @@ different instances can be compared by a cluster-wide prefix index (fed by :attr
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
-
-NO_PARENT = -1
-
-
-def hash_block(parent_hash: int, tokens: tuple[int, ...]) -> int:
-    return hash((parent_hash, tokens))
-
-
-def hash_blocks(token_ids: Sequence[int], block_size: int,
-                hashes: list[int] | None = None) -> list[int]:
-    """The chained :func:`hash_block` of every full block of ``token_ids``: ``hashes`` (the
-    chain of its first ``len(hashes)`` blocks, extended in place) or a new list."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    out = [] if hashes is None else hashes
-    n = len(token_ids) // block_size
-    if len(out) >= n:
-        return out
-    start = len(out) * block_size
-    toks = tuple(token_ids[start:n * block_size])  # only the new blocks' tokens, once
-    parent = out[-1] if out else NO_PARENT
-    for i in range(0, len(toks), block_size):
-        parent = hash((parent, toks[i:i + block_size]))  # = hash_block, inlined
-        out.append(parent)
-    return out
 
 
 @dataclass(frozen=True, slots=True)

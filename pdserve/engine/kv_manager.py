@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdserve.config import cdiv
-from pdserve.engine.kv_cache import NO_PARENT, Block, BlockPool, hash_blocks
-from pdserve.request import Request
+from pdserve.engine.kv_cache import Block, BlockPool
+from pdserve.request import NO_PARENT, Request, hash_blocks
 
 
 class KVCacheManager:

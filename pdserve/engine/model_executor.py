@@ -15,6 +15,7 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig, cdiv, kv_cache_blocks
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.cpu_threads import ThreadGovernor
+from pdserve.grammar import GrammarCompiler, GrammarState
 from pdserve.model import cpu_kernels
 from pdserve.model.layers import (
     build_attention_metadata,
@@ -23,6 +24,7 @@ from pdserve.model.layers import (
 )
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleRow
+from pdserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -204,11 +206,7 @@ class ModelExecutor:
         """The structured-output mask of ``req``'s next token; its guide lives on the request
         (``req.grammar``) and follows the output tokens, wherever they were sampled."""
         if req.grammar is None:
-            from pdserve.grammar import GrammarCompiler, GrammarState
-
             if self._grammar_compiler is None:
-                from pdserve.tokenizer import load_tokenizer
-
                 self._grammar_compiler = GrammarCompiler.for_tokenizer(
                     load_tokenizer(self.config.model), self.eos_token_ids[0])
             try:

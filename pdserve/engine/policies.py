@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from pdserve.config import SchedulerConfig
+from pdserve.config import SCHEDULING_POLICIES, SchedulerConfig
 from pdserve.registry import Registry
 from pdserve.request import Request
 
@@ -28,7 +28,7 @@ class WaitingPolicy:
         raise NotImplementedError
 
 
-POLICIES: Registry[WaitingPolicy] = Registry("scheduling policy")
+POLICIES: Registry[WaitingPolicy] = Registry("scheduling policy", names=SCHEDULING_POLICIES)
 register = POLICIES.register
 make_policy = POLICIES.make
 
@@ -114,6 +114,3 @@ def policy_for(config: SchedulerConfig) -> WaitingPolicy:
         cls, "sched_batch_policy") else {}
     return make_policy(config.policy, **params)
 
-
-# TetriInfer's prefill orders register themselves here (they import this module)
-import pdserve.engine.prefill_order  # noqa: E402, F401

@@ -27,7 +27,7 @@ from pdserve.flags import (
     say,
 )
 from pdserve.planner.problem import Problem
-from pdserve.sim.cli import add_latency_source_flags
+from pdserve.sim.target import add_latency_source_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
 

@@ -21,6 +21,7 @@ instance drains first) — no blue-green switch, no reload of the instances that
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,9 @@ from typing import Any
 
 from pdserve.bench.metrics import SLO, RequestRecord, attains
 from pdserve.bench.workloads import WorkloadRequest
+from pdserve.config import ClusterConfig
+from pdserve.flags import positive, positive_int
+from pdserve.sim.models import get_model_config
 
 
 @dataclass(frozen=True)
@@ -208,8 +212,6 @@ def attainment_over_time(requests: Sequence[WorkloadRequest], records: Sequence[
 def placement_counts(deployment: Mapping[str, Any]) -> dict[str, int]:
     """Instances per role of a planned deployment (a ``ClusterConfig.from_dict`` mapping, e.g.
     ``Placement.deployment``)."""
-    from pdserve.config import ClusterConfig
-
     return {r.role: r.count for r in ClusterConfig.from_dict(deployment).roles}
 
 
@@ -353,3 +355,67 @@ class LiveReplanner:
         """Until no replanning is under way."""
         while self._task is not None and not self._task.done():
             await self._task
+
+
+# ------------------------------------------------------------- `pdserve serve --replan`
+def add_replan_flags(parser: argparse.ArgumentParser) -> None:
+    """``--replan`` and its settings (DistServe section 4.4; ``pdserve serve``):
+    :func:`replanner_from_args` builds the live replanner they describe."""
+    r = parser.add_argument_group("live replanning (DistServe section 4.4)")
+    r.add_argument("--replan", action="store_true",
+                   help="watch the arrivals; when the arrival rate or the mean prompt or output "
+                        "length over a window moves by more than --replan-threshold, search each "
+                        "role's goodput for the new pattern at the deployed TP x PP and add or "
+                        "remove instances while serving (a removed instance drains first) "
+                        "(default: off)")
+    r.add_argument("--replan-window", type=positive, default=60.0, metavar="SECONDS",
+                   help="the monitor's sliding window (default: %(default)s)")
+    r.add_argument("--replan-threshold", type=positive, default=0.3, metavar="SHARE",
+                   help="relative change of the rate or a mean length that counts as a shift "
+                        "(default: %(default)s)")
+    r.add_argument("--replan-min-requests", type=positive_int, default=20, metavar="N",
+                   help="arrivals a window needs before it can report a shift "
+                        "(default: %(default)s)")
+    r.add_argument("--replan-profile", metavar="NAME|FILE",
+                   help="latency profile the replanning search simulates with (default: "
+                        "--replan-hardware)")
+    r.add_argument("--replan-hardware", metavar="NAME",
+                   help="hardware spec for the search's roofline model when no profile is "
+                        "given (default: A100-80GB)")
+    r.add_argument("--replan-model", metavar="NAME|DIR",
+                   help="the model the search prices (default: the served model)")
+    r.add_argument("--replan-slo-ttft", type=positive, default=0.25, metavar="SECONDS",
+                   help="TTFT SLO the search plans for (default: %(default)s)")
+    r.add_argument("--replan-slo-tpot", type=positive, default=0.1, metavar="SECONDS",
+                   help="TPOT SLO the search plans for (default: %(default)s)")
+    r.add_argument("--replan-num-requests", type=positive_int, default=100, metavar="N",
+                   help="requests per probe of the search (default: %(default)s)")
+
+
+def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
+                        ) -> Callable[[Any], Any] | None:
+    """``None`` without ``--replan``; else a function that attaches a
+    :class:`~pdserve.planner.replan.LiveReplanner` to a runtime (and returns it). Bad settings
+    raise ``ValueError`` now, before any model loads."""
+    if not getattr(args, "replan", False):
+        return None
+    from pdserve.planner.problem import Problem
+
+    if args.replan_profile and args.replan_hardware:
+        raise ValueError("give --replan-profile or --replan-hardware, not both")
+    problem = Problem(model=args.replan_model or config.model, profile=args.replan_profile,
+                      hardware=None if args.replan_profile else
+                      (args.replan_hardware or "A100-80GB"),
+                      slo=SLO(args.replan_slo_ttft, args.replan_slo_tpot),
+                      num_requests=args.replan_num_requests, nodes=1,
+                      gpus_per_node=max(r.tp * r.pp for r in config.roles))
+    from pdserve.planner.problem import available_tps
+
+    available_tps(problem, get_model_config(problem.model))  # an unknown model/profile fails now
+    planner = deployed_planner(problem, config)
+    window, thr, least = args.replan_window, args.replan_threshold, args.replan_min_requests
+
+    def attach(runtime: Any) -> LiveReplanner:
+        return LiveReplanner(runtime, ShiftDetector(window, None, thr, thr, least), planner)
+
+    return attach

@@ -3,17 +3,18 @@ simulations, training and the accuracy report. Torch-free."""
 
 from __future__ import annotations
 
+from pdserve.config import LENGTH_PREDICTORS, check_granularity
 from pdserve.predict.base import (
     PREDICTORS,
     LengthPrediction,
     LengthPredictor,
     bucket_of,
-    check_granularity,
 )
 from pdserve.predict.classifier import SoftmaxClassifier
+from pdserve.predict.data import fit_predictor, load_pairs
 from pdserve.predict.models import Majority, Oracle, PromptLength
 
-PREDICTOR_NAMES = ("none", *PREDICTORS)
+PREDICTOR_NAMES = LENGTH_PREDICTORS  # "none" and every registered predictor
 
 
 def make_predictor(name: str, granularity: int = 200, accuracy: float = 1.0,
@@ -36,8 +37,6 @@ def make_predictor(name: str, granularity: int = 200, accuracy: float = 1.0,
         if name != "classifier":
             raise ValueError("a saved .npz model is a 'classifier'")
         return SoftmaxClassifier.load(data)
-    from pdserve.predict.train import fit_predictor, load_pairs
-
     return fit_predictor(name, granularity, load_pairs(data), seed=seed)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from pdserve.config import LENGTH_PREDICTORS
 from pdserve.registry import Registry
 
 
@@ -37,13 +37,6 @@ class LengthPrediction:
         return (self.bucket + 0.5) * self.granularity
 
 
-def check_granularity(granularity: Any) -> int:
-    if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity < 1:
-        raise ValueError(f"predictor granularity must be an integer >= 1 token, got "
-                         f"{granularity!r}")
-    return granularity
-
-
 def bucket_of(length: int, granularity: int, num_buckets: int | None = None) -> int:
     b = max(int(length), 0) // granularity
     return b if num_buckets is None else min(b, num_buckets - 1)
@@ -63,5 +56,5 @@ class LengthPredictor:
         raise NotImplementedError
 
 
-PREDICTORS: Registry[LengthPredictor] = Registry("length predictor")
+PREDICTORS: Registry[LengthPredictor] = Registry("length predictor", names=LENGTH_PREDICTORS)
 register = PREDICTORS.register

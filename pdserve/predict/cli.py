@@ -33,7 +33,8 @@ def _eval_share(text: str) -> float:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pdserve.predict.train import accuracy_table, evaluate, fit_predictor, load_pairs, split
+    from pdserve.predict.data import fit_predictor, load_pairs
+    from pdserve.predict.train import accuracy_table, evaluate, split
 
     if not args.output.endswith(".npz"):
         raise ValueError(f"--output must name a .npz file, got {args.output!r}")
@@ -64,7 +65,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from pdserve.predict import SoftmaxClassifier
-    from pdserve.predict.train import accuracy_table, evaluate, load_pairs
+    from pdserve.predict.data import load_pairs
+    from pdserve.predict.train import accuracy_table, evaluate
 
     clf = SoftmaxClassifier.load(args.model)
     pairs = load_pairs(args.data)

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pdserve.config import check_granularity
 from pdserve.predict.base import (
     LengthPrediction,
     LengthPredictor,
     bucket_of,
-    check_granularity,
     register,
 )
 

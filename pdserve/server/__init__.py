@@ -16,7 +16,7 @@ __all__ = ["build_app"]
 
 def __getattr__(name: str) -> Any:
     if name == "build_app":
-        from pdserve.server.app import build_app
+        from pdserve.server.app import build_app  # lazy: FastAPI (the serve flags load without)
 
         return build_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

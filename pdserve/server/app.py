@@ -64,7 +64,7 @@ from pdserve.server.protocol import (
 from pdserve.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
-    from pdserve.predict.train import PairLog
+    from pdserve.predict.data import PairLog
 
 INLINE_TEXT = 256  # characters; shorter texts are tokenized on the loop (a few microseconds)
 LARGE_TEXT = 1 << 16  # characters; longer texts are tokenized on their own thread

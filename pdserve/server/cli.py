@@ -19,17 +19,16 @@ from typing import TYPE_CHECKING, Any
 from pdserve.config import ClusterConfig
 from pdserve.flags import (
     add_deployment_flags,
-    add_replan_flags,
     deployment_from_args,
     guarded,
     one_line_errors,
     positive_int,
-    replanner_from_args,
 )
+from pdserve.planner.replan import add_replan_flags, replanner_from_args
 from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
-    from pdserve.predict.train import PairLog
+    from pdserve.predict.data import PairLog
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -118,7 +117,7 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
                 admin: dict[str, Any] | None = None) -> None:
     """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down. With
     ``pair_log``, every finished request is logged as a (prompt, output length) pair; with
-    ``replan`` (:func:`pdserve.flags.replanner_from_args`), a live replanner watches the
+    ``replan`` (:func:`pdserve.planner.replan.replanner_from_args`), a live replanner watches the
     runtime; ``admin`` holds :func:`~pdserve.server.app.build_app`'s ``enable_admin``,
     ``admin_key`` and ``max_instances``."""
     import uvicorn
@@ -207,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
     replan = replanner_from_args(args, config)  # bad replanning settings fail before the load
     pair_log = None
     if args.log_length_pairs:
-        from pdserve.predict.train import PairLog
+        from pdserve.predict.data import PairLog
 
         pair_log = PairLog(args.log_length_pairs)  # a bad path fails before the model loads
     try:

@@ -24,14 +24,12 @@ from pdserve.bench.cli import (
     write_report,
 )
 from pdserve.flags import (
-    add_deployment_flags,
-    deployment_dict,
     guarded,
-    nonnegative,
     one_line_errors,
     positive,
     positive_int,
 )
+from pdserve.sim.target import SimTarget, add_simulation_flags, simulation_from_args
 
 
 def register(subparsers: Any) -> None:
@@ -69,57 +67,9 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=guarded("profile", cmd_profile))
 
 
-def add_simulation_flags(p: argparse.ArgumentParser) -> None:
-    """The deployment flags (live ones aside) and what simulation adds."""
-    add_deployment_flags(p, live=False,
-                         model_help="catalogue model (opt-13b, llama-2-7b, ...) or a model "
-                                    "directory (default: opt-13b)")
-    g = p.add_argument_group("simulation (a --config file's `simulation:` section)")
-    add_latency_source_flags(g)
-    g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
-                   help="serving-path cost added to every step (see benchmarks/fidelity.py) "
-                        "(default: 0)")
-    g.add_argument("--seq-overhead-ms", type=nonnegative, metavar="MS",
-                   help="serving-path cost per sequence in a step (default: 0)")
-    g.add_argument("--request-overhead-ms", type=nonnegative, metavar="MS",
-                   help="the front end's fixed cost per request (HTTP, tokenizing, routing, "
-                        "streaming), added to every TTFT and end-to-end latency (default: 0)")
-
-
-def add_latency_source_flags(g: Any) -> None:
-    """``--profile FILE|NAME`` or ``--hardware NAME|FILE`` (one of them): what prices a step."""
-    src = g.add_mutually_exclusive_group()
-    src.add_argument("--profile", metavar="FILE|NAME",
-                     help="fitted profile: ours (pdserve profile) or DistServe's JSON; a path or "
-                          "a shipped/shared profile's name, e.g. "
-                          "distserve_profiler-a100-80g.distserve")
-    src.add_argument("--hardware", metavar="NAME|FILE",
-                     help="analytic roofline on this device: a catalogue name (A100-80GB, H100, "
-                          "L40S, ...) or a hardware spec file (pdserve calibrate writes one) "
-                          "(default: A100-80GB when no --profile)")
-
-
-def simulation_from_args(args: argparse.Namespace) -> Any:
-    """The simulated deployment: ``--config`` overlaid with the flags."""
-    from pdserve.sim.target import SimulationConfig
-
-    d = deployment_dict(args)
-    sim = dict(d.pop("simulation", None) or {})
-    given = {k: getattr(args, k) for k in ("profile", "hardware", "step_overhead_ms",
-                                           "seq_overhead_ms", "request_overhead_ms")
-             if getattr(args, k) is not None}
-    if given.keys() & {"profile", "hardware"}:  # a flag's latency source replaces the file's
-        sim.pop("profile", None)
-        sim.pop("hardware", None)
-    d["simulation"] = {**sim, **given}
-    return SimulationConfig.from_dict(d)
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench import report
     from pdserve.bench.runner import build_workload, resolve_slo, run_workload
-    from pdserve.sim.target import SimTarget
-
     sim = simulation_from_args(args)
     target = SimTarget(sim, name=f"sim:{sim.deployment.strategy}", progress=not args.no_progress)
     s = settings_from_args(args)

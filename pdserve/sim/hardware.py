@@ -39,7 +39,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pdserve.config import Link, load_data_file
+from pdserve.config import Link, get_link, link_catalogue, load_data_file
 
 _T = TypeVar("_T", "DeviceSpec", Link)
 GIB = 1024**3
@@ -291,19 +291,11 @@ def save_hardware(path: str | os.PathLike[str], dev: DeviceSpec,
 
 
 # ------------------------------------------------------------------------------ catalogue
-def _load_catalogue() -> tuple[dict[str, LinkSpec], dict[str, str], dict[str, tuple[Any, ...]],
-                               dict[str, str]]:
-    links_file = DATA_DIR / "links.yaml"
-    d = _read(links_file)
-    links = {}
-    for i, lk in enumerate(d.get("links") or []):
-        spec = _build(LinkSpec, lk, str(links_file), f"links[{i}]")
-        links[spec.name.lower()] = spec
-    link_aliases = {str(k).lower(): str(v).lower() for k, v in (d.get("aliases") or {}).items()}
+def _load_catalogue() -> tuple[dict[str, tuple[Any, ...]], dict[str, str]]:
     devices: dict[str, tuple[Any, ...]] = {}
     dev_aliases: dict[str, str] = {}
     for p in sorted(DATA_DIR.glob("*.yaml")):
-        if p.name == "links.yaml":
+        if p.name == "links.yaml":  # the link catalogue: pdserve.config.link_catalogue
             continue
         raw = _read(p)
         dev = device_from_dict(raw, str(p))
@@ -311,14 +303,15 @@ def _load_catalogue() -> tuple[dict[str, LinkSpec], dict[str, str], dict[str, tu
         for a in dev.aliases:
             dev_aliases[a.lower()] = dev.name.lower()
         dev_aliases.setdefault(p.stem.lower(), dev.name.lower())
-    return links, link_aliases, devices, dev_aliases
+    return devices, dev_aliases
 
 
 def _cluster_of(dev: DeviceSpec, d: Any, where: str) -> ClusterSpec:
     return _build(ClusterSpec, {"device": dev, **(d or {})}, where, "cluster")
 
 
-LINKS, _LINK_ALIASES, _CATALOGUE, _DEVICE_ALIASES = _load_catalogue()
+LINKS = link_catalogue()[0]
+_CATALOGUE, _DEVICE_ALIASES = _load_catalogue()
 DEVICES: dict[str, DeviceSpec] = {k: v[0] for k, v in _CATALOGUE.items()}
 
 
@@ -365,16 +358,6 @@ def get_device(name: str | os.PathLike[str] | DeviceSpec) -> DeviceSpec:
     if isinstance(name, DeviceSpec):
         return name
     return load_hardware(name).device
-
-
-def get_link(name: str | LinkSpec) -> LinkSpec:
-    """Link by case-insensitive name or alias (``nvlink`` = NVLink 3, ``ethernet`` = 25 Gb/s)."""
-    if isinstance(name, LinkSpec):
-        return name
-    key = _key(name, _LINK_ALIASES)
-    if key in LINKS:
-        return LINKS[key]
-    raise _unknown("link", name, LINKS, _LINK_ALIASES)
 
 
 def catalogue_file(name: str) -> Path:

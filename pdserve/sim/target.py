@@ -20,6 +20,7 @@ waits one pass, ``base + (k − 1)·send``; the pipeline completes one every ``b
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -30,9 +31,10 @@ from typing import Any
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
+from pdserve.cluster.controller import controller_extras
 from pdserve.cluster.routing import make_routers
-from pdserve.cluster.tetri import controller_extras
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
+from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
 from pdserve.sim.models import get_model_config
@@ -350,13 +352,56 @@ class sim_progress:  # noqa: N801 - used as a context manager function
         self.bar.__exit__(*exc)
 
 
+# ------------------------------------------------- `pdserve simulate` flags and `--target sim`
+def add_simulation_flags(p: argparse.ArgumentParser) -> None:
+    """The deployment flags (live ones aside) and what simulation adds."""
+    add_deployment_flags(p, live=False,
+                         model_help="catalogue model (opt-13b, llama-2-7b, ...) or a model "
+                                    "directory (default: opt-13b)")
+    g = p.add_argument_group("simulation (a --config file's `simulation:` section)")
+    add_latency_source_flags(g)
+    g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
+                   help="serving-path cost added to every step (see benchmarks/fidelity.py) "
+                        "(default: 0)")
+    g.add_argument("--seq-overhead-ms", type=nonnegative, metavar="MS",
+                   help="serving-path cost per sequence in a step (default: 0)")
+    g.add_argument("--request-overhead-ms", type=nonnegative, metavar="MS",
+                   help="the front end's fixed cost per request (HTTP, tokenizing, routing, "
+                        "streaming), added to every TTFT and end-to-end latency (default: 0)")
+
+
+def add_latency_source_flags(g: Any) -> None:
+    """``--profile FILE|NAME`` or ``--hardware NAME|FILE`` (one of them): what prices a step."""
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--profile", metavar="FILE|NAME",
+                     help="fitted profile: ours (pdserve profile) or DistServe's JSON; a path or "
+                          "a shipped/shared profile's name, e.g. "
+                          "distserve_profiler-a100-80g.distserve")
+    src.add_argument("--hardware", metavar="NAME|FILE",
+                     help="analytic roofline on this device: a catalogue name (A100-80GB, H100, "
+                          "L40S, ...) or a hardware spec file (pdserve calibrate writes one) "
+                          "(default: A100-80GB when no --profile)")
+
+
+def simulation_from_args(args: argparse.Namespace) -> Any:
+    """The simulated deployment: ``--config`` overlaid with the flags."""
+    d = deployment_dict(args)
+    sim = dict(d.pop("simulation", None) or {})
+    given = {k: getattr(args, k) for k in ("profile", "hardware", "step_overhead_ms",
+                                           "seq_overhead_ms", "request_overhead_ms")
+             if getattr(args, k) is not None}
+    if given.keys() & {"profile", "hardware"}:  # a flag's latency source replaces the file's
+        sim.pop("profile", None)
+        sim.pop("hardware", None)
+    d["simulation"] = {**sim, **given}
+    return SimulationConfig.from_dict(d)
+
+
 def make_sim_target(args: Any) -> SimTarget:
     """``--target sim`` (:func:`pdserve.bench.targets.register_target`): the deployment from
     ``--target-option KEY=VALUE`` pairs (any deployment-spec key, ``config=FILE``, and the
     simulation's ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``,
     ``request_overhead_ms``), read as ``pdserve simulate`` reads the same flags."""
-    from pdserve.sim.cli import simulation_from_args
-
     options = {k.replace("-", "_"): v for k, v in
                (getattr(args, "target_options", None) or {}).items()}
     if "model" not in options and getattr(args, "model", None):
@@ -367,10 +412,6 @@ def make_sim_target(args: Any) -> SimTarget:
 
 def _parse_options(options: dict[str, Any]) -> Any:
     """``KEY=VALUE`` strings parsed by ``pdserve simulate``'s own flags."""
-    import argparse
-
-    from pdserve.sim.cli import add_simulation_flags
-
     p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     add_simulation_flags(p)
     argv: list[str] = []

@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.cluster.prefix_index import Node, PrefixIndex
-from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored
-from pdserve.request import block_hashes
+from pdserve.engine.kv_cache import BlockPool, BlockRemoved, BlockStored
+from pdserve.request import NO_PARENT, block_hashes
 
 BS = 2
 # prompts sharing prefixes: a small tree of token blocks

@@ -8,8 +8,8 @@ from pdserve.cluster.prefix_routing import E2Router, LinearPrefillTime
 from pdserve.cluster.routing import InstanceView, make_router
 from pdserve.cluster.worker import AddRequest, StepReport, TokenDelta
 from pdserve.engine.engine import EngineStats
-from pdserve.engine.kv_cache import NO_PARENT, BlockRemoved, BlockStored
-from pdserve.request import SamplingParams, Timeline, block_hashes
+from pdserve.engine.kv_cache import BlockRemoved, BlockStored
+from pdserve.request import NO_PARENT, SamplingParams, Timeline, block_hashes
 
 BS = 4
 P = SamplingParams(max_tokens=4, ignore_eos=True)

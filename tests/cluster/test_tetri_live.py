@@ -93,7 +93,7 @@ async def test_serve_with_tetriinfer_flags_logs_pairs_that_train_the_predictor(
 
     from pdserve.cli import build_parser
     from pdserve.cli import main as pdserve_main
-    from pdserve.predict.train import PairLog, load_pairs
+    from pdserve.predict.data import PairLog, load_pairs
     from pdserve.server.app import serve_locally
     from pdserve.server.cli import config_from_args
 

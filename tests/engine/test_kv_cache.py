@@ -2,7 +2,8 @@
 
 import pytest
 
-from pdserve.engine.kv_cache import NO_PARENT, BlockPool, BlockRemoved, BlockStored, hash_block
+from pdserve.engine.kv_cache import BlockPool, BlockRemoved, BlockStored
+from pdserve.request import NO_PARENT, hash_block
 
 
 def ids(blocks):

@@ -6,8 +6,7 @@ import pickle
 import pytest
 
 import pdserve.engine.kv_manager as kv_manager
-from pdserve.engine.kv_cache import NO_PARENT, hash_block, hash_blocks
-from pdserve.request import Prompt, block_hashes
+from pdserve.request import NO_PARENT, Prompt, block_hashes, hash_block, hash_blocks
 from tests.engine.test_scheduler import greedy, make_engine, run
 
 

@@ -12,9 +12,8 @@ import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.config import ClusterConfig
-from pdserve.flags import replanner_from_args
 from pdserve.planner.problem import Problem
-from pdserve.planner.replan import WindowStats, deployed_planner
+from pdserve.planner.replan import WindowStats, deployed_planner, replanner_from_args
 from pdserve.planner.units import Unit, evaluate_unit
 from pdserve.server.cli import register
 from tests.cluster.test_live_scaling import pools_clean, prompt, run, runtime

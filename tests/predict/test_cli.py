@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.cli import main as pdserve_main
 from pdserve.predict import make_predictor
-from pdserve.predict.train import PairLog, load_pairs
+from pdserve.predict.data import PairLog, load_pairs
 from tests.predict.test_predict import _token_signal_pairs
 
 

@@ -15,7 +15,8 @@ from pdserve.predict import (
     bucket_of,
     make_predictor,
 )
-from pdserve.predict.train import Pairs, evaluate, fit_predictor, load_pairs, split
+from pdserve.predict.data import Pairs, fit_predictor, load_pairs
+from pdserve.predict.train import evaluate, split
 
 
 def test_buckets():

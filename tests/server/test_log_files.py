@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.predict.train import PairLog
+from pdserve.predict.data import PairLog
 from pdserve.server import build_app
 from tests.server.fakes import FakeRuntime
 from tests.server.test_cli import model_dir, parse  # noqa: F401 - a fixture
