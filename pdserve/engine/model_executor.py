@@ -71,7 +71,8 @@ class ModelExecutor:
         uses 1). ``None``: torch's count; with ``PDSERVE_ADAPTIVE_THREADS=1`` on CPU each step
         runs as many threads as there are idle cores instead, up to torch's count at start
         (:class:`pdserve.engine.cpu_threads.ThreadGovernor`; opt-in: measured faster under heavy
-        load from other sessions, slower beside a single busy process, docs/benchmarks.md)."""
+        load from other sessions, slower beside a single busy process: docs/benchmarks.md,
+        "pdserve vs vLLM CPU")."""
         self.config = config
         self.governor: ThreadGovernor | None = None
         if num_threads is not None and config.device == "cpu":

@@ -93,7 +93,8 @@ def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> N
     estimate from units) and keep the simulated goodput. A unit alone and ``n`` replicas of
     it behind a router are not the same server: on EcoServe's L20 testbed 8 colocated TP4
     chunked instances of OPT-30B reach 0.24–0.25 req/s per GPU whole against 0.20–0.21 for
-    one alone, with probes of 6–20 request lifetimes (docs/benchmarks.md), while a
+    one alone, with probes of 6–20 request lifetimes (the 2026-11-23 runs in
+    `git show 9de3c0b:docs/benchmarks.md`), while a
     disaggregated pair there falls short of its estimate."""
     pls = [pl for pl in pls if pl.fits]  # one that does not fit the cluster is never chosen
     one = {id(pl) for pl in pls if _one_unit(pl)}

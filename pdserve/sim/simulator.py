@@ -227,7 +227,8 @@ def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector. A run allocates millions of objects that all
     live until it ends (blocks, requests, timelines), so every collection during it traverses
     live objects in vain, and the older generations' grow with the heap: a third of a plan's
-    CPU time went there (docs/benchmarks.md). Refcounting still frees what is acyclic; the
+    CPU time went there (2026-11-24, `git show 9de3c0b:docs/benchmarks.md`).
+    Refcounting still frees what is acyclic; the
     run's own cycles (the block pool's linked free list, the simulator's back references) are
     collected once it is garbage, at the next collection after the run."""
     enabled = gc.isenabled()

@@ -90,7 +90,8 @@ def test_early_stops_leave_every_goodput_unchanged():
 
 
 def test_pair_ceiling_accounts_for_rounding_by_hand():
-    """OPT-66B at 4 req/s (docs/benchmarks.md): prefill TP4 searched, 6.48 req/s on 4 GPUs;
+    """OPT-66B at 4 req/s (`git show 9de3c0b:docs/benchmarks.md`): prefill TP4 searched,
+    6.48 req/s on 4 GPUs;
     decode TP3 PP2 (6 GPUs) stopped after failing at 6.36 req/s (the tie with a 1.06/GPU
     incumbent). Below 6.36 it may still serve 4 req/s with one instance: the pair's ceiling is
     min(6.48, 6.36) / (4 + 6) = 0.636 per GPU — above the incumbent pair's

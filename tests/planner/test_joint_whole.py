@@ -6,7 +6,8 @@ simulator runs.
 Rate 4 on one node of 8 GPUs, top 1 per strategy. Colocated TP1 chunked alone: 1.0 req/s
 (1.0 per GPU), so 4 replicas on 4 GPUs, estimated 4.0 — but 4 replicas behind a router reach
 4.8 whole (1.2 per GPU: a request can go to the emptier instance; EcoServe's L20 testbed shows
-this, docs/benchmarks.md). PaDG: one macro instance of 2 × TP1 alone reaches 2.2 (1.1 per GPU,
+this, docs/benchmarks.md "Placement planner").
+PaDG: one macro instance of 2 × TP1 alone reaches 2.2 (1.1 per GPU,
 the best estimate), so 2 macro instances, but they reach 3.6 whole (0.9 per GPU): an estimate
 that does not hold whole. From estimates the plan picks PaDG at 1.1; from whole simulations,
 colocated at 1.2 — and whole simulations are what hand-picked placements are measured by when
