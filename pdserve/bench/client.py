@@ -19,6 +19,7 @@ seconds fails the request, so a run never hangs.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,56 @@ class ClientConfig:
     temperature: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+
+
+class SSEDecoder:
+    """Server-sent events as the WHATWG spec parses them: bytes in (UTF-8, decoded across
+    chunk boundaries), the ``data`` of each complete event out. Only CR, LF and CRLF end a line
+    (not U+0085, U+2028 or U+2029, which Python's ``str.splitlines`` and so httpx's
+    ``aiter_lines`` also split on); a blank line dispatches the event; ``data:`` loses one
+    leading space and several ``data`` lines join with LF; comments and other fields are
+    skipped; an event without a ``data`` field is not dispatched, nor is one cut off by the end
+    of the stream."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buf = ""
+        self._data: list[str] = []
+        self._bom_checked = False
+
+    def feed(self, chunk: bytes) -> list[str]:
+        text = self._buf + self._utf8.decode(chunk)
+        if not self._bom_checked and text:
+            text = text.removeprefix("\ufeff")
+            self._bom_checked = True
+        out: list[str] = []
+        start = 0
+        while True:
+            cr, lf = text.find("\r", start), text.find("\n", start)
+            if cr < 0 and lf < 0:
+                break
+            if cr >= 0 and (lf < 0 or cr < lf):
+                if cr + 1 == len(text):  # a CR at the end: wait to see whether LF follows
+                    break
+                end, nxt = cr, cr + 2 if text[cr + 1] == "\n" else cr + 1
+            else:
+                end, nxt = lf, lf + 1
+            self._line(text[start:end], out)
+            start = nxt
+        self._buf = text[start:]
+        return out
+
+    def _line(self, line: str, out: list[str]) -> None:
+        if not line:
+            if self._data:
+                out.append("\n".join(self._data))
+            self._data = []
+            return
+        if line.startswith(":"):
+            return
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value.removeprefix(" "))
 
 
 def normalize_base_url(url: str) -> str:
@@ -168,31 +219,31 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             if resp.status_code != 200:
                 rec.error = error_message(resp.status_code, await resp.aread())
                 return rec
-            async for line in resp.aiter_lines():
+            events = SSEDecoder()
+            async for raw in resp.aiter_bytes():
                 now = clock()
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
+                for data in events.feed(raw):
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    obj = json.loads(data)
+                    if obj.get("error"):
+                        err = obj["error"]
+                        msg = err.get("message") if isinstance(err, dict) else err
+                        rec.error = f"error in stream: {msg}"
+                        break
+                    choices = obj.get("choices") or []
+                    if choices:
+                        times.append(now)
+                        texts.append(choices[0].get("text") or "")
+                        finish_reason = choices[0].get("finish_reason") or finish_reason
+                    usage = obj.get("usage")
+                    if usage and usage.get("completion_tokens") is not None:
+                        usage_tokens = int(usage["completion_tokens"])
+                    if obj.get("timeline"):
+                        rec.server_timeline = timeline_from_dict(obj["timeline"])
+                if done or rec.error is not None:
                     break
-                obj = json.loads(data)
-                if obj.get("error"):
-                    err = obj["error"]
-                    msg = err.get("message") if isinstance(err, dict) else err
-                    rec.error = f"error in stream: {msg}"
-                    break
-                choices = obj.get("choices") or []
-                if choices:
-                    times.append(now)
-                    texts.append(choices[0].get("text") or "")
-                    finish_reason = choices[0].get("finish_reason") or finish_reason
-                usage = obj.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    usage_tokens = int(usage["completion_tokens"])
-                if obj.get("timeline"):
-                    rec.server_timeline = timeline_from_dict(obj["timeline"])
             tl.finish = clock()
     except httpx.TimeoutException as e:
         rec.error = f"timed out ({type(e).__name__}): no data within the read timeout"

@@ -16,7 +16,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.server.protocol import ErrorInfo, ErrorResponse
+from pdserve.server.protocol import ErrorInfo, ErrorResponse, escape_line_separators
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -40,9 +40,9 @@ class APIError(Exception):
         self.param = param
 
     def body(self) -> str:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
-                                             param=self.param, code=self.status)
-                             ).model_dump_json()
+        return escape_line_separators(ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                            code=self.status)).model_dump_json())
 
     def response(self) -> Response:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None

@@ -510,12 +510,25 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+# Characters that JSON allows raw inside strings but that some line readers take for line ends
+# (Python's str.splitlines, JavaScript before ES2019): written as \u escapes, as most servers do.
+_LINE_SEPARATORS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028",
+                                  "\u2029": "\\u2029"})
+
+
+def escape_line_separators(json_text: str) -> str:
+    """``json_text`` with U+0085, U+2028 and U+2029 written as ``\\uXXXX`` escapes (they can
+    occur only inside JSON strings, where the escape means the same character)."""
+    return json_text.translate(_LINE_SEPARATORS)
+
+
 def dump_json(body: BaseModel, include_usage: bool = True) -> str:
-    """Compact JSON of a response body. ``timeline`` appears only when set; ``usage`` (also when
+    """Compact JSON of a response body (line separators escaped:
+    :func:`escape_line_separators`). ``timeline`` appears only when set; ``usage`` (also when
     ``None``) only when ``include_usage``."""
     exclude = set()
     if not include_usage:
         exclude.add("usage")
     if getattr(body, "timeline", None) is None:
         exclude.add("timeline")
-    return body.model_dump_json(exclude=exclude or None)
+    return escape_line_separators(body.model_dump_json(exclude=exclude or None))

@@ -25,10 +25,13 @@ MAX_MODEL_LEN = 4096
 VOCAB_SIZE = 97  # what /v1/models reports; token ids at or above it get a 400
 
 
+SEPARATORS = "\u2028\u0085\u2029"  # line ends to str.splitlines, not to SSE
+
+
 def _chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
     body = {"id": "cmpl-1", "object": "text_completion", "model": "fake",
             "choices": [{"index": 0, "text": text, "finish_reason": finish}], **extra}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
 
 def _usage(n: int) -> bytes:
@@ -41,7 +44,9 @@ def make_app(bodies: list[dict[str, Any]]) -> FastAPI:
     """Behaviour by prompt text: ``BAD`` → 400; ``DROP`` → connection dropped after 2 tokens;
     ``STREAMERR`` → an error chunk after 2 tokens; ``COALESCE`` → 2 tokens per chunk;
     ``SLOW`` → 5 s of silence; ``FINISHCHUNK`` → an extra empty chunk carrying the finish
-    reason. Anything else (token ids too) streams ``max_tokens`` tokens with the fixed delays."""
+    reason; ``SEPS`` → each token is a character of :data:`SEPARATORS`, written raw inside the
+    JSON (as JSON allows), lines ended by CRLF. Anything else (token ids too) streams
+    ``max_tokens`` tokens with the fixed delays."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -100,7 +105,11 @@ def make_app(bodies: list[dict[str, Any]]) -> FastAPI:
                                   token_times=times, finish=times[-1])
                     extra["timeline"] = tl.to_dict()
                 finish = "length" if last and not prompt.startswith("FINISHCHUNK") else None
-                yield _chunk("x" * k, finish, **extra)
+                if prompt.startswith("SEPS"):
+                    seps = "".join(SEPARATORS[j % len(SEPARATORS)] for j in range(i, i + k))
+                    yield _chunk(seps, finish, **extra).replace(b"\n", b"\r\n")
+                else:
+                    yield _chunk("x" * k, finish, **extra)
             if prompt.startswith("FINISHCHUNK"):
                 yield _chunk("", "length")
             yield _usage(n)

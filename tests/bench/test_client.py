@@ -81,6 +81,25 @@ def test_coalesced_chunks_are_spread_by_usage(fake_server: FakeServer) -> None:
     assert np.allclose(np.diff(times), r.tpot)
 
 
+def test_line_separators_inside_json_are_not_line_ends(fake_server: FakeServer) -> None:
+    """SSE lines end only at CR, LF or CRLF: U+2028, U+0085 and U+2029 written raw inside a
+    chunk's JSON (JSON allows them) belong to the token text."""
+    (r,) = run(fake_server, [req(0, 7, text="SEPS")])
+    assert r.ok and r.error is None, r.error
+    assert r.output_len == 7 and r.note is None
+
+
+def test_sse_decoder_follows_the_spec() -> None:
+    from pdserve.bench.client import SSEDecoder
+
+    stream = ("\ufeffdata: a\u2028b\r\n\r\n: comment\rdata:c\rdata:  d\revent: x\r\r"
+              "id: 1\n\ndata: é\n\ndata: cut off").encode()
+    for size in (1, 2, 3, len(stream)):  # every split point, across CRLF and UTF-8 bytes
+        dec = SSEDecoder()
+        events = [e for i in range(0, len(stream), size) for e in dec.feed(stream[i:i + size])]
+        assert events == ["a\u2028b", "c\n d", "é"]
+
+
 def test_finish_only_chunk_is_not_a_token(fake_server: FakeServer) -> None:
     (r,) = run(fake_server, [req(0, 4, text="FINISHCHUNK")])
     assert r.ok and r.output_len == 4 and r.note is None
