@@ -17,6 +17,7 @@ different instances can be compared by a cluster-wide prefix index (fed by :attr
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -185,7 +186,7 @@ class BlockPool:
         return block
 
     # ---- transitions ----
-    def touch(self, blocks: list[Block]) -> None:
+    def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on blocks found by :meth:`lookup` (reviving cached free ones)."""
         for b in blocks:
             if b.ref_cnt == 0:

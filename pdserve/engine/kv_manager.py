@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.config import cdiv
 from pdserve.engine.kv_cache import Block, BlockPool
 from pdserve.request import NO_PARENT, Request, hash_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """What :meth:`KVCacheManager.match_prefix` found for a request: the cached ``blocks`` that
+    prefix its tokens (in order), the ``num_tokens`` they hold, and ``num_revived`` — how many
+    of them are cached but unreferenced, so that taking them uses up free blocks."""
+
+    blocks: tuple[Block, ...]
+    num_tokens: int
+    num_revived: int
+
+
+NO_HIT = PrefixHit((), 0, 0)
 
 
 class KVCacheManager:
     """Keeps ``request.block_ids`` and ``request.block_hashes`` in step with the pool.
 
     Counters ``prefix_queries``/``prefix_hits`` count prompt tokens looked up / found in the prefix
-    cache (vLLM's ``prefix_cache_queries``/``hits``).
+    cache (vLLM's ``prefix_cache_queries``/``hits``), once per admitted request
+    (:meth:`record_admission`), not per scheduling attempt: a request that waits for memory is
+    one query.
     """
 
     def __init__(self, pool: BlockPool) -> None:
@@ -31,15 +49,20 @@ class KVCacheManager:
             hashes += req.shared_prompt.block_hashes(self.block_size)
         return hash_blocks(req.all_token_ids, self.block_size, hashes)
 
-    def match_prefix(self, req: Request) -> list[Block]:
+    def match_prefix(self, req: Request) -> PrefixHit:
         """Longest run of cached blocks that prefixes ``req``'s tokens, leaving at least the last
-        token to compute (its logits are needed). Takes no references."""
+        token to compute (its logits are needed). Takes no references and counts nothing."""
         if not self.pool.enable_caching:
-            return []
-        self.prefix_queries += req.num_tokens
+            return NO_HIT
         hits = self._longest_prefix(req)
-        self.prefix_hits += len(hits) * self.block_size
-        return hits
+        return PrefixHit(tuple(hits), len(hits) * self.block_size,
+                         sum(1 for b in hits if b.ref_cnt == 0))
+
+    def record_admission(self, req: Request, hit: PrefixHit) -> None:
+        """``req`` was admitted with ``hit``: one prefix-cache query of its tokens."""
+        if self.pool.enable_caching:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += hit.num_tokens
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens :meth:`match_prefix` would find now (without counting a query)."""
@@ -62,10 +85,11 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Give ``req`` slots for ``num_new_tokens`` more tokens after its computed ones (plus the
-        prefix ``hits``, which must come from :meth:`match_prefix` on a request with no blocks).
+        prefix ``hit``, which must come from :meth:`match_prefix` on a request with no blocks).
         Returns ``False`` and changes nothing when the pool is too small."""
+        hits = hit.blocks
         if not hits:  # the per-step path (a running request crossing a block boundary)
             n_new = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(
                 req.block_ids)
@@ -74,14 +98,12 @@ class KVCacheManager:
             if n_new > 0:
                 req.block_ids.extend([b.block_id for b in self.pool.allocate(n_new)])
             return True
-        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         n_new = self.blocks_for(total) - len(req.block_ids) - len(hits)
-        revive = sum(1 for b in hits if b.ref_cnt == 0)
-        if max(n_new, 0) + revive > self.pool.num_free_blocks:
+        if max(n_new, 0) + hit.num_revived > self.pool.num_free_blocks:
             return False
-        if hits:
-            self.pool.touch(hits)
-            req.block_ids.extend(b.block_id for b in hits)
+        self.pool.touch(hits)
+        req.block_ids.extend(b.block_id for b in hits)
         if n_new > 0:
             req.block_ids.extend(b.block_id for b in self.pool.allocate(n_new))
         return True

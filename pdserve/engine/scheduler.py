@@ -39,7 +39,7 @@ from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.admission import make_admission
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch, ScheduledSeq
 from pdserve.engine.kv_cache import BlockPool
-from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.kv_manager import NO_HIT, KVCacheManager
 from pdserve.engine.policies import policy_for
 from pdserve.request import Request, RequestStatus
 
@@ -176,18 +176,20 @@ class Scheduler:
                 limit -= 1
             req = waiting[0]
             fresh = req.num_computed_tokens == 0 and not req.block_ids
-            hits = kv.match_prefix(req) if fresh else []
-            start = req.num_computed_tokens + len(hits) * self.block_size
+            hit = kv.match_prefix(req) if fresh else NO_HIT
+            start = req.num_computed_tokens + hit.num_tokens
             n = req.num_tokens - start
             if self.chunked:
                 n = min(n, budget)
             elif n > budget and not (self.role == "prefill" and batch.empty):
                 break  # whole prompts only; on a prefill instance a long prompt runs alone
-            if not kv.allocate(req, n, hits):
+            if not kv.allocate(req, n, hit):
                 break
             waiting.popleft()
-            if fresh and req.num_cached_tokens < 0:
-                req.num_cached_tokens = start
+            if fresh:
+                kv.record_admission(req, hit)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = start
             req.num_computed_tokens = start
             req.status = S.RUNNING
             tl = req.timeline
@@ -333,18 +335,18 @@ class Scheduler:
             if len(self.running) + len(self.pulling) >= max_seqs:
                 break
             req = self.pending_kv[0]
-            hits = kv.match_prefix(req)
-            need = (kv.blocks_for(req.num_tokens) - len(hits)
-                    + sum(1 for b in hits if b.ref_cnt == 0))
+            hit = kv.match_prefix(req)
+            need = kv.blocks_for(req.num_tokens) - len(hit.blocks) + hit.num_revived
             if not self.admission.admit(self, req, need):
                 break
-            n = req.num_tokens - 1 - len(hits) * self.block_size
-            if not kv.allocate(req, n, hits):
+            n = req.num_tokens - 1 - hit.num_tokens
+            if not kv.allocate(req, n, hit):
                 break
             self.pending_kv.popleft()
-            req.num_cached_tokens = len(hits) * self.block_size
+            kv.record_admission(req, hit)
+            req.num_cached_tokens = hit.num_tokens
             self.pulling[req.request_id] = req
-            out.append((req, len(hits)))
+            out.append((req, len(hit.blocks)))
         return out
 
     def complete_pull(self, request_id: str, now: float) -> Request:

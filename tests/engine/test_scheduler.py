@@ -116,6 +116,24 @@ def test_prefix_cache_hit_counts():
     assert st.prefix_hits == 12 and st.prefix_queries == 14 + 15
 
 
+def test_prefix_cache_counters_count_each_admission_once():
+    """A prefix-cache query is one admission (vLLM's record_prefix_cache_stats), not every
+    scheduling attempt: a request that waits for memory is not counted again each step. 5
+    blocks of 4: A (12 prompt tokens, 3 + 1 blocks) runs; B (the same 8 first tokens + 9,
+    a 2-block hit and 3 new blocks) does not fit until A has finished."""
+    eng, ex = make_engine(num_blocks=5, block_size=4, budget=64, max_len=32)
+    shared = list(range(40, 48))
+    eng.add_request("A", shared + [1, 2, 3, 4], greedy(4))
+    eng.add_request("B", shared + list(range(60, 69)), greedy(2))
+    outs = run(eng)
+    assert [b for b in ex.batches if any(r == "B" for r, _, _ in b)][0] == [("B", 8, 9)]
+    assert len(ex.batches) == 6  # B waited on 3 steps (A's prefill and decodes) before it fit
+    assert outs["B"].num_cached_tokens == 8
+    st = eng.stats()
+    assert st.prefix_queries == 12 + 17  # one query per admitted request, in prompt tokens
+    assert st.prefix_hits == 8
+
+
 def test_full_prompt_hit_still_computes_last_token():
     eng, ex = make_engine(block_size=4, budget=64)
     p = list(range(8))  # exactly 2 blocks
