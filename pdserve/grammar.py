@@ -33,10 +33,11 @@ def json_object_regex() -> str:
     scalars. One level only: a regular expression for nested objects grows exponentially with
     the depth (outlines-core's own ``{"type": "object"}`` takes seconds to compile on a 512-token
     vocabulary); give a ``json_schema`` for nested documents."""
-    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
+    from pdserve.schema_regex import BOOLEAN, NULL, STRING, schema_regex
 
     ws = JSON_WHITESPACE
-    scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
+    number = schema_regex({"type": "number"}, ws)  # bounded digits, no exponent
+    scalar = f"({STRING}|{number}|{BOOLEAN}|{NULL})"
     array = rf"\[{ws}({scalar}({ws},{ws}{scalar})*)?{ws}\]"
     value = f"({scalar}|{array})"
     member = f"{STRING}{ws}:{ws}{value}"
@@ -44,17 +45,14 @@ def json_object_regex() -> str:
 
 
 def regex_for_schema(schema: str | dict[str, Any]) -> str:
-    """The regular expression of JSON documents valid under ``schema`` (a JSON Schema as text
-    or a dict). Raises ``ValueError`` for a schema the library cannot compile."""
-    from outlines_core.json_schema import build_regex_from_schema
+    """The regular expression of (bounded) JSON documents valid under ``schema`` (a JSON Schema
+    as text or a dict; :mod:`pdserve.schema_regex`). Raises ``ValueError`` naming a keyword
+    that cannot be enforced."""
+    from pdserve.schema_regex import schema_regex
 
-    text = schema if isinstance(schema, str) else json.dumps(schema)
     try:
-        json.loads(text)
-        return build_regex_from_schema(text, JSON_WHITESPACE)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"unsupported JSON schema: {e}") from e
-    except Exception as e:  # the Rust side raises its own error types
+        return schema_regex(schema, JSON_WHITESPACE)
+    except ValueError as e:
         raise ValueError(f"unsupported JSON schema: {e}") from e
 
 
