@@ -16,7 +16,8 @@ import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -39,6 +40,7 @@ from pdserve.cluster.protocol import (
     ServingRuntime,
 )
 from pdserve.request import RequestOutput, SamplingParams, derive_seed, validate_prompt
+from pdserve.server.compile_pool import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS, CompilePool
 from pdserve.server.errors import (
     DEFAULT_MAX_REQUEST_BYTES,
     APIError,
@@ -75,6 +77,7 @@ INLINE_BODY = 64 << 10  # bytes; larger bodies are parsed and validated on a wor
 MAX_LOGPROB_ENTRIES = 1 << 19
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class EventStreamResponse(StreamingResponse):
@@ -107,6 +110,24 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+async def _unless_gone(raw: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; cancelled (and the request answered 499, which nobody reads) when
+    the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait((task, gone))
+    if task.cancelled():
+        raise APIError(499, "the client closed the request")
+    return task.result()
+
+
 def _sse(body: BaseModel, include_usage: bool) -> bytes:
     return b"data: " + dump_json(body, include_usage).encode() + b"\n\n"
 
@@ -132,7 +153,8 @@ class OpenAIServer:
     tokens could hold is refused before it is tokenized."""
 
     def __init__(self, runtime: ServingRuntime, model_name: str,
-                 pair_log: PairLog | None = None) -> None:
+                 pair_log: PairLog | None = None,
+                 compile_options: dict[str, Any] | None = None) -> None:
         self.runtime = runtime
         self.pair_log = pair_log  # (prompt, output length) of each finished choice
         self.model_name = model_name
@@ -142,6 +164,8 @@ class OpenAIServer:
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
         self.large_text_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer-l")
         self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        self.compile_options = dict(compile_options or {})  # CompilePool's workers, timeout
+        self.compile_pool: CompilePool | None = None  # started at the first constraint
         # parsing large bodies and building responses: off the loop, one at a time
         self.body_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-body")
         self.response_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-response")
@@ -238,10 +262,11 @@ class OpenAIServer:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
         return list(ids)
 
-    async def _output_regex(self, body: CompletionRequest | ChatCompletionRequest
-                            ) -> str | None:
-        """The regular expression the output must match, compiled once (off the loop) to
-        check it, or ``None``."""
+    async def _output_regex(self, body: CompletionRequest | ChatCompletionRequest,
+                            raw: Request) -> str | None:
+        """The regular expression the output must match, or ``None``; compiled once in the
+        :class:`CompilePool` (worker processes, time and memory limits) to check it, and
+        cancelled if the client leaves meanwhile."""
         try:
             constraint = body.output_constraint()
         except ValueError as e:
@@ -258,23 +283,27 @@ class OpenAIServer:
             raise APIError(400, "structured output needs a tokenizer with a vocabulary and an "
                                 "EOS token", param=param)
 
-        def compile_() -> str:
+        def to_regex() -> str:
             if kind == "json_object":
-                regex = grammar.json_object_regex()
-            elif kind == "json":
-                regex = grammar.regex_for_schema(spec)
-            elif kind == "choice":
-                regex = grammar.regex_for_choice(spec)
-            else:
-                regex = spec
-            grammar.GrammarCompiler.for_tokenizer(self.tokenizer, eos).compile(regex)
-            return regex
+                return grammar.json_object_regex()
+            if kind == "json":
+                return grammar.regex_for_schema(spec)
+            if kind == "choice":
+                return grammar.regex_for_choice(spec)
+            return str(spec)
 
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.grammar_pool, compile_)
+            regex = await loop.run_in_executor(self.grammar_pool, to_regex)
+            if self.compile_pool is None:
+                self.compile_pool = CompilePool(self.tokenizer, eos, **self.compile_options)
+                weakref.finalize(self, self.compile_pool.close)  # its worker processes
+            await _unless_gone(raw, self.compile_pool.check(regex))
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
+        except RuntimeError as e:  # a worker process could not start
+            raise APIError(503, f"cannot compile the output constraint now: {e}") from e
+        return regex
 
     # ----------------------------------------------------------------- generation endpoints
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
@@ -282,7 +311,7 @@ class OpenAIServer:
         prompts = body.prompts
         ids_list = [list(p) if isinstance(p, list) else await self.encode(p, "prompt")
                     for p in prompts]
-        regex = await self._output_regex(body)
+        regex = await self._output_regex(body, raw)
         params = [self._params(body, ids, body.max_tokens, "prompt", regex) for ids in ids_list]
         echo = None
         if body.echo:
@@ -295,7 +324,7 @@ class OpenAIServer:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         prompt_ids = await self._chat_prompt(body.messages)
-        regex = await self._output_regex(body)
+        regex = await self._output_regex(body, raw)
         params = self._params(body, prompt_ids, body.requested_max_tokens, "messages", regex)
         fmt = ChatFormat(self.model_name, self.tokenizer, [len(prompt_ids)], body.n,
                          params.logprobs)
@@ -630,7 +659,9 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
               api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               pair_log: PairLog | None = None, enable_admin: bool = False,
-              admin_key: str | None = None, max_instances: int | None = None) -> FastAPI:
+              admin_key: str | None = None, max_instances: int | None = None,
+              grammar_timeout: float = DEFAULT_TIMEOUT_S,
+              grammar_workers: int = DEFAULT_WORKERS) -> FastAPI:
     """The FastAPI app serving ``runtime`` (already started) under ``served_model_name``
     (default: :func:`default_served_model_name` of the runtime's model, never a cache path).
     ``api_key`` protects every endpoint but ``/health``, ``/ping`` and ``/version``; bodies over
@@ -638,14 +669,20 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     length) is logged as a (prompt, output length) pair, the length predictor's training data
     (TetriInfer §3.3.2). ``/admin`` is served only with ``enable_admin`` or an ``admin_key``
     (which it then requires instead of ``api_key``), and adds instances up to
-    ``max_instances`` in all (default: twice the instances running now)."""
+    ``max_instances`` in all (default: twice the instances running now). Output constraints
+    compile in ``grammar_workers`` processes; one that takes over ``grammar_timeout`` seconds
+    is a 400."""
     admin = enable_admin or bool(admin_key)
     if max_instances is None:
         max_instances = 2 * max(len(runtime.instance_status()), 1)
     if max_instances < 1:
         raise ValueError(f"max_instances must be >= 1, got {max_instances}")
+    if grammar_workers < 1 or not grammar_timeout > 0:
+        raise ValueError(f"grammar_workers must be >= 1 and grammar_timeout > 0, got "
+                         f"{grammar_workers} and {grammar_timeout}")
     server = OpenAIServer(runtime, served_model_name or default_served_model_name(
-        runtime.model_name), pair_log)
+        runtime.model_name), pair_log,
+        {"workers": grammar_workers, "timeout": grammar_timeout})
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving",
                   version=__version__)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]

@@ -22,9 +22,11 @@ from pdserve.flags import (
     deployment_from_args,
     guarded,
     one_line_errors,
+    positive,
     positive_int,
 )
 from pdserve.planner.replan import add_replan_flags, replanner_from_args
+from pdserve.server.compile_pool import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS
 from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
@@ -55,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     m.add_argument("--admin-key-file", metavar="FILE",
                    help="serve /admin/instances behind this separate key (its first line; "
                         "also $PDSERVE_ADMIN_KEY) (default: none)")
+    m.add_argument("--grammar-timeout", type=positive, default=DEFAULT_TIMEOUT_S,
+                   help="an output constraint (guided_regex, guided_json, response_format) "
+                        "that takes longer to compile is refused with HTTP 400 "
+                        "(default: %(default)s s)")
+    m.add_argument("--grammar-workers", type=positive_int, default=DEFAULT_WORKERS,
+                   help="processes compiling output constraints (default: %(default)s)")
     m.add_argument("--max-instances", type=positive_int,
                    help="the most instances /admin/instances may run at once (default: twice "
                         "the deployment's)")
@@ -114,12 +122,12 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                 pair_log: PairLog | None = None,
                 replan: Callable[[Any], Any] | None = None,
-                admin: dict[str, Any] | None = None) -> None:
+                app_options: dict[str, Any] | None = None) -> None:
     """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down. With
     ``pair_log``, every finished request is logged as a (prompt, output length) pair; with
     ``replan`` (:func:`pdserve.planner.replan.replanner_from_args`), a live replanner watches the
-    runtime; ``admin`` holds :func:`~pdserve.server.app.build_app`'s ``enable_admin``,
-    ``admin_key`` and ``max_instances``."""
+    runtime; ``app_options`` are more keyword arguments of
+    :func:`~pdserve.server.app.build_app` (admin API, grammar compilation)."""
     import uvicorn
 
     from pdserve.cluster.runtime import build_runtime
@@ -138,7 +146,7 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
     try:
         app = build_app(runtime, served_model_name, api_key, max_request_bytes, pair_log,
-                        **(admin or {}))
+                        **(app_options or {}))
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
         # uvicorn re-raises the signal it caught once it has stopped; route it to a no-op so
@@ -212,9 +220,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             extra: dict[str, Any] = {"replan": replan} if replan is not None else {}
-            if args.enable_admin or admin_key:
-                extra["admin"] = {"enable_admin": True, "admin_key": admin_key,
-                                  "max_instances": args.max_instances}
+            extra["app_options"] = {"enable_admin": args.enable_admin, "admin_key": admin_key,
+                                    "max_instances": args.max_instances,
+                                    "grammar_timeout": args.grammar_timeout,
+                                    "grammar_workers": args.grammar_workers}
             asyncio.run(serve(config, args.host, args.port, args.served_model_name,
                               api_key, args.log_level, args.max_request_bytes, pair_log,
                               **extra))

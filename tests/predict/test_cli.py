@@ -91,7 +91,7 @@ def served(monkeypatch):
 
     calls = []
 
-    async def fake_serve(config, *args):  # noqa: ANN001, ANN202
+    async def fake_serve(config, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         calls.append(args)
 
     monkeypatch.setattr(serve_cli, "serve", fake_serve)
