@@ -2,7 +2,7 @@
 real HTTP, the `prefix` workload (Preble-style shared prompts) replayed by the benchmark client.
 
     python benchmarks/prefix_routing_live.py [--instances 2,4] [--num-requests 200] \
-        [--routers round_robin,shortest_queue,kv_overlap,preble] [--rate 8] \
+        [--routers round_robin,shortest_queue,kv_overlap,preble-paper,prefix_aware] [--rate 8] \
         [--output-json out/prefix_live.json] [--plot out/prefix_live]
 
 Each run builds the deployment from the one spec (`ClusterConfig.from_dict`: N colocated
@@ -67,7 +67,8 @@ async def one_run(model: str, n: int, router: str, num_requests: int, rate: floa
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--instances", default="2,4")
-    ap.add_argument("--routers", default="round_robin,shortest_queue,kv_overlap,preble")
+    ap.add_argument("--routers",
+                    default="round_robin,shortest_queue,kv_overlap,preble-paper,prefix_aware")
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--rate", type=float, default=8.0, help="req/s (default 8)")
     ap.add_argument("--seed", type=int, default=0)

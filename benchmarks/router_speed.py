@@ -4,7 +4,10 @@ Builds a global prefix index of ~1 M distinct cached tokens spread over 64 insta
 "system" prefixes with several continuations each, every prefix cached on 1–2 instances, every
 instance's cache full), then times ``router.select`` per request on a mix of prompts that hit
 (exploit) and fresh ones (explore). The E2 router runs its whole decision: expiring the window,
-matching, the cost model, recording, rebalancing checks.
+matching, the cost model, recording, rebalancing checks; ``prefix_aware`` its matching, the
+promises of prefixes in flight and the cost of every candidate. Between decisions (untimed) the
+controller's counts move as they would: each instance keeps ~4 requests before their first
+token and ~16 unfinished, the oldest routed reaching theirs first.
 
     python benchmarks/router_speed.py [--instances 64] [--tokens 1000000] [--requests 20000]
 
@@ -36,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from typing import Any
 
 from pdserve.cluster.controller import ClusterRequest
@@ -46,6 +50,7 @@ from pdserve.request import NO_PARENT, SamplingParams, Timeline, block_hashes
 
 BS = 16
 PREFIX, CONT = 2048, 512  # tokens of a shared prefix and of each continuation
+QUEUED, ACTIVE = 4, 16  # requests per instance before their first token / unfinished
 
 
 def build_corpus(total_tokens: int, rng: random.Random,
@@ -118,14 +123,26 @@ def run(name: str, n_inst: int, tokens: int, n_req: int, explore_share: float,
     reqs = requests(corpus, n_req, rng, explore_share, prefix_len)
     hash_cpu = hash_once(reqs)
     times, cpu = [], []
+    # the controller's bookkeeping, untimed: each instance has ~QUEUED requests before their
+    # first token and ~ACTIVE unfinished (the oldest routed reach theirs first)
+    to_first: deque[InstanceView] = deque()
+    to_finish: deque[InstanceView] = deque()
     gc.collect()
     gc.disable()
     try:
         for r in reqs:
             c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-            router.select(r, views)
+            inst = router.select(r, views)
             times.append(time.perf_counter_ns() - t0)
             cpu.append(time.thread_time_ns() - c0)
+            inst.queued += 1
+            inst.active += 1
+            to_first.append(inst)
+            to_finish.append(inst)
+            if len(to_first) > QUEUED * n_inst:
+                to_first.popleft().queued -= 1
+            if len(to_finish) > ACTIVE * n_inst:
+                to_finish.popleft().active -= 1
     finally:
         gc.enable()
     cpu.sort()
@@ -197,7 +214,7 @@ def load_baseline(root: str) -> type:
 def compare(baseline: type, n_inst: int, tokens: int, n_req: int, explore_share: float,
             prefix_len: int, seed: int) -> dict[str, Any]:
     """Thread CPU time per ``select`` of ``baseline()`` and of our E2 router, interleaved."""
-    routers = [baseline(), make_router("preble")]
+    routers = [baseline(), make_router("preble-paper")]
     setups = []
     for router in routers:
         rng = random.Random(seed)
@@ -242,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--explore-share", type=float, default=0.3)
     ap.add_argument("--prefix-tokens", type=int, default=PREFIX,
                     help="length of the shared prefixes (prompts are about this + 350 tokens)")
-    ap.add_argument("--routers", default="preble,kv_overlap,sglang_cache_aware")
+    ap.add_argument("--routers", default="prefix_aware,preble-paper,kv_overlap,sglang_cache_aware")
     ap.add_argument("--baseline", metavar="DIR",
                     help="compare E2 with the one of the checkout in DIR (module docstring)")
     ap.add_argument("--repeats", type=int, default=3, help="--baseline: runs")

@@ -106,7 +106,7 @@ class E2Router(Router):
     the token count (E2 memoises it).
     """
 
-    name = "preble"
+    name = "preble-paper"
     wants_kv_events = True
 
     def __init__(self, prefill_time: PrefillTime | None = None, tpot: float = 0.03,
@@ -470,3 +470,279 @@ class E2Router(Router):
             return False
         mean1, mean2 = sum(first) / len(first), sum(second) / len(second)
         return mean2 >= self.replicate_factor * mean1 and mean2 > 0
+
+
+# ============================================================================ prefix_aware
+@dataclass(frozen=True)
+class LinearDecodeTime:
+    """Default decode-step model, ``base + per_seq · B + per_token · Σctx`` seconds for a step of
+    ``B`` sequences holding ``Σctx`` context tokens (the shape of DistServe's fitted decode
+    step). The defaults (20 ms, 0.1 ms per sequence, 20 ns per context token) are the order of a
+    7B–13B model on one A100; the simulator derives them from the deployment's latency model
+    (:meth:`from_step_time`)."""
+
+    base: float = 0.020
+    per_seq: float = 1.0e-4
+    per_token: float = 2.0e-8
+
+    def __post_init__(self) -> None:
+        if min(self.base, self.per_seq, self.per_token) < 0:
+            raise ValueError(f"decode-step coefficients must be >= 0, got {self}")
+
+    @classmethod
+    def from_step_time(cls, step_time: Callable[[list[tuple[int, int]], list[int]], float],
+                       ctx: int = 1024) -> LinearDecodeTime:
+        """The linear model through three decode steps of ``step_time`` (a latency model's
+        ``step_time(prefill_chunks, decode_context_lens)``): 8 and 64 sequences of ``ctx``
+        tokens, and 64 of ``2·ctx``."""
+        t8, t64 = step_time([], [ctx] * 8), step_time([], [ctx] * 64)
+        t64x2 = step_time([], [2 * ctx] * 64)
+        per_token = max((t64x2 - t64) / (64 * ctx), 0.0)
+        per_seq = max((t64 - t8) / 56 - per_token * ctx, 0.0)
+        base = max(t8 - 8 * (per_seq + per_token * ctx), 0.0)
+        return cls(base, per_seq, per_token)
+
+    def __call__(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.base + self.per_seq * batch + self.per_token * context_tokens
+
+
+@register
+class PrefixAwareRouter(Router):
+    """pdserve's prompt-sharing-aware router: each request goes where its *predicted cost* is
+    lowest, the prefill it would really compute there priced with the deployment's latency
+    model together with the queue in front of it and the decode load it joins. No
+    exploit/explore switch, no load window: the cost is read from the instances' state at the
+    decision (``docs/routing.md`` explains why Preble's E2, ``preble-paper``, loses and how
+    this differs).
+
+    For candidate ``i`` with ``q_i`` requests still before their first token (the controller's
+    ``queued``), ``A_i`` unfinished (``active``), ``D_i = A_i − q_i`` decoding, ``X_i`` context
+    tokens in its KV (its last report's used blocks), and a prompt of ``n`` tokens with ``c_i``
+    of them cached on ``i`` — per the KV-event-fed :class:`PrefixIndex`, or promised by a
+    request of the same prefix routed to ``i`` whose prefill is still running — and ``o``
+    output tokens:
+
+    * ``miss_i = max(n − c_i, 1)``, the prompt tokens ``i`` would compute;
+    * ``wait_i = Σ PT(miss_r)`` over the ``q_i`` requests in front (each priced when routed);
+    * ``ttft_i = wait_i + PT(miss_i)``, the predicted first-token time;
+    * ``cost_i = ttft_i + o·DT_i⁺ + w·[D_i·o·(DT_i⁺ − DT_i) + A_i·PT(miss_i)]``: its own
+      decode (``DT_i⁺``: a decode step of ``i`` with it, ``DT_i`` without) and, weighted by
+      ``w = decode_weight``, what it costs the others: each of its ``o`` steps is longer for
+      the ``D_i`` decoding beside it, and its prefill stalls every request there (those in
+      front decode while it prefills; a chunked prefill lengthens each step they take).
+
+    The cheapest ``i`` wins among the candidates that would *start* the request no later than
+    the earliest predicted prefill finish anywhere (``wait_i ≤ min_j ttft_j``): a cache hit
+    never puts a request behind a queue it could have cleared elsewhere. Ties: candidate order.
+
+    Replication follows from the cost: once a holder's queue costs more than recomputing the
+    prefix, the request (and so the prefix) goes to another instance, at whatever load that
+    happens — there is no window or trigger to wait for.
+
+    ``prefill_time`` (tokens → seconds) is the deployment's latency model where known, else
+    :class:`LinearPrefillTime`; the decode step is a :class:`LinearDecodeTime` (``decode_time``,
+    or fitted to ``step_time``, a latency model's own, as the simulator passes it).
+    """
+
+    name = "prefix_aware"
+    wants_kv_events = True
+
+    def __init__(self, prefill_time: PrefillTime | None = None,
+                 decode_time: LinearDecodeTime | None = None,
+                 step_time: Callable[[list[tuple[int, int]], list[int]], float] | None = None,
+                 decode_weight: float = 1.0, promise_stride: int = 16) -> None:
+        _check(decode_weight >= 0, f"decode_weight must be >= 0, got {decode_weight}")
+        _check(promise_stride >= 1, f"promise_stride must be >= 1, got {promise_stride}")
+        _check(decode_time is None or step_time is None,
+               "give decode_time or step_time, not both")
+        _check(decode_time is None or isinstance(decode_time, LinearDecodeTime),
+               f"decode_time must be a LinearDecodeTime, got {decode_time!r}")
+        self.prefill_time = prefill_time or LinearPrefillTime()
+        self.decode_time = decode_time or (LinearDecodeTime.from_step_time(step_time)
+                                           if step_time is not None else LinearDecodeTime())
+        self.decode_weight = decode_weight
+        self.promise_stride = promise_stride
+        self.index: PrefixIndex | None = None
+        self._pt_memo: dict[int, float] = {}
+        # per instance: [the requests routed there, oldest first, as (cumulative PT, the block
+        # hashes they promise); Σ PT routed so far; Σ PT of the entries dropped]. The newest
+        # ``queued`` of them are the ones in front
+        self._queues: dict[str, list] = {}
+        self._cands: list[InstanceView] = []
+        self._cand_states: list[list] = []
+        self._pos: dict[str, int] = {}
+        # block hash -> instance -> requests in flight there whose prompt has that block
+        self._promised: dict[int, dict[str, int]] = {}
+        self.decisions: dict[str, int] = {"hit": 0, "miss": 0, "guarded": 0}
+
+    # ------------------------------------------------------------------ events
+    def on_kv_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        events = list(events)
+        bs = block_size_of(events)
+        if self.index is None:
+            if bs is None:
+                return
+            self.index = PrefixIndex(bs)
+        self.index.apply(instance_id, events)
+
+    def on_instance_removed(self, instance_id: str) -> None:
+        if self.index is not None:
+            self.index.remove_instance(instance_id)
+        st = self._queues.pop(instance_id, None)
+        for _, keys in st[0] if st else ():
+            self._unpromise(instance_id, keys)
+        self._cands = []  # (its state is gone: rebuild the candidates' list)
+
+    # ------------------------------------------------------------------ helpers
+    def _pt(self, num_tokens: int) -> float:
+        t = self._pt_memo.get(num_tokens)
+        if t is None:
+            if len(self._pt_memo) >= 1 << 16:
+                self._pt_memo.clear()
+            t = self._pt_memo[num_tokens] = self.prefill_time(num_tokens)
+        return t
+
+    def _unpromise(self, iid: str, keys: tuple[int, ...]) -> None:
+        promised = self._promised
+        for h in keys:
+            per = promised.get(h)
+            if per is not None:
+                k = per.get(iid, 0) - 1
+                if k > 0:
+                    per[iid] = k
+                else:
+                    per.pop(iid, None)
+                    if not per:
+                        del promised[h]
+
+    def _trim(self, iid: str, st: list, queued: int) -> None:
+        """Drop the entries of ``iid`` older than its ``queued`` newest: they reached their
+        first token (about in order), their blocks are cached and the index knows."""
+        dq = st[0]
+        while len(dq) > queued:
+            st[2], keys = dq.popleft()
+            if keys:
+                self._unpromise(iid, keys)
+
+    def _states(self, candidates: list[InstanceView]) -> list[list]:
+        """The candidates' queue states, in order (kept while the same views come)."""
+        last = self._cands
+        if len(last) != len(candidates) or not all(map(is_, last, candidates)):
+            self._cands = list(candidates)
+            q = self._queues
+            self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0])
+                                 for v in candidates]
+            self._pos = {v.instance_id: k for k, v in enumerate(candidates)}
+        return self._cand_states
+
+    def _wait(self, view: InstanceView) -> float:
+        """Σ PT of the requests in front on ``view`` (the newest ``queued`` routed there)."""
+        st = self._queues.get(view.instance_id)
+        if not st:
+            return 0.0
+        self._trim(view.instance_id, st, view.queued)
+        return st[1] - st[2] if st[0] else 0.0
+
+    def _promised_blocks(self, keys: list[int], nblocks: int) -> dict[str, int]:
+        """Instance -> leading prompt blocks that requests in flight there will have cached
+        (``keys``: the prompt's checkpoint hashes, every ``promise_stride``-th block and the
+        last one, shallowest first)."""
+        out: dict[str, int] = {}
+        promised = self._promised
+        if not promised or not keys or keys[0] not in promised:
+            return out
+        stride = self.promise_stride
+        last = len(keys) - 1
+        for k in range(last, -1, -1):
+            per = promised.get(keys[k])
+            if per:
+                blocks = (k + 1) * stride if k < last else nblocks
+                for iid in per:
+                    if iid not in out:
+                        out[iid] = blocks
+        return out
+
+    # ------------------------------------------------------------------ select
+    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        bs = candidates[0].block_size
+        if self.index is None:
+            self.index = PrefixIndex(bs)
+        prompt = request.prompt_token_ids
+        n = len(prompt)
+        hashes = block_hashes(prompt, bs)
+        lengths = self.index.match_hashes(hashes, n).lengths if hashes else {}
+        stride = self.promise_stride
+        keys = hashes[stride - 1::stride]
+        if len(hashes) % stride:
+            keys.append(hashes[-1])
+        promised = self._promised_blocks(keys, len(hashes))
+        if promised:
+            for iid, k in lengths.items():
+                if promised.get(iid, 0) < k:
+                    promised[iid] = k
+            lengths = promised
+        out = request.params.max_tokens
+        pt, w = self._pt, self.decode_weight
+        dt = self.decode_time
+        # DT_i⁺ = base + per_seq·(D_i + 1) + per_token·(X_i + n + o/2); DT_i⁺ − DT_i = inc
+        inc = dt.per_seq + dt.per_token * (n + out // 2)
+        per_seq, per_block = dt.per_seq, dt.per_token * bs
+        pt_cold = pt(n)
+        own0 = out * (dt.base + inc) + pt_cold
+        dinc = w * out * inc + out * per_seq
+        wp_cold = w * pt_cold
+        states = self._states(candidates)
+        trim = self._trim
+        xb = out * per_block
+        waits: list[float] = []
+        costs: list[float] = []
+        # every candidate priced as if nothing were cached there; the holders corrected below
+        for view, st in zip(candidates, states):
+            q = view.queued
+            if len(st[0]) > q:  # drop what reached its first token
+                trim(view.instance_id, st, q)
+            wait = st[1] - st[2]  # (0 once every entry is dropped: the sums meet)
+            a = view.active
+            stats = view.stats
+            cost = wait + own0 + wp_cold * a
+            if a > q:
+                cost += (a - q) * dinc
+            if stats is not None:
+                cost += xb * stats.num_used_blocks
+            waits.append(wait)
+            costs.append(cost)
+        best_finish = min(waits) + pt_cold
+        ps: dict[int, float] = {}
+        if lengths:
+            pos = self._pos
+            for iid, c in lengths.items():
+                k = pos.get(iid)
+                if k is None:
+                    continue
+                p = pt(n - c * bs if c * bs < n else 1)
+                ps[k] = p
+                costs[k] += (p - pt_cold) * (1.0 + w * candidates[k].active)
+                if waits[k] + p < best_finish:
+                    best_finish = waits[k] + p
+        k = costs.index(min(costs))
+        if waits[k] > best_finish:  # it would start after the request could be done elsewhere
+            self.decisions["guarded"] += 1
+            k = min((j for j, wt in enumerate(waits) if wt <= best_finish),
+                    key=costs.__getitem__)
+        inst = candidates[k]
+        iid = inst.instance_id
+        p = ps.get(k, pt_cold)
+        self.decisions["hit" if p < pt_cold else "miss"] += 1
+        st = states[k]
+        st[1] += p
+        st[0].append((st[1], tuple(keys)))
+        pm = self._promised
+        for h in keys:
+            per = pm.get(h)
+            if per is None:
+                pm[h] = {iid: 1}
+            else:
+                per[iid] = per.get(iid, 0) + 1
+        return inst

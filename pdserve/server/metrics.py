@@ -187,6 +187,17 @@ class _InstanceCollector:
         preempt = counter("num_preemptions", "Preemptions by recompute.")
         step_log = counter("step_log_write_errors",
                            "Step-log lines the instance could not write (full disk, ...).")
+        # what a routing decision did to each instance (issue 27): its prefix-cache hit rate,
+        # the prompt tokens it computed rather than read from its cache, its busy time
+        hit_rate = gauge("prefix_cache_hit_rate",
+                         "Prefix-cache hits / queries, in tokens, since the instance started "
+                         "(0 before any query).")
+        computed = counter("prompt_tokens_computed",
+                           "Prompt tokens looked up in the prefix cache and not found there, "
+                           "so computed by prefill (queries - hits).")
+        busy = counter("busy_seconds",
+                       "Seconds the instance spent computing steps (its rate is the busy "
+                       "share).")
         try:
             statuses = self.runtime.instance_status()
         except Exception:  # a scrape must not fail because the runtime is shutting down
@@ -206,7 +217,11 @@ class _InstanceCollector:
             hits.add_metric(lv, s.prefix_hits)
             preempt.add_metric(lv, s.num_preemptions)
             step_log.add_metric(lv, s.step_log_errors)
+            hit_rate.add_metric(lv, s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
+            computed.add_metric(lv, s.prefix_queries - s.prefix_hits)
+            busy.add_metric(lv, s.busy_time)
         yield from (alive, running, waiting, held, usage, queries, hits, preempt, step_log)
+        yield from (hit_rate, computed, busy)
 
 
 class _LogCollector:

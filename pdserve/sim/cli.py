@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 from pdserve.bench.cli import (
@@ -45,6 +46,11 @@ def register(subparsers: Any) -> None:
                    help="mean arrival rate, req/s (timestamped traces: default their own)")
     add_slo_args(s)
     add_output_args(s)
+    s.add_argument("--per-instance", nargs="?", const=0.0, type=nonnegative, metavar="SECONDS",
+                   help="also report per instance its prefix-cache hit rate, prompt tokens "
+                        "computed, mean prefill queue and busy share: over the whole run, and "
+                        "with SECONDS (>= 1) over windows of that length too (in --output-json; "
+                        "with --plot, instances.png)")
     s.set_defaults(func=guarded("simulate", cmd_simulate))
 
     p = one_line_errors(subparsers.add_parser(
@@ -70,6 +76,10 @@ def register(subparsers: Any) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench import report
     from pdserve.bench.runner import build_workload, resolve_slo, run_workload
+
+    window = args.per_instance or None
+    if window is not None and window < 1:
+        raise ValueError(f"--per-instance window must be >= 1 second, got {window:g}")
     sim = simulation_from_args(args)
     target = SimTarget(sim, name=f"sim:{sim.deployment.strategy}", progress=not args.no_progress)
     s = settings_from_args(args)
@@ -86,11 +96,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     say(f"simulated {len(w)} requests, {res.duration:.1f} virtual s, {res.num_events} events "
         f"in {wall:.2f} s wall ({res.num_events / max(wall, 1e-9):,.0f} events/s)")
     md = report.summary_markdown(run.summary, f"{target.name} · {w.name} · {len(w)} requests")
+    per: dict[str, Any] = {}
+    if args.per_instance is not None:
+        from pdserve.sim import instance_stats as ist
+
+        whole = ist.instance_windows(res)
+        md += "\n" + ist.markdown(whole, "per instance, whole run")
+        per["instances"] = {"whole": [r.to_dict() for r in whole]}
+        if window is not None:
+            timed = ist.instance_windows(res, window)
+            md += "\n" + ist.markdown(timed, f"per instance, {window:g}-second windows")
+            per["instances"]["window_s"] = window
+            per["instances"]["windows"] = [r.to_dict() for r in timed]
+            if args.plot:
+                Path(args.plot).mkdir(parents=True, exist_ok=True)
+                say("wrote " + ist.plot(timed, str(Path(args.plot) / "instances.png"),
+                                        f"{target.name} · {w.name}: per instance, "
+                                        f"{window:g}-s windows"))
     write_report(args, md, {"command": "simulate", "target": target.name,
                             "num_gpus": target.num_gpus, "deployment": target.describe,
                             "simulation": {"virtual_s": res.duration, "events": res.num_events,
                                            "wall_s": wall},
-                            **report_header(s, w), **run.to_dict(args.save_records)})
+                            **report_header(s, w), **run.to_dict(args.save_records), **per})
     write_plots(args, s, {target.name: run})
     return 0
 

@@ -201,6 +201,7 @@ class SimRecord:
     finish_reason: str | None
     error: str | None = None
     num_cached_tokens: int = 0
+    instance: str | None = None  # the instance that computed its prefill
 
 
 @dataclass
@@ -211,6 +212,9 @@ class SimResult:
     instance_stats: dict[str, Any] = field(default_factory=dict)
     batch_log: list[tuple[str, float, list[tuple[str, int, int]]]] | None = None
     stopped: bool = False  # ended early by ``run``'s ``stop`` (records hold the state then)
+    # instance -> virtual second -> seconds of it spent computing steps (per-instance reporting,
+    # :mod:`pdserve.sim.instance_stats`)
+    busy: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -326,6 +330,7 @@ class Simulator:
         self._seq = itertools.count()
         self._errors: dict[str, str] = {}
         self._batch_log: list[tuple[str, float, list[tuple[str, int, int]]]] = []
+        self._busy: dict[str, dict[int, float]] = {}
         self._removing: dict[str, float] = {}  # instance -> when its removal was asked
         # (instance, asked, drained, its block pool's check_integrity()) per removal
         self.removals: list[tuple[str, float, float, dict[str, int]]] = []
@@ -442,12 +447,26 @@ class Simulator:
                                          f"{req.stage!r} on {req.instance}")
         records = [
             SimRecord(rid, len(r.prompt_token_ids), len(r.output_token_ids), r.timeline,
-                      r.finish_reason, self._errors.get(rid), r.num_cached_tokens)
+                      r.finish_reason, self._errors.get(rid), r.num_cached_tokens,
+                      r.prefill_instance or r.instance)
             for rid, r in self.controller.history.items()
         ]
         stats = {iid: i.worker.stats() for iid, i in self.insts.items()}
         return SimResult(records, now, n_events, stats,
-                         self._batch_log if self.record_batches else None, stopped)
+                         self._batch_log if self.record_batches else None, stopped, self._busy)
+
+    def _add_busy(self, iid: str, start: float, elapsed: float) -> None:
+        """Count a step's ``elapsed`` seconds from ``start`` into its instance's seconds."""
+        busy = self._busy.get(iid)
+        if busy is None:
+            busy = self._busy[iid] = {}
+        sec = int(start)
+        end = start + elapsed
+        while end > sec + 1:  # a step across a second's end
+            busy[sec] = busy.get(sec, 0.0) + (sec + 1 - start)
+            sec += 1
+            start = float(sec)
+        busy[sec] = busy.get(sec, 0.0) + (end - start)
 
     def _handle(self, inst: _Inst, commands: list[Command], now: float) -> StepReport:
         """:meth:`InstanceWorker.handle`, with the exact decode fast path
@@ -478,6 +497,7 @@ class Simulator:
                     if self.record_batches:
                         self._batch_log.append((e.instance_id, now, rep.batch))
                     self._push(now + rep.elapsed, STEP_END, (e.instance_id, rep))
+                    self._add_busy(e.instance_id, now, rep.elapsed)
                 else:  # nothing to compute: the report takes effect now
                     self.core.step_done(e.instance_id, rep,
                                         lambda effects: self._run(effects, now))

@@ -221,7 +221,8 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
     entry = instances[0].latency  # the colocated or prefill instances' step-time model
     routers = make_routers(dep.prefill_router, dep.decode_router,
                            prefill_time=lambda n: entry.prefill_time([n]),
-                           prefill_batch_time=entry.prefill_time, **dep.router_options())
+                           prefill_batch_time=entry.prefill_time, step_time=entry.step_time,
+                           **dep.router_options())
     simulator = Simulator(instances, model, *routers,
                           intra_node_link=intra, inter_node_link=inter,
                           kv_dtype=specs[0].engine.dtype, record_batches=record_batches,

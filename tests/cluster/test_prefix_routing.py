@@ -293,7 +293,7 @@ def test_kv_overlap_router_cost():
 
 
 def test_registry_and_bad_parameters():
-    assert isinstance(make_router("preble"), E2Router)
+    assert isinstance(make_router("preble-paper"), E2Router)
     assert isinstance(make_router("sglang_cache_aware"), CacheAwareRouter)
     assert isinstance(make_router("kv_overlap"), KVOverlapRouter)
     with pytest.raises(ValueError, match="unknown router 'prebel'"):
@@ -307,7 +307,7 @@ def test_registry_and_bad_parameters():
     assert LinearPrefillTime()(1000) == pytest.approx(0.11)
 
 
-@pytest.mark.parametrize("router", ["preble", "kv_overlap"])
+@pytest.mark.parametrize("router", ["preble-paper", "prefix_aware", "kv_overlap"])
 def test_simulated_cluster_keeps_the_index_exact(router, monkeypatch):
     """End to end: real workers (simulated executor) forward their KV events through the
     controller; with small caches (evictions) every request finishes and the router's index
@@ -344,16 +344,16 @@ def test_simulated_cluster_keeps_the_index_exact(router, monkeypatch):
 
 # ------------------------------------------------------------------ the command line
 def test_serve_flags_select_preble_router_and_local_policy():
-    """`pdserve serve --prefill-router preble --policy preble` reaches the deployment spec
+    """`pdserve serve --prefill-router preble-paper --policy preble` reaches the deployment spec
     (E2 in front, Preble's priority groups on every instance); the live run of that spec is
     tests/cluster/test_runtime_real.py::test_preble_router_is_fed_by_the_instances_kv_events."""
     from pdserve.cli import build_parser
     from pdserve.flags import deployment_from_args
 
     args = build_parser().parse_args(["serve", "--model", "opt-13b", "--num-instances", "2",
-                                      "--prefill-router", "preble", "--policy", "preble"])
+                                      "--prefill-router", "preble-paper", "--policy", "preble"])
     spec = deployment_from_args(args)
-    assert spec.prefill_router == "preble"
+    assert spec.prefill_router == "preble-paper"
     assert spec.engine["policy"] == "preble"
     assert all(s.engine.scheduler.policy == "preble" for s in spec.instance_specs(2048))
 
@@ -368,7 +368,7 @@ def test_simulate_with_preble_flags(tmp_path, capsys):
 
     out = tmp_path / "preble.json"
     rc = pdserve_main(["simulate", "--hardware", "A100-80GB", "--model", "opt-13b",
-                       "--num-instances", "3", "--prefill-router", "preble",
+                       "--num-instances", "3", "--prefill-router", "preble-paper",
                        "--policy", "preble", "--workload",
                        "prefix:num_prefixes=4,shared_len=1024,unique_len=64,output_len=8",
                        "--num-requests", "60", "--rate", "6", "--no-progress",
@@ -376,6 +376,6 @@ def test_simulate_with_preble_flags(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     spec = data["deployment"]["spec"]
-    assert spec["prefill_router"] == "preble" and spec["engine"]["policy"] == "preble"
-    assert data["deployment"]["routers"][0] == "preble"
+    assert spec["prefill_router"] == "preble-paper" and spec["engine"]["policy"] == "preble"
+    assert data["deployment"]["routers"][0] == "preble-paper"
     assert data["summary"]["num_ok"] == 60

@@ -230,10 +230,10 @@ async def test_ray_decode_actor_killed(model_dir: str, reference: dict[int, list
 
 
 async def test_preble_router_is_fed_by_the_instances_kv_events(model_dir: str) -> None:
-    """`--prefill-router preble` live: the workers report KV events, so the router's index
+    """`--prefill-router preble-paper` live: the workers report KV events, so the router's index
     holds exactly the blocks the instances cached, and a shared prefix is exploited."""
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "num_instances": 2,
-                                   "prefill_router": "preble", "backend": "inproc"})
+                                   "prefill_router": "preble-paper", "backend": "inproc"})
     rt = await build_runtime(cfg)
     try:
         shared = prompts(512)[1]  # 40 tokens: two full blocks of 16

@@ -230,7 +230,7 @@ def test_preble_router_in_the_simulator_sees_the_cache() -> None:
     w = make_workload("prefix:num_prefixes=4,shared_len=1024,unique_len=64,output_len=8", 120,
                       rate=6.0, max_model_len=2048)
     hits = {}
-    for router in ("round_robin", "preble"):
+    for router in ("round_robin", "preble-paper", "prefix_aware"):
         sim = SimulationConfig(ClusterConfig.from_dict(
             {"model": "opt-13b", "num_instances": 3, "prefill_router": router}),
             hardware="A100-80GB")
@@ -240,4 +240,5 @@ def test_preble_router_in_the_simulator_sees_the_cache() -> None:
         records, res, _ = simulate(sim, w.requests, vocab_size=50272)
         assert all(r.ok for r in records)
         hits[router] = sum(r.num_cached_tokens for r in res.records)
-    assert hits["preble"] > hits["round_robin"]
+    assert hits["preble-paper"] > hits["round_robin"]
+    assert hits["prefix_aware"] > hits["round_robin"]
