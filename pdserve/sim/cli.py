@@ -26,6 +26,7 @@ from pdserve.bench.cli import (
 )
 from pdserve.flags import (
     guarded,
+    nonnegative,
     one_line_errors,
     positive,
     positive_int,

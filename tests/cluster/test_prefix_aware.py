@@ -8,8 +8,8 @@ import pytest
 from pdserve.cluster.controller import ClusterRequest
 from pdserve.cluster.prefix_routing import LinearDecodeTime, PrefixAwareRouter
 from pdserve.cluster.routing import InstanceView, make_router
-from pdserve.engine.kv_cache import NO_PARENT, BlockStored
-from pdserve.request import SamplingParams, Timeline, block_hashes
+from pdserve.engine.kv_cache import BlockStored
+from pdserve.request import NO_PARENT, SamplingParams, Timeline, block_hashes
 
 BS = 4
 S1 = list(range(100, 132))  # 32 tokens = 8 blocks
