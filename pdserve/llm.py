@@ -40,7 +40,8 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
-        self.engine = Engine(self.config, ModelExecutor(self.config), tokenizer=self.tokenizer)
+        self.executor = ModelExecutor(self.config, tp=tensor_parallel_size)
+        self.engine = Engine(self.config, self.executor, tokenizer=self.tokenizer)
         self._ids = itertools.count()
 
     def generate(
@@ -100,6 +101,11 @@ class LLM:
             o.prompt = p if isinstance(p, str) else None
             outs.append(o)
         return outs
+
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel instance now (else when collected)."""
+        self.executor.close()
 
 
 def _progress(total: int) -> Any:

@@ -460,12 +460,12 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     and start serving."""
     model_config = ModelConfig.from_dir(config.model)
     specs = config.instance_specs(model_config.max_position_embeddings)
-    check_specs(specs, model_config)
+    check_specs(specs, model_config, remote=bool(config.ray_address))
     tokenizer = load_tokenizer(config.model)
     routers = make_routers(config.prefill_router, config.decode_router,
                            **config.router_options())
     if config.backend == "ray":
-        init_ray(config.ray_address, len(specs))
+        init_ray(config.ray_address, sum(s.tp * s.pp for s in specs))
     clients = await start_clients(config, specs, tokenizer, routers)
     runtime = ClusterRuntime(config, clients, tokenizer, model_config, model_name,
                              routers=routers)
@@ -478,14 +478,19 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     return runtime
 
 
-def check_specs(specs: list[InstanceSpec], model_config: ModelConfig) -> None:
+def check_specs(specs: list[InstanceSpec], model_config: ModelConfig,
+                remote: bool = False) -> None:
     """``ValueError`` naming the role and value when an instance's ``tp``/``pp``/``ep`` cannot
-    run live (before anything loads)."""
+    run live (before anything loads). ``remote``: the ranks run on a Ray cluster's nodes, whose
+    CPUs Ray counts (:func:`wait_for_resources`), not this machine's."""
+    import sys
+
     from pdserve.model.parallel import check_live_layout  # lazy: torch (pdserve.model)
 
     for s in specs:
+        cpu_ranks = sys.maxsize if remote and not s.engine.device.startswith("cuda") else None
         try:
-            check_live_layout(model_config, s.tp, s.pp, s.ep, s.engine.device)
+            check_live_layout(model_config, s.tp, s.pp, s.ep, s.engine.device, cpu_ranks)
         except ValueError as e:
             raise ValueError(f"{s.role} instances: {e}") from None
 
@@ -499,15 +504,15 @@ async def start_clients(config: ClusterConfig, specs: list[InstanceSpec], tokeni
     events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
     loop = asyncio.get_running_loop()
     if config.backend == "ray":
-        need = {"CPU": float(len(specs))}
-        gpus = sum(1 for s in specs if s.engine.device.startswith("cuda"))  # one per actor
+        need = {"CPU": float(sum(s.tp for s in specs))}  # one per rank
+        gpus = sum(s.tp for s in specs if s.engine.device.startswith("cuda"))
         if gpus:
             need["GPU"] = float(gpus)
         await loop.run_in_executor(None, wait_for_resources, need)
         return list(await asyncio.gather(*(
-            RayInstance.create(s.instance_id, s.engine, events[s.instance_id])
+            RayInstance.create(s.instance_id, s.engine, events[s.instance_id], s.tp)
             for s in specs)))
     workers = [await loop.run_in_executor(None, lambda s=s: load_worker(
-        s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id]))
+        s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id], tp=s.tp))
         for s in specs]
     return [InProcessInstance(w) for w in workers]

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import pickle
+import subprocess
+import sys
+import threading
 import time
+import weakref
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from pdserve.checkpoints import resolve_model
 from pdserve.config import EngineConfig, ModelConfig, cdiv, kv_cache_blocks
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.cpu_threads import ThreadGovernor
@@ -22,8 +29,10 @@ from pdserve.model.layers import (
     gather_elements_per_block,
     prepack_linears,
 )
-from pdserve.model.loader import DTYPES, load_model
+from pdserve.model.loader import DTYPES, MODEL_CLASSES, load_model, load_weights, weight_files
+from pdserve.model.parallel import Communicator, TPLayout, master_store
 from pdserve.model.sampler import Sampler, SampleRow
+from pdserve.model.tp import build_sharded, iter_shard
 from pdserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,14 +75,25 @@ class ModelExecutor:
     ``last_logits`` (``[num_sampled, vocab]``, on CPU) for tests.
     """
 
-    def __init__(self, config: EngineConfig, num_threads: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, num_threads: int | None = None, tp: int = 1,
+                 rank: int = 0, address: tuple[str, int] | None = None) -> None:
         """``num_threads``: torch's CPU threads for this process, fixed (a Ray instance actor
         uses 1). ``None``: torch's count; with ``PDSERVE_ADAPTIVE_THREADS=1`` on CPU each step
         runs as many threads as there are idle cores instead, up to torch's count at start
         (:class:`pdserve.engine.cpu_threads.ThreadGovernor`; opt-in: measured faster under heavy
         load from other sessions, slower beside a single busy process: docs/benchmarks.md,
-        "pdserve vs vLLM CPU")."""
+        "pdserve vs vLLM CPU").
+
+        ``tp > 1``: a tensor-parallel instance (:mod:`pdserve.model.tp`). Rank 0 (the default)
+        is the driver: it starts the other ranks as processes on this machine, sends each of
+        them every step's batch once (:meth:`execute`) and alone samples. A rank started with
+        ``rank > 0`` and the driver's rendezvous ``address`` serves it in :meth:`serve_ranks`.
+        One rank dying fails the next step (the instance is dead)."""
         self.config = config
+        self.tp, self.rank = tp, rank
+        self._procs: list[subprocess.Popen] = []
+        if tp > 1 and num_threads is None and config.device == "cpu":
+            num_threads = max(1, (os.cpu_count() or 1) // tp)
         self.governor: ThreadGovernor | None = None
         if num_threads is not None and config.device == "cpu":
             torch.set_num_threads(num_threads)
@@ -83,13 +103,24 @@ class ModelExecutor:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
+                self.device = torch.device("cuda", torch.cuda.current_device() + rank)
             torch.cuda.set_device(self.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
-        self.model, self.model_config = load_model(config.model, config.dtype, str(self.device))
+        # serialises the group's collectives: a KV export (another thread) waits for the step
+        self._group_lock = threading.Lock() if tp > 1 else contextlib.nullcontext()
+        self.loaded_bytes = 0  # checkpoint bytes this rank read
+        if tp == 1:
+            self.comm = Communicator()
+            self.model, self.model_config = load_model(config.model, config.dtype,
+                                                       str(self.device))
+            self.local_config = self.model_config
+            self.loaded_bytes = sum(p.numel() * p.element_size()
+                                    for p in self.model.parameters())
+        else:
+            self._load_sharded(address)
         if self.device.type == "cpu":
-            prepack_linears(self.model)  # oneDNN layout for decode-sized matmuls
+            prepack_linears(getattr(self.model, "model", self.model))  # oneDNN layout
         self.eos_token_ids = read_eos_token_ids(config.model, self.model_config)
         self.sliding_window = sliding_window(self.model_config)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -104,25 +135,56 @@ class ModelExecutor:
         self.decode_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
                               and cpu_kernels.available())
 
+    def _load_sharded(self, address: tuple[str, int] | None) -> None:
+        model_dir = resolve_model(self.config.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.layout = TPLayout(self.model_config, self.tp, self.rank)
+        self.local_config = self.layout.local_config()
+        store = None
+        if self.rank == 0:
+            store = master_store(self.tp)
+            self._procs = [_start_rank(self.config, self.tp, r, ("127.0.0.1", store.port),
+                                       torch.get_num_threads() if self.governor is None
+                                       else 1) for r in range(1, self.tp)]
+            weakref.finalize(self, _stop_ranks, self._procs, 0.0)
+        self.comm = Communicator(self.rank, self.tp, store, address, self.config.device)
+        cls = MODEL_CLASSES.get(self.model_config.family)
+        if cls is None:
+            raise ValueError(f"unsupported model family {self.model_config.family!r}")
+        self.model = build_sharded(cls, self.layout, self.comm, self.dtype, str(self.device))
+        counter = [0]
+        load_weights(self.model, iter_shard(weight_files(model_dir), self.layout, counter))
+        self.loaded_bytes = counter[0]
+        log.info("rank %d/%d loaded %.1f MiB of weights", self.rank, self.tp,
+                 counter[0] / 2**20)
+
     # ------------------------------------------------------------------ memory
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers (K and V)."""
-        return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype)
+        """Bytes of one KV block over all layers (K and V) on this rank."""
+        return self.block_size * self.local_config.kv_bytes_per_token(self.config.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def _allocate(self, num_blocks: int) -> torch.Tensor:
-        c = self.model_config
+        c = self.local_config
         return torch.zeros(c.num_layers, 2, c.num_kv_heads, num_blocks, self.block_size,
                            c.head_dim, dtype=self.dtype, device=self.device)
 
     def _plan_num_blocks(self) -> int:
+        """Every rank of a group holds the same blocks (of its own KV heads): on CPU as many as
+        the unsharded model would, on CUDA as many as rank 0's memory allows."""
         if self.config.cache.num_kv_blocks is not None or self.device.type != "cuda":
             return kv_cache_blocks(self.model_config, self.config, device_memory_bytes=None)
         peak = self._profile_activation_bytes()
         _, total = torch.cuda.mem_get_info(self.device)
-        return kv_cache_blocks(self.model_config, self.config, device_memory_bytes=total,
-                               weight_bytes=torch.cuda.memory_allocated(self.device),
-                               reserved_bytes=peak)
+        n = kv_cache_blocks(self.local_config, self.config, device_memory_bytes=total,
+                            weight_bytes=torch.cuda.memory_allocated(self.device),
+                            reserved_bytes=peak)
+        return int(self.comm.broadcast_object(n))
 
     def _profile_activation_bytes(self) -> int:
         """Peak extra CUDA memory of a forward over a full token budget (weights excluded)."""
@@ -161,16 +223,13 @@ class ModelExecutor:
             if n != torch.get_num_threads():
                 torch.set_num_threads(n)
             self.thread_steps[n] += 1
-        with torch.inference_mode():
-            meta = build_attention_metadata(batch.seqs, self.block_size, self.device,
-                                            self.dtype, self.sliding_window,
-                                            decode_kernel=self.decode_kernel)
-            meta.workspace = self._gather_workspace(meta.max_gather_blocks)
-            hidden = self.model(meta, self.kv_cache)
-            sampled: list[int] = []
-            logprobs = None
-            if any(s.sample for s in batch.seqs):
-                logits = self.model.compute_logits(hidden)
+        sampled: list[int] = []
+        logprobs = None
+        with self._group_lock, torch.inference_mode():
+            if self.tp > 1:
+                self.comm.broadcast_object(("step", step_plan(batch.seqs, self.block_size)))
+            logits = self._forward(batch.seqs)
+            if logits is not None:
                 rows = [self._sample_row(s.request, logits.shape[-1])
                         for s in batch.seqs if s.sample]
                 if self.capture_logits:
@@ -181,6 +240,40 @@ class ModelExecutor:
                 torch.cuda.synchronize(self.device)
         return ExecuteResult(sampled=sampled, elapsed=time.perf_counter() - t0,
                              logprobs=logprobs)
+
+    def _forward(self, seqs: Any) -> torch.Tensor | None:
+        """One forward of ``seqs`` on this rank; the logits of the sampled rows (``None`` when
+        none samples)."""
+        meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype,
+                                         self.sliding_window, decode_kernel=self.decode_kernel)
+        meta.workspace = self._gather_workspace(meta.max_gather_blocks)
+        hidden = self.model(meta, self.kv_cache)
+        if not any(s.sample for s in seqs):
+            return None
+        return self.model.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ tensor-parallel group
+    def serve_ranks(self) -> None:
+        """A rank > 0: follow the driver's steps and KV moves until it stops (or dies)."""
+        while True:
+            msg = self.comm.broadcast_object()
+            kind = msg[0]
+            if kind == "step":
+                with torch.inference_mode():
+                    self._forward(plan_seqs(msg[1]))
+            elif kind == "export":
+                self._export(msg[1])
+            elif kind == "import":
+                self._import(msg[1], msg[2])
+            elif kind == "stop":
+                return
+
+    def close(self) -> None:
+        """Stop the other ranks of a group (rank 0; nothing to do for ``tp == 1``)."""
+        if self.rank == 0 and self._procs:
+            with contextlib.suppress(Exception), self._group_lock:
+                self.comm.broadcast_object(("stop",))
+            _stop_ranks(self._procs)
 
     def _gather_workspace(self, num_blocks: int) -> torch.Tensor:
         """A buffer for ``num_blocks`` gathered KV blocks of one layer, reused across layers and
@@ -222,22 +315,121 @@ class ModelExecutor:
     def export_kv(self, block_ids: list[int]) -> dict[str, Any]:
         """``{"kv": CPU tensor [layers, 2, kv_heads, len(block_ids), block_size, head_dim], ...}``
         in the cache's dtype, plus the shape facts :meth:`import_kv` checks."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        with torch.no_grad():  # not inference_mode: the payload is an ordinary tensor
-            kv = self.kv_cache.index_select(3, idx).cpu()
+        with self._group_lock:
+            if self.tp > 1:
+                self.comm.broadcast_object(("export", block_ids))
+            kv = self._export(block_ids)
         c = self.model_config
         return {"kv": kv, "num_blocks": len(block_ids), "num_layers": c.num_layers,
                 "block_size": self.block_size, "num_kv_heads": c.num_kv_heads,
                 "head_dim": c.head_dim, "dtype": self.config.dtype}
 
+    def _export(self, block_ids: list[int]) -> torch.Tensor | None:
+        """The blocks' KV with every KV head, in head order, on rank 0 (the layout of an
+        unsharded instance, so that instances of any TP degree exchange it); ``None`` on the
+        other ranks."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with torch.no_grad():  # not inference_mode: the payload is an ordinary tensor
+            kv = self.kv_cache.index_select(3, idx).cpu()
+        if self.tp == 1:
+            return kv
+        parts = self.comm.gather_cpu(kv)
+        if parts is None:
+            return None
+        # one copy of each KV head: the first rank of each replica set
+        return torch.cat(parts[:: self.layout.kv_replicas], dim=2)
+
     def import_kv(self, block_ids: list[int], payload: dict[str, Any]) -> None:
         """Write a payload of :meth:`export_kv` (from any executor of the same model) into
         ``block_ids``; a different cache dtype is converted."""
         kv = payload["kv"]
-        want = (*self.kv_cache.shape[:3], len(block_ids), *self.kv_cache.shape[4:])
+        c = self.model_config
+        want = (c.num_layers, 2, c.num_kv_heads, len(block_ids), *self.kv_cache.shape[4:])
         if tuple(kv.shape) != want:
             raise ValueError(f"KV payload of shape {tuple(kv.shape)} does not fit "
                              f"{len(block_ids)} blocks of this cache (expected {want})")
+        with self._group_lock:
+            if self.tp > 1:
+                self.comm.broadcast_object(("import", block_ids, kv))
+            self._import(block_ids, kv)
+
+    def _import(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        if self.tp > 1:  # this rank's KV heads
+            lo, hi = self.layout.kv_head_range()
+            kv = kv[:, :, lo:hi]
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             self.kv_cache.index_copy_(3, idx, kv.to(self.device, self.dtype))
+
+
+# ---------------------------------------------------------------------- tensor-parallel ranks
+def step_plan(seqs: Any, block_size: int) -> list[tuple[str, int, int, bool, list[int],
+                                                             list[int]]]:
+    """What the other ranks need of a step's sequences (sent once per step): request id, start,
+    tokens to compute, whether it samples, those tokens and the block ids they reach."""
+    out = []
+    for s in seqs:
+        r, end = s.request, s.start + s.num_tokens
+        out.append((r.request_id, s.start, s.num_tokens, s.sample,
+                    r.all_token_ids[s.start : end], r.block_ids[: cdiv(end, block_size)]))
+    return out
+
+
+class _Window:
+    """Tokens ``[start, start + len(tokens))`` of a request, indexable as its full list is by
+    :func:`pdserve.model.layers.build_attention_metadata`."""
+
+    __slots__ = ("start", "tokens")
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, sl: slice) -> list[int]:
+        if sl.start != self.start or sl.stop != self.start + len(self.tokens):
+            raise IndexError(f"a rank holds tokens {self.start}.., not {sl}")
+        return self.tokens
+
+
+def plan_seqs(plan: list[tuple[str, int, int, bool, list[int], list[int]]]) -> list[Any]:
+    """:func:`step_plan`'s entries as the scheduled sequences metadata is built from."""
+    return [SimpleNamespace(request=SimpleNamespace(request_id=rid, block_ids=blocks,
+                                                    all_token_ids=_Window(start, toks)),
+                            start=start, num_tokens=n, sample=sample)
+            for rid, start, n, sample, toks, blocks in plan]
+
+
+def _start_rank(config: EngineConfig, tp: int, rank: int, address: tuple[str, int],
+                num_threads: int) -> subprocess.Popen:
+    """Rank ``rank`` of a group as a child process (``python -m`` this module: no re-import of
+    the caller's main script), its settings on stdin."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.model_executor"],
+                            stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    pickle.dump((config, tp, rank, address, num_threads), proc.stdin)
+    proc.stdin.close()
+    return proc
+
+
+def _stop_ranks(procs: list[subprocess.Popen], wait_s: float = 10.0) -> None:
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _rank_main() -> int:
+    config, tp, rank, address, num_threads = pickle.load(sys.stdin.buffer)
+    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, rank=rank, address=address)
+    try:
+        executor.serve_ranks()
+    except RuntimeError as e:  # the driver went away: the instance is over
+        log.info("rank %d of %d ends: %s", rank, tp, e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())

@@ -14,6 +14,8 @@ split in ``ceil(vocab / tp)``-row shards (the last padded); logits are gathered 
 from __future__ import annotations
 
 import datetime
+import os
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,8 +106,7 @@ def check_live_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1,
     """``ValueError`` naming the value when the live engine cannot run an instance of ``model``
     with this parallelism (``pdserve simulate`` and ``plan`` model any of them).
 
-    ``ranks_available``: the CPUs (or GPUs) one instance may use; ``None`` = this machine's
-    (GPUs on ``cuda``; no CPU limit, since ranks may share cores)."""
+    ``ranks_available``: the CPUs (or GPUs) one instance may use; ``None`` = this machine's."""
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -124,41 +125,62 @@ def check_live_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1,
         import torch
 
         ranks_available = torch.cuda.device_count()
+    elif ranks_available is None:
+        ranks_available = os.cpu_count() or 1
     if ranks_available is not None and ranks > ranks_available:
         what = "GPUs" if device.startswith("cuda") else "CPUs"
         raise ValueError(f"tp={tp} x pp={pp} needs {ranks} ranks, more than the "
                          f"{ranks_available} {what} available")
-    if tp != 1:
-        raise ValueError(f"tp={tp}: the live engine does not run tensor parallelism yet; it is "
-                         f"simulated only (pdserve simulate / plan)")
+
+
+# A rank waits for the next step for as long as the instance idles; a dead peer still shows up
+# at once (gloo reports the closed connection).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+def master_store(world: int) -> Any:
+    """The rendezvous store of a group on this machine (rank 0 holds it; the others connect to
+    ``("127.0.0.1", store.port)``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=120))
 
 
 class Communicator:
-    """The collectives a tensor-parallel rank needs, over ``torch.distributed`` (gloo on CPU,
-    NCCL on CUDA: one code path). ``tp == 1`` makes every call a no-op."""
+    """The collectives a tensor-parallel rank needs: gloo on CPU, NCCL on CUDA, one code path.
 
-    def __init__(self, rank: int = 0, world: int = 1, init_method: str | None = None,
-                 device: str = "cpu", timeout_s: float = 600.0) -> None:
-        import torch.distributed as dist
+    Each instance's ranks form their own process groups (built from a rendezvous store, not the
+    process-global default group), so one process can drive several instances. Objects (step
+    plans, KV payloads) always travel through a gloo group. ``world == 1``: every call is a
+    no-op."""
 
+    def __init__(self, rank: int = 0, world: int = 1, store: Any = None,
+                 address: tuple[str, int] | None = None, device: str = "cpu") -> None:
         self.rank, self.world = rank, world
-        self.group: Any = None
+        self.seconds = 0.0  # time spent in all_reduce / all_gather (waits for peers included)
         if world == 1:
             return
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        self.group = dist.group.WORLD
-        # objects (step plans, KV payloads) travel through gloo even on CUDA: no device copies
-        self.cpu_group = self.group if backend == "gloo" else dist.new_group(backend="gloo")
+        import torch.distributed as dist
+
+        if store is None:
+            if address is None:
+                raise ValueError("a rank of a group needs the rendezvous store or its address")
+            store = dist.TCPStore(address[0], address[1], world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=120))
+        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, world,
+                                         IDLE_TIMEOUT)
+        self.dev = self.cpu
+        if device.startswith("cuda"):
+            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev/", store), rank, world)
+        self._store = store
 
     def all_reduce(self, x: Any) -> Any:
+        """Sum ``x`` over the ranks, in place."""
         if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(x, group=self.group)
+            t = time.perf_counter()
+            self.dev.allreduce([x]).wait()
+            self.seconds += time.perf_counter() - t
         return x
 
     def all_gather(self, x: Any, dim: int = -1) -> Any:
@@ -166,50 +188,49 @@ class Communicator:
         if self.world == 1:
             return x
         import torch
-        import torch.distributed as dist
 
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        t = time.perf_counter()
+        self.dev.allgather([parts], [x]).wait()
+        self.seconds += time.perf_counter() - t
         return torch.cat(parts, dim=dim)
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj``, on every rank."""
+    def gather_cpu(self, x: Any) -> list[Any] | None:
+        """Every rank's CPU tensor ``x`` (same shape on all) on rank 0; ``None`` elsewhere."""
         if self.world == 1:
-            return obj
-        import torch.distributed as dist
+            return [x]
+        import torch
 
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
-
-    def gather_objects(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0 (``None`` elsewhere)."""
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world if self.rank == 0 else []
-        dist.gather_object(obj, out if self.rank == 0 else None, dst=0, group=self.cpu_group)
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else []
+        self.cpu.gather([out] if self.rank == 0 else [], [x],
+                        _gather_options(0)).wait()
         return out if self.rank == 0 else None
 
-    def close(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` (pickled), on every rank."""
+        if self.world == 1:
+            return obj
+        import pickle
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        import torch
+
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.cpu.broadcast(size, 0).wait()
+        if self.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.cpu.broadcast(data, 0).wait()
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
-def free_port() -> int:
-    import socket
+def _gather_options(root: int) -> Any:
+    import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def local_init_method() -> str:
-    """A rendezvous address for a group of processes on this machine."""
-    return f"tcp://127.0.0.1:{free_port()}"
-
-
+    opts = dist.GatherOptions()
+    opts.rootRank = root
+    return opts

@@ -1,0 +1,82 @@
+"""Tensor-parallel instances served live over HTTP answer exactly as TP1 does: a colocated TP2
+deployment, and a disaggregated one whose TP2 prefill instance hands its KV to a TP1 decode
+instance (KV resharded from two ranks' head ranges into one cache)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cluster.runtime import build_runtime
+from pdserve.config import ClusterConfig
+from pdserve.llm import LLM
+from pdserve.request import SamplingParams
+from tests.cluster.realstack import assert_pools_clean, engine_config, serving, tiny_model
+from tests.cluster.test_runtime_real import SHORT, TEXT, complete_all, prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str) -> list[str]:
+    llm = LLM(model_dir, num_kv_blocks=96, max_model_len=256)
+    return [o.text for o in llm.generate([*prompts(), TEXT],
+                                         SamplingParams(max_tokens=SHORT, temperature=0))]
+
+
+@pytest.mark.parametrize("roles", [
+    [{"role": "colocated", "tp": 2}],
+    [{"role": "prefill", "tp": 2}, {"role": "decode", "tp": 1}],
+    [{"role": "prefill", "tp": 1}, {"role": "decode", "tp": 2}],
+], ids=["colocated-tp2", "prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2"])
+async def test_tp2_deployment_answers_as_tp1(model_dir: str, reference: list[str],
+                                             roles: list[dict]) -> None:
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "roles": roles,
+                                   "backend": "inproc"})
+    rt = await build_runtime(cfg)
+    async with serving(rt) as url:
+        assert await complete_all(url, SHORT) == reference
+        await assert_pools_clean(rt)
+
+
+def test_llm_tensor_parallel_size(model_dir: str, reference: list[str]) -> None:
+    llm = LLM(model_dir, tensor_parallel_size=2, num_kv_blocks=96, max_model_len=256)
+    try:
+        outs = llm.generate([*prompts(), TEXT], SamplingParams(max_tokens=SHORT, temperature=0))
+        assert [o.text for o in outs] == reference
+    finally:
+        llm.close()
+
+
+async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
+        model_dir: str, reference: list[str]) -> None:
+    """Kill the second rank of a TP2 instance mid-run: its next step fails, the instance is
+    dead, and its requests finish on the other TP2 instance with the same greedy text."""
+    import asyncio
+
+    import httpx
+
+    from tests.cluster.realstack import wait_until
+
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "inproc",
+                                   "roles": [{"role": "colocated", "count": 2, "tp": 2}]})
+    rt = await build_runtime(cfg)
+    victim = rt.instances["colocated-0"].client.worker.engine.executor  # type: ignore[attr-defined]
+    async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
+        on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
+                        if q.instance == "colocated-0" and len(q.output_token_ids) >= 2]
+
+        async def one(p: object) -> str:
+            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": SHORT,
+                                                      "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        tasks = [asyncio.create_task(one(p)) for p in [*prompts(), TEXT]]
+        await wait_until(lambda: len(on_0()) >= 1, what="a request decoding on colocated-0")
+        victim._procs[0].kill()
+        assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == reference
+        assert not rt.instances["colocated-0"].view.alive
+        await assert_pools_clean(rt)
