@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
 
 # Modules that add their own subcommands (serve; simulate/profile; bench/goodput/compare; demo;
@@ -138,10 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if hasattr(mod, "register"):
             mod.register(sub)
+    _one_line_everywhere(parser)
     return parser
 
 
+def _one_line_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's bad flag is one line and exit 2 (no usage block)."""
+    from pdserve.flags import one_line_errors
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                one_line_errors(p)
+                _one_line_everywhere(p)
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str,
+                      lineno: int, line: str | None = None) -> str:
+    return f"pdserve: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning  # a note to the user, not a source line
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -310,6 +310,11 @@ def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(msg: object) -> str:
+    """A message on one line (a YAML parser's, say, spans several)."""
+    return " ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+
+
 def guarded(cmd: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[Any], int]:
     """``fn`` as a subcommand ``func``: bad values → exit 2, failed runs → exit 1, one line."""
 
@@ -318,10 +323,10 @@ def guarded(cmd: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[Any]
             return int(fn(args))
         except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-            say(f"pdserve {cmd}: error: {msg}")
+            say(f"pdserve {cmd}: error: {_one_line(msg)}")
             return 2
         except (ConnectionError, RuntimeError) as e:
-            say(f"pdserve {cmd}: failed: {e}")
+            say(f"pdserve {cmd}: failed: {_one_line(e)}")
             return 1
 
     return run

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -201,7 +202,31 @@ def keys_from_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
             _key_from(None, args.admin_key_file, "PDSERVE_ADMIN_KEY", "admin-key"))
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail now, before any model loads or Ray starts, when ``host:port`` cannot be served:
+    a port outside 1-65535, a host that does not resolve, or an address already in use (bound
+    and released at once, with the ``SO_REUSEADDR`` uvicorn sets). Raises ``ValueError``."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port {port} is outside 1-65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            why = "is already in use" if e.errno == errno.EADDRINUSE else \
+                f"cannot be bound: {e.strerror or e}"
+            raise ValueError(f"{host}:{port} {why} (choose another --port or --host)") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    check_port(args.host, args.port)  # before the model loads and Ray starts
     config = config_from_args(args)
     api_key, admin_key = keys_from_args(args)
     if args.max_instances is not None and not (args.enable_admin or admin_key):

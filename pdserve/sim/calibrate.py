@@ -416,6 +416,8 @@ def _say_serving_path(path: str, sp: dict[str, Any]) -> None:
 
 
 def register(subparsers: Any) -> None:
+    from pdserve.flags import guarded
+
     p = subparsers.add_parser(
         "calibrate", help="fit a device's efficiency factors to measurements, write a spec",
         description=__doc__.split("\n\n")[0])
@@ -459,4 +461,4 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", help="name of the calibrated device (default: the base's)")
     p.add_argument("--output", "-o", help="write the calibrated spec (.yaml or .json)")
     p.add_argument("--report-json", help="write the fit summary as JSON")
-    p.set_defaults(func=run)
+    p.set_defaults(func=guarded("calibrate", run))

@@ -1,0 +1,89 @@
+"""Bad command-line values are one line and exit 2, early: the serve port before any model
+loads, argparse errors of every subcommand without a usage block, multi-line library messages
+folded, warnings as one ``pdserve: warning:`` line without source lines."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize(("port", "says"), [("99999", "outside 1-65535"),
+                                            ("0", "outside 1-65535"),
+                                            ("-1", "outside 1-65535")])
+def test_port_out_of_range(capsys: pytest.CaptureFixture[str], port: str, says: str) -> None:
+    # the model does not exist either: the port is checked first, before anything loads
+    assert main(["serve", "--model", "/nonexistent/model", "--port", port]) == 2
+    line = one_error_line(capsys)
+    assert says in line and f"--port {port}" in line
+
+
+def test_port_in_use_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent/model", "--port", str(port)]) == 2
+    assert f"127.0.0.1:{port} is already in use" in one_error_line(capsys)
+
+
+def test_host_that_does_not_resolve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--demo", "--host", "no-such-host.invalid"]) == 2
+    assert "does not resolve" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--target", "sim", "--rate", "0"],
+    ["goodput", "--target", "sim", "--precision", "x"],
+    ["predictor", "train", "--granularity", "x"],
+    ["calibrate", "--hardware"],
+    ["serve", "--port", "eighty"],
+])
+def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert one_error_line(capsys).startswith(f"pdserve {argv[0]}")
+
+
+def test_library_messages_are_folded_into_one_line(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [\n")  # PyYAML's message spans three lines
+    assert main(["simulate", "--config", str(bad)]) == 2
+    assert "not valid YAML" in one_error_line(capsys)
+
+
+def test_missing_calibration_source_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--hardware", "A100-80GB", "--profile", "/nonexistent.json",
+                 "--model", "opt-13b"]) == 2
+    assert "/nonexistent.json" in one_error_line(capsys)
+
+
+def test_warnings_are_one_plain_line(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_TRACES=str(tmp_path / "none"))
+    env.pop("PYTHONWARNINGS", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "simulate", "--model", "opt-13b", "--hardware",
+         "A100-80GB", "--workload", "chatbot", "--num-requests", "3", "--rate", "1",
+         "--no-progress"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    notes = [ln for ln in lines if "bundled" in ln]
+    assert notes and all(ln.startswith("pdserve: warning: trace folder not found") for ln in notes)
+    assert "UserWarning" not in r.stderr and "load_trace(" not in r.stderr, r.stderr
