@@ -4,9 +4,9 @@ import os
 
 # OpenMP threads that wait for work sleep instead of spinning (GNU and LLVM OpenMP read this
 # when torch loads them, so it must be set before torch is imported; pdserve imports torch
-# lazily). Spinning threads fight any other busy process for the cores: on this 2-core machine
-# under load, offline throughput with 2 torch threads went from 5.7 to 25.7 tok/s
-# (docs/benchmarks.md, "Threads under contention"). Set OMP_WAIT_POLICY to override.
+# lazily). Spinning threads fight any other busy process for the cores, which costs a loaded
+# CPU host most of its throughput (docs/benchmarks.md, "Threads under contention"). Set
+# OMP_WAIT_POLICY to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pdserve.request import RequestOutput, SamplingParams  # noqa: E402

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.schema_regex import BOOLEAN, NULL, STRING, schema_regex
+
 # Whitespace allowed between JSON tokens: a single optional space, which keeps small models
 # from looping on whitespace (outlines-core's default allows any run of it).
 JSON_WHITESPACE = r"[ ]?"
@@ -33,8 +35,6 @@ def json_object_regex() -> str:
     scalars. One level only: a regular expression for nested objects grows exponentially with
     the depth (outlines-core's own ``{"type": "object"}`` takes seconds to compile on a 512-token
     vocabulary); give a ``json_schema`` for nested documents."""
-    from pdserve.schema_regex import BOOLEAN, NULL, STRING, schema_regex
-
     ws = JSON_WHITESPACE
     number = schema_regex({"type": "number"}, ws)  # bounded digits, no exponent
     scalar = f"({STRING}|{number}|{BOOLEAN}|{NULL})"
@@ -48,8 +48,6 @@ def regex_for_schema(schema: str | dict[str, Any]) -> str:
     """The regular expression of (bounded) JSON documents valid under ``schema`` (a JSON Schema
     as text or a dict; :mod:`pdserve.schema_regex`). Raises ``ValueError`` naming a keyword
     that cannot be enforced."""
-    from pdserve.schema_regex import schema_regex
-
     try:
         return schema_regex(schema, JSON_WHITESPACE)
     except ValueError as e:

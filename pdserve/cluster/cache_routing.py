@@ -62,19 +62,20 @@ class CacheAwareRouter(Router):
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
         if self.tree is None:
             self.tree = PrefixIndex(candidates[0].block_size)
+        tree = self.tree
         loads = [c.active for c in candidates]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             inst = candidates[loads.index(lo)]
         else:
-            m = self.tree.match(request.prompt_token_ids)
+            m = tree.match(request.prompt_token_ids)
             ids = {c.instance_id: c for c in candidates}
             best = max(ids, key=lambda i: m.cached_tokens(i))
             n = max(m.num_tokens, 1)
             if m.cached_tokens(best) / n > self.cache_threshold:
                 inst = ids[best]
             else:
-                inst = min(candidates, key=lambda c: self.tree.num_blocks(c.instance_id))
+                inst = min(candidates, key=lambda c: tree.num_blocks(c.instance_id))
         self._insert(inst.instance_id, request.prompt_token_ids)
         return inst
 

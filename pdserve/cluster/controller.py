@@ -19,6 +19,7 @@ take within the SLOs — it waits here, in arrival order, and is routed again af
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,8 @@ from pdserve.cluster.worker import (
 from pdserve.engine.engine import EngineStats
 from pdserve.predict import make_predictor
 from pdserve.request import Prompt, SamplingParams, Timeline
+
+log = logging.getLogger(__name__)
 
 MAX_DISPATCHES = 4  # a request re-dispatched after this many failed attempts fails instead
 
@@ -167,6 +170,8 @@ class Controller:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = ClusterRequest(request_id, Prompt(prompt_token_ids), params, Timeline(arrival=now))
+        log.debug("%s arrived at %.6f: %d prompt tokens, max_tokens %d", request_id, now,
+                  len(req.prompt_token_ids), params.max_tokens)
         self.requests[request_id] = req
         if self.history is not None:
             self.history[request_id] = req
@@ -202,10 +207,12 @@ class Controller:
         self.prefill_router.on_time(now)
         inst = self.prefill_router.select(req, cands)
         if inst is None:  # no instance can take it now (EcoServe Alg. 2): wait
+            log.debug("%s held by the %s router", req.request_id, self.prefill_router.name)
             if req.stage != "queued":
                 req.stage = "queued"
                 self.queued.append(req)
             return []
+        log.debug("%s routed to %s", req.request_id, inst.instance_id)
         req.stage, req.instance, req.prefill_instance = "prefill", inst.instance_id, None
         if self.entry_role == "prefill":
             req.prefill_instance = inst.instance_id
@@ -284,6 +291,9 @@ class Controller:
         if not cands:
             return self._fail(req, "no live decode instance left")
         inst = self.decode_router.select(req, cands)
+        assert inst is not None, "a decode router picks an instance (only entry routers hold)"
+        log.debug("%s prefilled on %s, routed to decode on %s", req.request_id, req.instance,
+                  inst.instance_id)
         req.stage = "transfer"
         req.instance = req.decode_instance = inst.instance_id
         self._place(req, inst, req.num_tokens)
@@ -302,6 +312,8 @@ class Controller:
         self._reserved(req, instance_id)
         bs = self.instances[instance_id].block_size
         moved = max(req.num_tokens - 1 - first_block * bs, 0)
+        log.debug("%s KV transfer %s -> %s from block %d (%d tokens)", request_id,
+                  req.prefill_instance, instance_id, first_block, moved)
         return [Transfer(request_id, req.prefill_instance, instance_id, first_block, moved)]
 
     def on_transfer_done(self, request_id: str, now: float) -> None:
@@ -320,10 +332,12 @@ class Controller:
         if req.timeline.transfer_end is None:  # a driver that does not report transfer ends
             req.timeline.transfer_end = now
         src = req.prefill_instance
+        log.debug("%s KV imported on %s", request_id, instance_id)
         self._detach(req, src)
         req.stage = "decode"
-        alive = src is not None and self.instances[src].alive
-        return [Send(src, Release(request_id))] if alive else []
+        if src is None or not self.instances[src].alive:
+            return []
+        return [Send(src, Release(request_id))]
 
     def on_transfer_failed(self, instance_id: str, request_id: str, message: str,
                            now: float) -> list[Action]:
@@ -356,6 +370,7 @@ class Controller:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
+        log.debug("%s aborted", request_id)
         acts = self._aborts(req)
         self._detach_all(req)
         req.stage, req.finish_reason = "done", "abort"
@@ -386,6 +401,8 @@ class Controller:
 
     # ------------------------------------------------------------------ endings
     def _finish(self, req: ClusterRequest, reason: str | None, now: float) -> list[Action]:
+        log.debug("%s finished (%s): %d output tokens", req.request_id, reason,
+                  len(req.output_token_ids))
         self._detach_all(req)
         req.stage, req.finish_reason = "done", reason
         if req.timeline.finish is None:
@@ -394,6 +411,7 @@ class Controller:
         return []
 
     def _fail(self, req: ClusterRequest, message: str, skip: str | None = None) -> list[Action]:
+        log.debug("%s failed: %s", req.request_id, message)
         acts = self._aborts(req, skip)
         self._detach_all(req)
         req.stage, req.finish_reason = "done", "error"

@@ -392,10 +392,10 @@ class PrefixIndex:
                         n_to, stop = p + 1, True
             chain = []  # block by block
             for j in range(i, n_to):
-                node = nodes.get(hashes[j])
-                if node is None:
+                found = nodes.get(hashes[j])
+                if found is None:
                     break
-                chain.append(node)
+                chain.append(found)
             whole = len(chain) == n_to - i
             taken = 0
             for node in chain:  # block by block: most blocks change nothing

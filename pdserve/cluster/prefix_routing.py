@@ -718,14 +718,14 @@ class PrefixAwareRouter(Router):
         if lengths:
             pos = self._pos
             for iid, c in lengths.items():
-                k = pos.get(iid)
-                if k is None:
+                at = pos.get(iid)
+                if at is None:
                     continue
                 p = pt(n - c * bs if c * bs < n else 1)
-                ps[k] = p
-                costs[k] += (p - pt_cold) * (1.0 + w * candidates[k].active)
-                if waits[k] + p < best_finish:
-                    best_finish = waits[k] + p
+                ps[at] = p
+                costs[at] += (p - pt_cold) * (1.0 + w * candidates[at].active)
+                if waits[at] + p < best_finish:
+                    best_finish = waits[at] + p
         k = costs.index(min(costs))
         if waits[k] > best_finish:  # it would start after the request could be done elsewhere
             self.decisions["guarded"] += 1

@@ -70,7 +70,8 @@ class Router:
     name = ""
     wants_kv_events = False
 
-    def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+    def select(self, request: ClusterRequest,
+               candidates: list[InstanceView]) -> InstanceView | None:
         raise NotImplementedError
 
     def on_kv_events(self, instance_id: str, events: list[KVEvent]) -> None:
@@ -98,10 +99,10 @@ def require(cond: bool, msg: str) -> None:
 
 
 @cache
-def _parameters(cls: type) -> frozenset[str]:
-    """The names a router's constructor takes (once per class: ``inspect.signature`` of a
-    class without ``__init__`` builds a throwaway class each call)."""
-    return frozenset(inspect.signature(cls).parameters)
+def _parameters(name: str) -> frozenset[str]:
+    """The names the constructor of router ``name`` takes (once per router: ``inspect.signature``
+    of a class without ``__init__`` builds a throwaway class each call)."""
+    return frozenset(inspect.signature(ROUTERS[name]).parameters)
 
 
 def make_routers(prefill: str | Router, decode: str | Router,
@@ -116,8 +117,7 @@ def make_routers(prefill: str | Router, decode: str | Router,
     def one(r: str | Router) -> Router:
         if not isinstance(r, str):
             return r
-        cls = ROUTERS.get(r)
-        takes = _parameters(cls) if cls is not None else frozenset()
+        takes = _parameters(r) if r in ROUTERS else frozenset()
         return make_router(r, **{k: v for k, v in given.items() if k in takes})
 
     return one(prefill), one(decode)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,7 +48,7 @@ from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 from pdserve.tokenizer import load_tokenizer
 
-log = logging.getLogger("pdserve.runtime")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -512,7 +513,8 @@ async def start_clients(config: ClusterConfig, specs: list[InstanceSpec], tokeni
         return list(await asyncio.gather(*(
             RayInstance.create(s.instance_id, s.engine, events[s.instance_id], s.tp)
             for s in specs)))
-    workers = [await loop.run_in_executor(None, lambda s=s: load_worker(
-        s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id], tp=s.tp))
+    workers = [await loop.run_in_executor(None, functools.partial(
+        load_worker, s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id],
+        tp=s.tp))
         for s in specs]
     return [InProcessInstance(w) for w in workers]

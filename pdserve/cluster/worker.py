@@ -10,6 +10,7 @@ serializable dataclasses.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,6 +19,8 @@ from pdserve.engine.engine import Engine, EngineStats, KVPayload, StepResult
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache import KVEvent
 from pdserve.request import RequestStatus, SamplingParams, Timeline
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- commands
@@ -155,7 +158,7 @@ class InstanceWorker:
                  tokenizer: Any = None, record_events: bool = False, stream_tokens: bool = True,
                  log_batches: bool = True) -> None:
         self.instance_id = instance_id
-        self.role = config.scheduler.role
+        self.role: str = config.scheduler.role
         # False: report a request only at its first token, when held and when finished (each
         # delta carrying every token since the last), which is all the controller needs; the
         # simulator uses this, the live runtime streams every token.
@@ -216,6 +219,8 @@ class InstanceWorker:
 
     def _apply(self, cmd: Command, now: float, rep: StepReport) -> None:
         eng = self.engine
+        log.debug("%s %s on %s at %.6f", type(cmd).__name__, cmd.request_id, self.instance_id,
+                  now)
         try:
             if isinstance(cmd, AddRequest):
                 eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, now,
@@ -240,18 +245,24 @@ class InstanceWorker:
             else:
                 raise TypeError(f"unknown command {cmd!r}")
         except (ValueError, KeyError) as e:
+            log.debug("%s on %s refused: %s", type(cmd).__name__, self.instance_id, e)
             rep.errors.append((cmd.request_id, str(e)))
 
     def _deltas(self, res: StepResult, rep: StepReport) -> None:
         held, stream, reported = set(res.held), self.stream_tokens, self._reported
         not_decode = self.role != "decode"
         fin = RequestStatus.FINISHED_STOPPED
+        debug = log.isEnabledFor(logging.DEBUG)
         for req, text in zip(res.requests, res.new_texts):  # hot loop
             outs = req.output_token_ids
             first = not_decode and len(outs) == 1
             finished = req.status >= fin
             rid = req.request_id
             is_held = rid in held
+            if debug and (first or finished or is_held):
+                log.debug("%s on %s: %s after %d tokens", rid, self.instance_id,
+                          "finished" if finished else "held for transfer" if is_held
+                          else "first token", len(outs))
             if not (stream or first or finished or is_held):
                 continue  # the simulator's common case: a decode token nobody waits for
             since = reported[rid]

@@ -9,10 +9,9 @@ number of runnable tasks that are not ours, read from ``/proc/loadavg`` between 
 OpenMP workers sleep) and smoothed as the median of the last :data:`WINDOW` samples. Threads
 are not pinned: a pinned thread whose core becomes busy cannot move to the free one.
 
-Opt-in (``PDSERVE_ADAPTIVE_THREADS=1``): on the shared 2-core machine where it was measured it
-was 1.25x faster than a fixed 2 threads under heavy load from other sessions, but slower at light
-load and much slower beside a single busy process (32.5 vs 104.5 tok/s: the premise did not hold
-with the passive OpenMP wait policy); docs/benchmarks.md, "pdserve vs vLLM CPU (issue 14)".
+Opt-in (``PDSERVE_ADAPTIVE_THREADS=1``): it wins under heavy load from other processes but
+loses at light load and beside a single busy process, where the premise does not hold with the
+passive OpenMP wait policy (measurements: docs/benchmarks.md, "pdserve vs vLLM CPU").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ScheduledBatch
@@ -141,8 +141,9 @@ class Engine:
     def _attach_detokenizer(self, req: Request) -> None:
         if self.tokenizer is not None:
             p = req.params
+            stop = cast(list[str], p.stop)  # SamplingParams made it a list
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                               p.skip_special_tokens, p.stop,
+                                               p.skip_special_tokens, stop,
                                                p.include_stop_str_in_output)
 
     def abort(self, request_id: str, now: float = 0.0) -> RequestOutput | None:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import TextIO
 
-log = logging.getLogger("pdserve.logfile")
+log = logging.getLogger(__name__)
 
 LOG_EVERY = 1000  # after the first failed write, log every LOG_EVERY-th
 MIN_FREE_BYTES = 1 << 20  # a file system with less free space is "full" at start

@@ -290,14 +290,11 @@ class Embedding(nn.Module):
 
 
 # Rows of a matmul for which a pre-packed oneDNN weight beats torch's F.linear (MKL) on CPU in
-# float32: decode-sized batches. Measured on the 56M llama's and SmolLM2-135M's shapes (2-core
-# AMD EPYC, AVX2): 1.2-3x faster at 8-64 rows (lm_head about 2x), equal or up to 1.3x slower
-# at prefill sizes (2,048 rows); docs/benchmarks.md, "Engine profile". One row counts too:
-# timed alone, a small weight stays in cache and MKL's matrix-vector product looks faster, but
-# in a decode step every weight comes from memory once, and oneDNN's blocked layout streams it
-# faster (SmolLM2 batch-1 decode on an AVX-512 EPYC: 37 -> 21 ms per token, one thread).
-# Above 256 rows it depends on the CPU (on an AVX-512 EPYC oneDNN is 2.4x faster at 257-2,048
-# rows, where MKL takes a slower path): :func:`choose_prefill_path` times both once per process.
+# float32: decode-sized batches (faster at 1-64 rows, equal or slower at prefill sizes on the
+# CPUs measured: docs/benchmarks.md, "Engine profile"). One row counts too: timed alone, a small
+# weight stays in cache and MKL's matrix-vector product looks faster, but in a decode step every
+# weight comes from memory once, and oneDNN's blocked layout streams it faster. Above 256 rows
+# it depends on the CPU: :func:`choose_prefill_path` times both once per process.
 PACKED_ROWS = (1, 256)
 PREFILL_ROWS = 512  # the prefill-sized input choose_prefill_path times
 _prefill_chosen = False

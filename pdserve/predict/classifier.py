@@ -1,9 +1,9 @@
-"""A learned output-length classifier that fits a 2-core CPU (TetriInfer §3.3.2's predict model).
+"""A learned output-length classifier that fits a CPU (TetriInfer §3.3.2's predict model).
 
 TetriInfer fine-tunes OPT-125M as a sequence classifier and runs it beside the prefill on the
-GPU. On this machine (2 shared CPU cores, no accelerator) fine-tuning 125M parameters over
-thousands of prompts takes hours and one forward pass costs tens of milliseconds per prompt —
-as much as the main model's prefill on the tiny models we serve live. So the predict model here
+GPU. Without an accelerator, fine-tuning 125M parameters over thousands of prompts takes hours
+and one forward pass costs tens of milliseconds per prompt — as much as the main model's
+prefill on the tiny models served live on a CPU. So the predict model here
 is multinomial logistic regression (softmax) in numpy over cheap prompt features:
 
 - the prompt length: ``log1p(n)``, its square and a one-hot of its log2 class;

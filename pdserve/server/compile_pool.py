@@ -121,7 +121,7 @@ class CompilePool:
 
     def _vocabulary_args(self) -> tuple[Any, ...]:
         if self._args is None:
-            from pdserve.grammar import token_bytes
+            from pdserve.grammar import token_bytes  # lazy: numpy, kept out of the workers
 
             by_bytes: dict[bytes, list[int]] = {}
             for i, b in token_bytes(self.tokenizer).items():
@@ -133,7 +133,7 @@ class CompilePool:
     async def check(self, regex: str) -> None:
         """Compile ``regex``; ``ValueError`` when it is invalid, unsupported, or over the time
         or memory limit. Cancelling the call (the client left) kills its worker."""
-        from pdserve.grammar import check_regex
+        from pdserve.grammar import check_regex  # lazy: numpy, kept out of the workers
 
         check_regex(regex)  # size: characters and counted repetitions
         if regex in self._cache:

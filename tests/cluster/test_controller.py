@@ -147,3 +147,24 @@ def test_instance_failures_stop_redispatching_after_max_dispatches():
     (fail,) = c.on_instance_failed(where, now=9.0)
     assert isinstance(fail, Fail) and fail.request_id == "r" and "dispatched" in fail.message
     assert "r" not in c.requests
+
+
+def test_debug_log_follows_a_request_through_the_controller(caplog):
+    """DEBUG lines of pdserve.cluster.controller trace one request's life: arrival, routing,
+    hand-off to decode, KV transfer and import, finish."""
+    c = Controller(views(("p0", "prefill"), ("d0", "decode")))
+    with caplog.at_level("DEBUG", logger="pdserve.cluster.controller"):
+        c.on_arrival("r", [1, 2, 3, 4, 5], P, now=1.0)
+        c.on_report_delta("p0", delta("r", [7], 1.5, held=True), now=1.5)
+        c.on_pull("d0", "r", 0, now=1.7)
+        c.on_imported("d0", "r", now=1.8)
+        c.on_report_delta("d0", delta("r", [1, 2, 3], 2.0, finished=True,
+                                      finish_reason="length"), now=2.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "r arrived at 1.000000: 5 prompt tokens, max_tokens 4",
+        "r routed to p0",
+        "r prefilled on p0, routed to decode on d0",
+        "r KV transfer p0 -> d0 from block 0 (5 tokens)",
+        "r KV imported on d0",
+        "r finished (length): 4 output tokens",
+    ]
