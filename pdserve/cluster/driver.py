@@ -166,8 +166,8 @@ class DriverCore:
             self.idle(instance_id) or not self.controller.instances[instance_id].alive)
 
     def forget(self, instance_id: str) -> None:
-        """Drop a drained instance (the driver then shuts it down)."""
-        if not self.drained(instance_id):
+        """Drop a drained or dead instance (the driver then shuts it down)."""
+        if self.controller.instances[instance_id].alive and not self.drained(instance_id):
             raise ValueError(f"instance {instance_id!r} has not drained")
         self.controller.forget(instance_id)
         del self.queues[instance_id], self.busy[instance_id], self.sent[instance_id]

@@ -61,6 +61,21 @@ class _Instance:
     pump: asyncio.Task | None = None  # receives the instance's reports
 
 
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+RESTART_WINDOW_S = 300.0  # failures of one instance longer ago than this are forgotten
+
+
+@dataclass
+class Restart:
+    """A failed instance restarted in place: when it failed and when its replacement joined
+    (``time.monotonic()``)."""
+
+    instance_id: str
+    role: str
+    failed: float
+    joined: float
+
+
 @dataclass
 class _Stream:
     prompt_token_ids: list[int]
@@ -107,6 +122,12 @@ class ClusterRuntime:
         # called with (prompt length, max_tokens, time) at every accepted arrival (replanning)
         self.arrival_hooks: list[Callable[[int, int, float], None]] = []
         self._adding: set[str] = set()  # ids of instances being started
+        # self-healing: a failed instance is restarted in place (same id and role) when the
+        # runtime can start instances (make_client), after RESTART_BACKOFF_S[k] seconds for
+        # its k-th failure within RESTART_WINDOW_S
+        self.self_heal = True
+        self.restarts: list[Restart] = []
+        self._failures: dict[str, list[float]] = {}
         router = self.controller.prefill_router
         if isinstance(router, MacroRolling):  # mitosis moves the instances' real handles
             router.handle_of, router.on_migrated = self._handle_of, self._adopt
@@ -194,9 +215,25 @@ class ClusterRuntime:
         complete; a prefill instance's held KV is pulled), then check its block pool and shut
         it down. After ``drain_timeout`` seconds (wall clock; ``None``: no limit) what it still
         holds is recomputed elsewhere, as if it had died, and it is shut down unchecked.
-        ``ValueError`` for an unknown or dead instance, or the last of its role."""
+        A dead instance (awaiting its restart) is removed at once. ``ValueError`` for an
+        unknown instance, or the last live one of its role."""
         requested = self.clock()
         role = self.instances[instance_id].view.role if instance_id in self.instances else ""
+        dead = self.instances.get(instance_id)
+        if dead is not None and not dead.view.alive and instance_id not in \
+                self.controller.removing:  # nothing to drain; its restart is called off
+            self.core.forget(instance_id)
+            del self.instances[instance_id]
+            if dead.pump is not None:
+                dead.pump.cancel()
+            with contextlib.suppress(Exception):
+                await dead.client.close()
+            spec = self.config.role(role)
+            self.num_gpus -= spec.tp * spec.pp if spec is not None else 1
+            rec = Removal(instance_id, role, requested, self.clock(), None)
+            self.removals.append(rec)
+            log.info("dead instance %s removed", instance_id)
+            return rec
         self._run(self.core.remove_instance(instance_id, requested))
         log.info("instance %s (%s) draining for removal", instance_id, role)
         deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
@@ -231,6 +268,59 @@ class ClusterRuntime:
         log.info("instance %s removed after %.3f s of draining", instance_id,
                  drained - requested)
         return rec
+
+    async def _restart(self, dead: _Instance) -> None:
+        """Replace a failed instance by a new one of its role under its id (its requests were
+        recomputed elsewhere, or failed with an explicit error if none of its role was left).
+        Backs off when the same instance keeps failing; retries a failed start until the
+        runtime shuts down or the instance is removed."""
+        iid, role = dead.view.instance_id, dead.view.role
+        failed_at = time.monotonic()
+        recent = [t for t in self._failures.get(iid, []) if failed_at - t < RESTART_WINDOW_S]
+        self._failures[iid] = [*recent, failed_at]
+        attempt = len(recent)
+        while self._running and self.instances.get(iid) is dead:
+            delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
+            if delay:
+                log.info("restarting instance %s (%s) in %.1f s", iid, role, delay)
+                await asyncio.sleep(delay)
+            if not self._running or self.instances.get(iid) is not dead:
+                return
+            attempt += 1
+            spec = next(s for s in self.config.instance_specs(
+                self.model_config.max_position_embeddings) if s.role == role)
+            try:
+                assert self.make_client is not None
+                client = await self.make_client(replace(spec, instance_id=iid))
+            except Exception as e:  # no room on the cluster yet, a load failure: back off
+                log.error("restarting instance %s (%s) failed: %s", iid, role, e)
+                continue
+            if not self._running or self.instances.get(iid) is not dead:
+                await client.close()
+                return
+            self.core.forget(iid)
+            del self.instances[iid]
+            if dead.pump is not None:
+                dead.pump.cancel()
+            with contextlib.suppress(Exception):
+                await dead.client.close()
+            view = InstanceView(iid, client.role, client.num_kv_blocks, client.block_size)
+            inst = self.instances[iid] = _Instance(client, view)
+            try:
+                await self._open(inst)
+                effects = self.core.add_instance(view, self.clock())
+            except Exception as e:
+                log.error("instance %s (%s) restarted but did not join: %s", iid, role, e)
+                self.instances.pop(iid, None)
+                with contextlib.suppress(Exception):
+                    self.core.forget(iid)
+                await client.close()
+                return
+            self.restarts.append(Restart(iid, role, failed_at, time.monotonic()))
+            log.info("instance %s (%s) restarted after %.2f s", iid, role,
+                     time.monotonic() - failed_at)
+            self._run(effects)
+            return
 
     def _handle_of(self, instance_id: str) -> InstanceHandle:
         """What mitosis hands between macro instances: the id, pool size and the client's
@@ -317,7 +407,9 @@ class ClusterRuntime:
 
     def instance_status(self) -> list[InstanceStatus]:
         removing = self.controller.removing
-        return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive, i.view.stats,
+        # a dead instance shows as dead and nothing else: its last stats would be phantom load
+        return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive,
+                               i.view.stats if i.view.alive else None,
                                i.view.draining or i.view.instance_id in removing)
                 for i in self.instances.values()]
 
@@ -371,6 +463,8 @@ class ClusterRuntime:
                     return  # removed (and shut down) meanwhile
                 log.error("instance %s failed: %s", iid, e)
                 self._run(self.core.instance_failed(iid, self.clock()))
+                if self.make_client is not None and self._running and self.self_heal:
+                    self._spawn(self._restart(inst))
                 return
             for rep in reports:
                 inst.step_end = rep.now + rep.elapsed

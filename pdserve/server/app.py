@@ -416,7 +416,7 @@ class OpenAIServer:
             return Response(status_code=499)
         for out in finals:
             if out.finish_reason == "error":
-                raise APIError(500, out.error or "the request failed")
+                raise APIError(503, out.error or "the request failed")
         timeline = _timeline(finals) if body.return_timeline else None
 
         def build() -> str:  # logprobs of 128 choices: seconds of CPU, not on the loop
@@ -480,7 +480,7 @@ class OpenAIServer:
             try:
                 async for index, out in fan:
                     if out.finished and out.finish_reason == "error":
-                        err = APIError(500, out.error or "the request failed")
+                        err = APIError(503, out.error or "the request failed")
                         yield b"data: " + err.body().encode() + b"\n\n"
                         break
                     if out.new_token_ids or out.finished:

@@ -220,7 +220,7 @@ async def test_ray_decode_actor_killed(model_dir: str, reference: dict[int, list
                          what="a request decoding on decode-1")
         ray.kill(ray_instances["decode-1"].actor, no_restart=True)
         r = await asyncio.wait_for(task, 30)
-        assert r.status_code == 500 and "decode" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
         r = await asyncio.wait_for(c.post("/v1/completions", json={
             "prompt": prompts()[0], "max_tokens": 4}), 30)
         assert r.status_code == 503 and "no live decode instance" in r.json()["error"]["message"]

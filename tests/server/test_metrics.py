@@ -100,7 +100,7 @@ async def test_errors_are_counted() -> None:
     runtime.fail_after = 1
     app = build_app(runtime, "m")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-        assert (await c.post("/v1/completions", json={"prompt": "abc"})).status_code == 500
+        assert (await c.post("/v1/completions", json={"prompt": "abc"})).status_code == 503
         s = await scrape(c)
     m = {"model_name": "m", "instance": "colocated-0"}
     assert value(s, "pdserve:request_success_total", finished_reason="error", **m) == 1

@@ -30,12 +30,14 @@ async def test_short_soak(soak_module, tmp_path_factory: pytest.TempPathFactory)
 async def test_short_soak_with_an_instance_crash(soak_module,
                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     """Two of three decode instances crash, 0.4 s apart: their requests are recomputed on the
-    survivor or end with an explicit error; the survivors' pools are clean."""
+    survivor or end with an explicit error; both are restarted in place (the role is back at
+    full strength) and every pool is clean."""
     results = await soak_module.run_strategies(
         tiny_model(tmp_path_factory), ["disaggregated"], requests=30, concurrency=10,
         cancel=0.2, time_limit=8.0, seed=2, kills=2, kill_every=0.4)
     r = results["disaggregated"]
     assert r["killed"] == ["decode-2", "decode-1"]
     assert r["ok"], (r["broken"], r["leaked_blocks"])
-    assert set(r["pools"]) == {"prefill-0", "decode-0"}
-    assert r["pools"]["decode-0"]["used_blocks"] == 0
+    assert r["full_strength"] and len(r["recovery_s"]) == 2
+    assert set(r["pools"]) == {"prefill-0", "decode-0", "decode-1", "decode-2"}
+    assert all(s["used_blocks"] == 0 for s in r["pools"].values())

@@ -207,6 +207,15 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
             health = (await c.get("/health")).status_code
 
         await runtime.drain(timeout=30)
+        # self-healing: every killed instance is restarted in place; wait for the role to be
+        # back at full strength
+        deadline = time.monotonic() + 60
+        while (any(not i.view.alive for i in runtime.instances.values())
+               or len(runtime.restarts) < len(killed)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        full = all(i.view.alive for i in runtime.instances.values()) and \
+            len(runtime.restarts) >= len(killed)
+        recovery = [round(r.joined - r.failed, 2) for r in runtime.restarts]
         pools: dict[str, Any] = {}
         for _ in range(200):  # the last release/abort commands reach instances on their next call
             pools = await runtime.check_integrity()
@@ -217,17 +226,19 @@ async def soak(runtime: ClusterRuntime, requests: int, concurrency: int, cancel:
                   if s["used_blocks"] != 0 or s["num_requests"] != 0}
     return {"requests": requests, "elapsed_s": round(elapsed, 2), "outcomes": dict(outcomes),
             "broken": broken, "health_after": health, "leaked_blocks": leaked,
-            "killed": killed,
+            "killed": killed, "recovery_s": recovery, "full_strength": full,
             "rss_mb": [round(x, 1) for x in rss],
             "pools": pools,
-            "ok": not broken and not leaked and health == 200}
+            "ok": not broken and not leaked and health == 200 and full}
 
 
 async def run_strategies(model: str, strategies: list[str], kills: int = 0,
-                         kill_every: float = 10.0, **kw: Any) -> dict[str, Any]:
+                         kill_every: float = 10.0, backend: str = "inproc",
+                         **kw: Any) -> dict[str, Any]:
     """One soak per strategy; with ``kills`` the deployment has that many spare instances of
     the killed role (colocated; decode beside one prefill instance), one crashing every
-    ``kill_every`` seconds."""
+    ``kill_every`` seconds (``backend="ray"``: its Ray actor is killed), each restarted in
+    place by the runtime's supervisor."""
     results = {}
     spare = kills
     kill_at = [kill_every * (k + 1) for k in range(kills)]
@@ -236,7 +247,7 @@ async def run_strategies(model: str, strategies: list[str], kills: int = 0,
                                           num_kv_blocks=96, max_num_batched_tokens=512,
                                           max_num_seqs=16)
         rt = await build_runtime(ClusterConfig.from_dict({
-            "engine": engine, "strategy": strategy, "backend": "inproc",
+            "engine": engine, "strategy": strategy, "backend": backend,
             "num_instances": 1 + spare, "num_decode": 1 + spare}))
         try:
             results[strategy] = await soak(rt, kill_at=kill_at, **kw)
@@ -259,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="crash this many (spare) instances during the run (default: 0)")
     ap.add_argument("--kill-every", type=float, default=10.0,
                     help="seconds between crashes, the first one included (default: 10)")
+    ap.add_argument("--backend", choices=["inproc", "ray"], default="inproc",
+                    help="instances as threads or Ray actors (kills kill the actor)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -270,12 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run_strategies(
         model, args.strategies.split(","), requests=args.requests,
         concurrency=args.concurrency, cancel=args.cancel, time_limit=args.time_limit,
-        seed=args.seed, kills=args.kills, kill_every=args.kill_every))
+        seed=args.seed, kills=args.kills, kill_every=args.kill_every, backend=args.backend))
     for strategy, r in results.items():
         killed = f"killed {', '.join(r['killed'])}; " if r["killed"] else ""
         print(f"{strategy}: {killed}{r['requests']} requests in {r['elapsed_s']} s; "
               f"outcomes {r['outcomes']}; health after {r['health_after']}; "
               f"leaked blocks {r['leaked_blocks'] or 'none'}; server RSS {r['rss_mb']} MiB; "
+              f"recovery per kill {r['recovery_s']} s; full strength {r['full_strength']}; "
               f"{'OK' if r['ok'] else 'FAILED'}")
         for b in r["broken"][:20]:
             print("   ", b)
