@@ -32,6 +32,7 @@ from pdserve.bench.runner import (
     resolve_slo,
     run_workload,
 )
+from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.targets import Target, make_target, target_names
 from pdserve.bench.workloads import Workload, workload_help
 from pdserve.config import load_data_file
@@ -92,7 +93,8 @@ def add_workload_args(p: argparse.ArgumentParser, max_model_len: bool = True) ->
     w.add_argument("--workload", default="chatbot", metavar="NAME[:k=v,...]|FILE.jsonl",
                    help=f"{workload_help()} (default: %(default)s)")
     w.add_argument("--num-requests", type=positive_int, default=200,
-                   help="requests per run (default: %(default)s)")
+                   help="requests per run; a goodput probe's judged requests at least "
+                        "(default: %(default)s)")
     w.add_argument("--seed", type=int, default=0,
                    help="workload seed: which requests, their arrival pattern "
                         "(default: %(default)s)")
@@ -199,6 +201,11 @@ def _add_search(p: argparse.ArgumentParser) -> None:
                    help="stop when the bracket is this narrow (req/s, default 0.1)")
     g.add_argument("--max-probes", type=positive_int, default=16,
                    help="cap on runs per search (default 16)")
+    g.add_argument("--horizon", type=positive, default=DEFAULT_STEADY.horizon,
+                   metavar="LIFETIMES",
+                   help="steady-state rule: a probe's arrivals span this many request "
+                        "lifetimes (TTFT SLO + mean output x TPOT SLO), the second half judged "
+                        f"(at least --num-requests of them) (default {DEFAULT_STEADY.horizon:g})")
 
 
 def register(subparsers: Any) -> None:
@@ -239,7 +246,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     arrival=args.arrival, cv=args.cv, vocab_size=vocab,
                     max_model_len=args.max_model_len, length_scale=args.length_scale,
                     prompt_mode=args.prompt_mode, tokenizer=tok, traces_dir=args.traces_dir,
-                    target=args.attainment, criterion=args.criterion, scales=args.slo_scales)
+                    target=args.attainment, criterion=args.criterion, scales=args.slo_scales,
+                    horizon=getattr(args, "horizon", DEFAULT_STEADY.horizon))
 
 
 def _setup(args: argparse.Namespace, target: Target, rate: float | None,
@@ -306,11 +314,19 @@ def write_plots(args: argparse.Namespace, s: Settings, runs: dict[str, Run | Non
         say(f"wrote {p}")
 
 
+def _judged(p: Probe) -> str:
+    d = p.details
+    if "judged" not in d:
+        return ""
+    return (f" (judged {d['judged']} of {d['num_requests']} requests, "
+            f"confidence {d['confidence']:.0%})")
+
+
 def _log_probe(name: str) -> Any:
     def log(p: Probe) -> None:
         mark = "[green]pass[/]" if p.passed else "[red]fail[/]"
         _err.print(f"{name} probe {p.index} ({p.phase}): rate {p.rate:.4g} req/s → "
-                   f"attainment {p.attainment:.1%} {mark}")
+                   f"attainment {p.attainment:.1%} {mark}{_judged(p)}")
     return log
 
 
@@ -364,7 +380,9 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     sr = _search(args, target, s, w)
     md = report.probes_markdown(sr.result)
     if sr.best:
-        md += "\n" + report.summary_markdown(sr.best.summary, "at the goodput rate")
+        md += "\n" + report.summary_markdown(
+            sr.best.summary, f"at the goodput rate ({sr.best.judged} judged requests, after the "
+                             "warm-up)")
     write_report(args, md, {"command": "goodput", "target": target.name, **report_header(s, w),
                       **_search_dict(sr, args.save_records)})
     write_plots(args, s, {target.name: sr.best}, {target.name: sr}, {target.name: target.num_gpus})

@@ -84,13 +84,15 @@ def summary_markdown(s: Summary, title: str = "") -> str:
 
 def probes_markdown(result: GoodputResult) -> str:
     rows = [[str(p.index), p.phase, _num(p.rate, "{:.4g}"), _pct(p.attainment),
-             "pass" if p.passed else "fail"] for p in result.probes]
+             "pass" if p.passed else "fail", _pct(p.details.get("confidence")),
+             f"{p.details['judged']} of {p.details['num_requests']}"
+             if "judged" in p.details else "–"] for p in result.probes]
     head = (f"goodput **{_num(result.goodput_rps, '{:.4g}')} req/s** "
             f"({_num(result.per_gpu_goodput_rps, '{:.4g}')} req/s per GPU, "
             f"{result.num_gpus} GPUs); converged: {result.converged}"
             + (f" ({result.note})" if result.note else ""))
-    return head + "\n\n" + _table(["probe", "phase", "rate (req/s)", "attainment", ""],
-                                  rows) + "\n"
+    return head + "\n\n" + _table(["probe", "phase", "rate (req/s)", "attainment", "",
+                                   "confidence", "judged requests"], rows) + "\n"
 
 
 def compare_markdown(rows: Sequence[Mapping[str, Any]]) -> str:

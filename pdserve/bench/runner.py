@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,9 @@ from pdserve.bench.goodput import (
     search_goodput,
     slo_scale_sweep,
 )
-from pdserve.bench.metrics import SLO, RequestRecord, Summary, attainment, summarize
+from pdserve.bench.metrics import SLO, RequestRecord, Summary, attainment, meets, summarize
+from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
+from pdserve.bench.steady import SteadyState, confidence
 from pdserve.bench.targets import Target
 from pdserve.bench.workloads import Workload, make_workload
 
@@ -51,6 +53,12 @@ class Settings:
     target: float = 0.9
     criterion: str = "both"
     scales: Sequence[float] = DEFAULT_SCALES
+    horizon: float = DEFAULT_STEADY.horizon  # a goodput probe's length in lifetimes
+
+    def steady(self) -> SteadyState:
+        """The steady-state rule of a goodput probe (:mod:`pdserve.bench.steady`):
+        ``num_requests`` judged at least."""
+        return SteadyState(self.horizon, self.num_requests)
 
 
 @dataclass
@@ -61,9 +69,14 @@ class Run:
     records: list[RequestRecord]
     summary: Summary
     sweep: ScaleSweep | None = None
+    judged: int | None = None  # a goodput probe: the summary is of its judged requests
+
 
     def to_dict(self, with_records: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {"rate": self.rate, "summary": self.summary.to_dict(),
+                             "summary_of": ("all requests" if self.judged is None else
+                                            f"the {self.judged} judged requests "
+                                            "(steady-state rule)"),
                              "slo_scale_sweep": self.sweep.to_dict() if self.sweep else None}
         if with_records:
             d["records"] = [r.to_dict() for r in self.records]
@@ -131,12 +144,6 @@ def run_workload(target: Target, w: Workload, s: Settings) -> Run:
     return Run(w.rate, records, summary, sweep)
 
 
-def _attained(run: Run, s: Settings) -> float:
-    sm = run.summary
-    value = sm.attainment if s.criterion == "both" else sm.attainment_distserve
-    return float(value or 0.0)
-
-
 def _details(run: Run) -> dict[str, Any]:
     sm = run.summary
     return {"num_failed": sm.num_failed, "offered_rate_rps": sm.offered_rate_rps,
@@ -147,14 +154,35 @@ def _details(run: Run) -> dict[str, Any]:
 
 def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
             ) -> Callable[[float], AttainmentResult]:
+    """Runs one probe per rate by the steady-state rule (:mod:`pdserve.bench.steady`): as many
+    requests as the rule asks at that rate (``base`` when it has that many, else the same
+    workload and seed with more), the attainment and the verdict's confidence from the
+    requests after the warm-up in arrival order."""
     if s.slo is None:
         raise ValueError("a goodput search needs an SLO (--slo-ttft and --slo-tpot)")
+    slo, rule = s.slo, s.steady()
+    life = rule.lifetime(slo, sum(r.output_len for r in base.requests) / max(len(base), 1))
+    workloads = {len(base.requests): base}
 
     def run_at_rate(rate: float) -> AttainmentResult:
-        run = run_workload(target, base.retimed(rate), s)
+        n = rule.num_requests(rate, life)
+        if n not in workloads:
+            workloads[n] = build_workload(target, replace(s, num_requests=n), rate)
+        run = run_workload(target, workloads[n].retimed(rate), s)
         runs.append(run)
-        a = _attained(run, s)
-        return AttainmentResult(rate, a, a >= s.target, _details(run))
+        recs = sorted(run.records, key=lambda r: r.timeline.arrival or 0.0)
+        judged = recs[rule.first_judged(len(recs), rule.warmup(rate, life)):]
+        run.summary = summarize(judged, slo, s.target, target.num_gpus)  # the steady window
+        run.judged = len(judged)
+        if s.criterion == "both":
+            v = rule.verdict([all(meets(r, slo)) for r in judged], s.target)
+            a, conf = v.attainment, v.confidence
+        else:  # DistServe's variant: P90 TTFT and P90 TPOT checked separately
+            a = float(run.summary.attainment_distserve or 0.0)
+            conf = confidence(a, s.target, len(judged))
+        return AttainmentResult(rate, a, a >= s.target,
+                                {**_details(run), "num_requests": len(recs),
+                                 "judged": len(judged), "confidence": conf})
 
     return run_at_rate
 

@@ -83,8 +83,12 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", default=Problem.workload, metavar="NAME[:k=v]|FILE.jsonl",
                    help=f"any bench workload or trace file (default {Problem.workload})")
     w.add_argument("--num-requests", type=positive_int, default=Problem.num_requests,
-                   help=f"requests per simulated probe, at least (default "
-                        f"{Problem.num_requests})")
+                   help=f"judged requests per simulated probe, at least (steady-state rule; "
+                        f"default {Problem.num_requests})")
+    w.add_argument("--horizon", type=positive, default=Problem.horizon, metavar="LIFETIMES",
+                   help="steady-state rule: a probe warms up for half this many request "
+                        "lifetimes (TTFT SLO + mean output x TPOT SLO), then judges at least "
+                        f"as many (default {Problem.horizon:g})")
     w.add_argument("--seed", type=int, default=Problem.seed)
     w.add_argument("--traces-dir")
     w.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
@@ -171,7 +175,7 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
               engine=tuple(engine_kwargs_from_args(args).items()), lm=args.lm,
               precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
               max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
-              traces_dir=args.traces_dir, macro_size=args.macro_size)
+              traces_dir=args.traces_dir, macro_size=args.macro_size, horizon=args.horizon)
     kw.update(over)
     return Problem(**kw)
 
@@ -305,7 +309,8 @@ def plan_markdown(result: Any, top: int = 8) -> str:
              f"{p.nodes}x{p.gpus_per_node} GPUs · {p.affinity} node affinity",
              "",
              f"SLO TTFT {p.slo.ttft:g} s, TPOT {p.slo.tpot:g} s, target {p.target:.0%}; "
-             f"{p.num_requests} requests per probe; latency source "
+             f"steady-state probes (warm-up {p.horizon / 2:g} request lifetimes, then at least "
+             f"{p.num_requests} judged requests over as long); latency source "
              f"{p.profile or p.hardware or 'A100-80GB (analytic)'}; planned in "
              f"{result.wall_s:.1f} s",
              "",

@@ -1,9 +1,10 @@
 """Exact early decision of a planner probe (a simulation at one rate: does attainment meet the
 target?).
 
-A probe of ``n`` requests passes when ``ok / n >= target``, ``ok`` counting the requests that
-meet the SLO (:func:`pdserve.planner.search._attained`: every request of the probe counts; the
-planner has no warm-up or horizon exclusion). Let ``max_miss`` be the largest ``m`` with
+A probe judges ``n`` requests, those after its warm-up in arrival order (the steady-state rule,
+:mod:`pdserve.bench.steady`), and passes when
+``ok / n >= target``, ``ok`` counting the judged requests that meet the SLO
+(:func:`pdserve.planner.units.judged_oks`). Let ``max_miss`` be the largest ``m`` with
 ``(n - m) / n >= target`` (the same floating-point expression). Then:
 
 * the probe **fails** as soon as more than ``max_miss`` requests are known to miss, and
@@ -19,7 +20,8 @@ whatever the rest of the run does, so the simulation can stop there with the sam
   its TTFT will exceed the SLO.
 
 The attainment a stopped probe reports is the bound it stopped on (an upper bound for a fail, a
-lower bound for a pass), marked ``early`` in the probe's details.
+lower bound for a pass), marked ``early`` in the probe's details; its ``confidence`` is that of
+the bound over the ``n`` judged requests (:func:`pdserve.bench.steady.confidence`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.bench.metrics import SLO, RequestRecord, meets
+from pdserve.bench.steady import SteadyState, confidence
 from pdserve.sim.simulator import SimRequest, Simulator
 
 
@@ -48,16 +51,18 @@ class AttainmentWatch:
     request must meet, ``prefill`` (TTFT), ``decode`` (TPOT) or ``both``."""
 
     def __init__(self, sim: Simulator, requests: Sequence[SimRequest], slo: SLO, kind: str,
-                 target: float) -> None:
+                 target: float, warmup: int = 0) -> None:
         if kind not in ("prefill", "decode", "both"):
             raise ValueError(f"kind must be prefill, decode or both, got {kind!r}")
-        self.sim, self.slo, self.kind = sim, slo, kind
-        self.n = len(requests)
+        self.sim, self.slo, self.kind, self.target = sim, slo, kind, target
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)  # = event order
+        every = [requests[i] for i in order]
+        self.order = every[SteadyState.first_judged(len(every), warmup):]  # the judged ones
+        self.judged = {r.request_id for r in self.order}
+        self.n = len(self.order)
         self.max_miss = max_misses(self.n, target)
         self.need_ok = self.n - self.max_miss
-        order = sorted(range(self.n), key=lambda i: requests[i].arrival)  # = event order
-        self.order = [requests[i] for i in order]
-        self.undecided: dict[str, SimRequest] = {r.request_id: r for r in self.order}
+        self.undecided: dict[str, SimRequest] = {r.request_id: r for r in every}
         self.ttft_ptr = 0
         self.finished_seen = 0
         self.misses = 0
@@ -83,7 +88,8 @@ class AttainmentWatch:
             self.finished_seen = finished
             for rid, creq in found:
                 del self.undecided[rid]
-                self._count(self._meets(rid, creq))
+                if rid in self.judged:
+                    self._count(self._meets(rid, creq))
         if self.kind != "decode":
             limit = self.slo.ttft
             order, ptr = self.order, self.ttft_ptr
@@ -119,6 +125,12 @@ class AttainmentWatch:
         t_ok, p_ok = meets(rec, self.slo)
         return t_ok if self.kind == "prefill" else p_ok if self.kind == "decode" else \
             t_ok and p_ok
+
+    @property
+    def confidence(self) -> float:
+        """Of the stopped verdict, for the steady-state attainment (module docstring): that of
+        the bound it stopped on, so a lower bound of the full run's."""
+        return confidence(self.attainment_bound, self.target, self.n)
 
     @property
     def attainment_bound(self) -> float:

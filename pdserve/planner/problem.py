@@ -9,6 +9,8 @@ from functools import lru_cache
 from typing import Any
 
 from pdserve.bench.metrics import SLO
+from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
+from pdserve.bench.steady import SteadyState
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, Link, ModelConfig
 from pdserve.sim.models import get_model_config
@@ -33,7 +35,7 @@ class Problem:
     profile: str | None = None
     hardware: str | None = None
     workload: str = "distserve-chatbot"
-    num_requests: int = 300
+    num_requests: int = 300  # judged requests per probe, at least (steady())
     seed: int = 0
     slo: SLO = SLO(0.25, 0.1)
     target: float = 0.9
@@ -54,7 +56,7 @@ class Problem:
     top_k: int = 2
     traces_dir: str | None = None
     output_scale: float = 1.0  # every output length times this (the advisor's length ratio)
-    horizon: float = 2.0  # a probe spans at least this many request lifetimes (probe_requests)
+    horizon: float = DEFAULT_STEADY.horizon  # lifetimes a probe's arrivals span (steady())
     macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
     early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
 
@@ -72,6 +74,10 @@ class Problem:
         if not 0 < self.target <= 1:
             raise ValueError(f"attainment target must be in (0, 1], got {self.target!r}")
         object.__setattr__(self, "engine", tuple(sorted(dict(self.engine).items())))
+
+    def steady(self) -> SteadyState:
+        """The steady-state rule of every probe (:mod:`pdserve.bench.steady`)."""
+        return SteadyState(self.horizon, self.num_requests)
 
     @property
     def num_gpus(self) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 
 from pdserve.bench.goodput import AttainmentResult, search_goodput
 from pdserve.bench.metrics import SLO, RequestRecord, meets
+from pdserve.bench.steady import SteadyState
 from pdserve.bench.workloads import Workload
 from pdserve.config import ClusterConfig, Link
 from pdserve.planner.problem import (
@@ -130,19 +131,26 @@ def unit_deployment(p: Problem, u: Unit, num_prefill_helpers: int = 1,
 
 
 
-def probe_requests(p: Problem, rate: float, kind: str = "colocated") -> int:
-    """Requests in a probe at ``rate``: at least ``p.num_requests``, and enough to arrive over
-    ``p.horizon`` request lifetimes at the SLO (``TTFT + mean output × TPOT``). A short burst
-    fits in a large KV cache at once and never shows that the rate exceeds the instance's
-    steady-state capacity (TPOT averages a queueing delay over the whole output); prefill
-    backlogs show in TTFT at once, so a prefill unit needs no horizon."""
-    if kind == "prefill":
-        return p.num_requests
-    w = base_workload(p)
-    mean_out = sum(r.output_len for r in w.requests) / len(w.requests)
-    life = p.slo.ttft + mean_out * p.slo.tpot
-    return max(p.num_requests, math.ceil(rate * life * p.horizon))
+def probe_lifetime(p: Problem, kind: str = "colocated") -> float:
+    """The steady-state rule's lifetime ``L`` of a probe's mean request
+    (:mod:`pdserve.bench.steady`). A prefill unit's requests end at their first token, so its
+    lifetime is the TTFT objective."""
+    mean_out = 1.0
+    if kind != "prefill":
+        w = base_workload(p)
+        mean_out = sum(r.output_len for r in w.requests) / len(w.requests)
+    return p.steady().lifetime(p.slo, mean_out)
 
+
+def probe_requests(p: Problem, rate: float, kind: str = "colocated") -> int:
+    """Requests in a probe at ``rate`` by the steady-state rule: ``p.horizon / 2`` lifetimes
+    of warm-up, then at least as many (and at least ``p.num_requests``) judged."""
+    return p.steady().num_requests(rate, probe_lifetime(p, kind))
+
+
+def probe_warmup(p: Problem, rate: float, kind: str = "colocated") -> int:
+    """Requests at the start of a probe at ``rate`` that are not judged."""
+    return p.steady().warmup(rate, probe_lifetime(p, kind))
 
 
 def unit_workload(p: Problem, u: Unit, rate: float) -> Workload:
@@ -152,14 +160,17 @@ def unit_workload(p: Problem, u: Unit, rate: float) -> Workload:
     return w
 
 
-def _attained(records: Sequence[RequestRecord], slo: SLO, kind: str) -> float:
-    if not records:
-        return 0.0
-    ok = 0
-    for r in records:
+def judged_oks(records: Sequence[RequestRecord], slo: SLO, kind: str, warmup: int
+               ) -> list[bool]:
+    """Whether each judged request (after ``warmup`` in arrival order,
+    :meth:`SteadyState.first_judged`) meets the SLO: TTFT (``prefill``), TPOT (``decode``) or
+    both."""
+    recs = sorted(records, key=lambda r: r.timeline.arrival or 0.0)  # stable: as the watch
+    out = []
+    for r in recs[SteadyState.first_judged(len(recs), warmup):]:
         t_ok, p_ok = meets(r, slo)
-        ok += (t_ok if kind == "prefill" else p_ok if kind == "decode" else t_ok and p_ok)
-    return ok / len(records)
+        out.append(t_ok if kind == "prefill" else p_ok if kind == "decode" else t_ok and p_ok)
+    return out
 
 
 @dataclass
@@ -226,27 +237,35 @@ def decode_feed(p: Problem, rate: float) -> tuple[int, int]:
 def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate: float,
               kind: str, early: bool = True) -> AttainmentResult:
     """One probe: simulate ``requests`` (timed) on deployment ``dep`` and compare the
-    attainment (``kind``: prefill = TTFT, decode = TPOT, else both SLOs) with the target.
-    ``early``: stop the simulation as soon as the verdict is certain
+    attainment of the judged requests (those after the warm-up in arrival order, the
+    steady-state rule of :mod:`pdserve.bench.steady`; ``kind``: prefill = TTFT, decode = TPOT,
+    else both SLOs)
+    with the target. ``early``: stop the simulation as soon as the verdict is certain
     (:class:`pdserve.planner.early.AttainmentWatch`; same verdict, the attainment reported is
-    then the bound it stopped on and ``details["early"]`` says which)."""
+    then the bound it stopped on and ``details["early"]`` says which). ``details`` carry the
+    verdict's ``confidence``, the requests simulated and judged."""
     from pdserve.planner.early import AttainmentWatch
     from pdserve.sim.target import build_simulator, to_records, to_sim_requests
 
     built = build_simulator(_sim(p, dict(dep)))
     sreqs = to_sim_requests(requests, model_config(p.model).vocab_size)
+    rule = p.steady()
+    warm = probe_warmup(p, rate, kind)
     watch = None
     if early:
         watch = AttainmentWatch(built.simulator, sreqs, p.slo,
-                                kind if kind in ("prefill", "decode") else "both", p.target)
+                                kind if kind in ("prefill", "decode") else "both", p.target,
+                                warm)
     result = built.simulator.run(sreqs, None, watch)
     details: dict[str, Any] = {"num_requests": len(sreqs)}
     if result.stopped:
         assert watch is not None and watch.verdict is not None
-        details.update(early="pass" if watch.verdict else "fail", stopped_at_s=watch.at)
+        details.update(early="pass" if watch.verdict else "fail", stopped_at_s=watch.at,
+                       judged=watch.n, confidence=watch.confidence)
         return AttainmentResult(rate, watch.attainment_bound, watch.verdict, details)
-    a = _attained(to_records(requests, result), p.slo, kind)
-    return AttainmentResult(rate, a, a >= p.target, details)
+    v = rule.verdict(judged_oks(to_records(requests, result), p.slo, kind, warm), p.target)
+    details.update(judged=v.judged, confidence=v.confidence)
+    return AttainmentResult(rate, v.attainment, v.passed, details)
 
 
 def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:

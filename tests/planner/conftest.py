@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 
-def write_profile(path: Path, prefill_ms: dict[int, float], decode_ms: float = 5.0) -> str:
-    """``prefill_ms[tp]``: every prefill batch takes this long; every decode step ``decode_ms``."""
-    entry = lambda ms: {"prefill": [ms, 0.0, 0.0], "decoding_smallbs": [decode_ms, 0.0, 0.0],  # noqa: E731
-                        "decoding_largebs": [decode_ms, 0.0, 0.0]}
+def write_profile(path: Path, prefill_ms: dict[int, float], decode_ms: float = 5.0,
+                  decode_per_seq_ms: float = 0.0) -> str:
+    """``prefill_ms[tp]``: every prefill batch takes this long; every decode step ``decode_ms``
+    plus ``decode_per_seq_ms`` per sequence in the batch."""
+    dec = [decode_ms, 0.0, decode_per_seq_ms]
+    entry = lambda ms: {"prefill": [ms, 0.0, 0.0], "decoding_smallbs": dec,  # noqa: E731
+                        "decoding_largebs": dec}
     data = {"facebook/opt-13b": {str(tp): entry(ms) for tp, ms in prefill_ms.items()}}
     path.write_text(json.dumps(data))
     return str(path)
@@ -20,6 +23,7 @@ def write_profile(path: Path, prefill_ms: dict[int, float], decode_ms: float = 5
 
 @pytest.fixture
 def const_profile(tmp_path: Path):
-    def make(prefill_ms: dict[int, float], decode_ms: float = 5.0) -> str:
-        return write_profile(tmp_path / "const.json", prefill_ms, decode_ms)
+    def make(prefill_ms: dict[int, float], decode_ms: float = 5.0,
+             decode_per_seq_ms: float = 0.0) -> str:
+        return write_profile(tmp_path / "const.json", prefill_ms, decode_ms, decode_per_seq_ms)
     return make

@@ -75,7 +75,9 @@ async def test_serve_replan_resizes_a_live_runtime(const_profile):
     """The replanner the flags build, on an in-process runtime with a virtual clock: a rate
     step up and down again is detected, the planned counts are ⌈R / g⌉ of the colocated TP1
     unit on each window's lengths, and every request is served while instances come and go."""
-    prof = const_profile({1: 100.0}, decode_ms=40.0)  # one chunked TP1 unit: ~20 req/s here
+    # one chunked TP1 unit: ~7.6 req/s at steady state here (a decode step that costs the same
+    # whatever its batch would batch without limit: its steady state serves hundreds per second)
+    prof = const_profile({1: 100.0}, decode_ms=40.0, decode_per_seq_ms=1.0)
     now = [0.0]
     rt = runtime("colocated", n=1, router="round_robin", clock=lambda: now[0])
     args = _args("--replan", "--replan-window", "2", "--replan-min-requests", "5",

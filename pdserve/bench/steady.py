@@ -1,0 +1,118 @@
+"""Steady-state probes: how long a goodput probe runs and which of its requests are judged.
+
+Goodput is a property of the server in steady state (DESIGN.md "Goodput definitions"), but a
+probe starts from an empty server: its first requests meet no queue, and a rate above capacity
+only shows once its backlog has grown past what the SLO allows. One rule, used by every goodput
+search (``pdserve goodput``, ``plan``, ``advise``, the replanner):
+
+1. **Lifetime.** ``L = TTFT SLO + (mean output − 1) × TPOT SLO``: how long a mean request may
+   live and still attain both objectives.
+2. **Warm-up.** A probe at rate ``λ`` first runs ``w = ⌈λ × horizon/2 × L⌉`` requests that
+   warm the server up and are not judged (half the horizon: 6 lifetimes by default).
+3. **Judged.** Then ``max(min_judged, w)`` more, whose attainment (in arrival order after the
+   warm-up) is the probe's: the arrivals span at least ``horizon`` lifetimes (default 12) and
+   at least ``min_judged`` requests are judged.
+4. **Early verdict.** A simulated probe stops as soon as its verdict on the judged requests is
+   certain whatever the rest does (:mod:`pdserve.planner.early`).
+5. **Confidence.** Each verdict carries the probability that the steady-state attainment lies
+   on the side of the target the verdict says: the judged requests in ``batches`` consecutive
+   batches, the attainment's standard error from the batch means (which carries the
+   correlation of neighbouring requests), at least the binomial one; normal approximation.
+
+Why this length. At ``λ = (1 + ε) μ`` (``μ`` the capacity) the backlog of work grows by ``ε``
+seconds per second, so a request arriving at ``t`` waits about ``ε t`` more than in the first
+moments; it misses its SLO once ``ε t`` exceeds its slack, at most ``L``. The judged span
+``[T/2, T]`` (``T ≥ horizon × L``) then misses more than ``1 − target`` of its requests as soon
+as ``ε > 1 / (horizon × (1 − (1 − target)/2))``: with the defaults (12, 90 %), any rate more
+than ~9 % above a TTFT-bound capacity fails; a KV-bound decode capacity first fills its KV pool
+(about as long again), so ~18 % there. The 300-request probe it replaces judged every request
+of a run whose length did not depend on the SLO: on an M/D/1 server of capacity 10 req/s with a
+5 s TTFT SLO it passes 11 req/s (10 % overloaded) and its goodput search lands at 11.6 req/s,
+where the rule's lands at 10.5 (tests/bench/test_steady.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.bench.metrics import SLO
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A probe's verdict on its judged requests."""
+
+    attainment: float
+    passed: bool
+    confidence: float
+    judged: int
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """The rule (module docstring). ``horizon``: lifetimes the arrivals span; ``min_judged``:
+    judged requests at least; ``batches``: batch means for the confidence."""
+
+    horizon: float = 12.0
+    min_judged: int = 300
+    batches: int = 10
+
+    def __post_init__(self) -> None:
+        if not (self.horizon > 0 and math.isfinite(self.horizon)):
+            raise ValueError(f"horizon must be a positive number of lifetimes, got "
+                             f"{self.horizon!r}")
+        if not (isinstance(self.min_judged, int) and self.min_judged >= 1):
+            raise ValueError(f"min_judged must be an integer >= 1, got {self.min_judged!r}")
+        if not (isinstance(self.batches, int) and self.batches >= 2):
+            raise ValueError(f"batches must be an integer >= 2, got {self.batches!r}")
+
+    @staticmethod
+    def lifetime(slo: SLO, mean_output: float) -> float:
+        """``L``: how long a mean request may live and attain both objectives."""
+        return slo.ttft + max(mean_output - 1.0, 0.0) * slo.tpot
+
+    def warmup(self, rate: float, lifetime: float) -> int:
+        """Requests at the start of a probe at ``rate`` that are not judged (rule 2)."""
+        return math.ceil(rate * self.horizon / 2 * lifetime - 1e-9)
+
+    def num_requests(self, rate: float, lifetime: float) -> int:
+        """Requests in a probe at ``rate``: the warm-up and the judged ones (rule 3)."""
+        w = self.warmup(rate, lifetime)
+        return w + max(self.min_judged, w)
+
+    @staticmethod
+    def first_judged(n: int, warmup: int) -> int:
+        """Index (in arrival order) of the first judged request of ``n`` with ``warmup``
+        requests of warm-up: at most half of them are not judged."""
+        return min(warmup, n // 2)
+
+    def verdict(self, oks: Sequence[bool], target: float) -> Verdict:
+        """Attainment of the judged requests ``oks`` (in arrival order), pass/fail against
+        ``target`` and its confidence (rule 5)."""
+        n = len(oks)
+        if n == 0:
+            return Verdict(0.0, False, 0.0, 0)
+        a = sum(oks) / n
+        k = min(self.batches, n)
+        means = [sum(oks[i * n // k:(i + 1) * n // k]) / max((i + 1) * n // k - i * n // k, 1)
+                 for i in range(k)]
+        mu = sum(means) / k
+        se_batch = math.sqrt(sum((m - mu) ** 2 for m in means) / (k - 1) / k) if k > 1 else 0.0
+        return Verdict(a, a >= target, confidence(a, target, n, se_batch), n)
+
+
+def confidence(attainment: float, target: float, n: int, se: float = 0.0) -> float:
+    """Probability that the steady-state attainment is on the side of ``target`` where
+    ``attainment`` lies (normal approximation; standard error ``se``, at least the binomial
+    one of ``n`` requests, itself at least that of one request in ``n`` missing or not)."""
+    p = min(max(attainment, 1.0 / (n + 1)), n / (n + 1))
+    se = max(se, math.sqrt(p * (1 - p) / max(n, 1)))
+    z = (attainment - target) / se
+    if attainment >= target:
+        return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    return 0.5 * (1 + math.erf(-z / math.sqrt(2)))
+
+
+DEFAULT = SteadyState()

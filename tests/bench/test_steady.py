@@ -1,0 +1,97 @@
+"""The steady-state rule (:mod:`pdserve.bench.steady`) against closed-form queueing.
+
+``QueueTarget(10)`` is one FIFO server with a deterministic 0.1 s service per request, so under
+Poisson arrivals it is an M/D/1 queue of capacity 10 req/s: any rate above 10 req/s is
+overloaded (λ·D > 1, its backlog grows without bound and the steady-state attainment is 0), and
+below it the waiting time follows Erlang's M/D/1 distribution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from pdserve.bench.goodput import search_goodput
+from pdserve.bench.metrics import SLO, meets
+from pdserve.bench.runner import Settings, _prober, build_workload
+from pdserve.bench.steady import SteadyState, confidence
+from tests.bench.fakes import QueueTarget
+from tests.planner.test_mdl_optimum import mdl_wait_cdf
+
+D = 0.1  # service time of QueueTarget(10)
+SLO_LOOSE = SLO(5.0, 0.02)  # TPOT is always 0.01 s: only the TTFT (queueing) matters
+WORKLOAD = "fixed:input=8,output=5"
+
+
+def _old_probe(rate: float, n: int = 300) -> float:
+    """The probe the rule replaces: ``n`` requests, every one judged."""
+    t = QueueTarget(1 / D)
+    s = Settings(workload=WORKLOAD, num_requests=n, slo=SLO_LOOSE)
+    w = build_workload(t, s, rate).retimed(rate)
+    recs = asyncio.run(t.run(list(w.requests)))
+    return sum(all(meets(r, SLO_LOOSE)) for r in recs) / len(recs)
+
+
+def _new_probe(rate: float):
+    t = QueueTarget(1 / D)
+    s = Settings(workload=WORKLOAD, num_requests=300, slo=SLO_LOOSE)
+    runs: list = []
+    return _prober(t, build_workload(t, s, rate), s, runs)(rate), runs
+
+
+def test_an_overloaded_rate_that_300_requests_pass_is_rejected():
+    rate = 11.0
+    assert rate * D > 1  # 10 % above capacity: the backlog grows by 0.1 s of work per second
+    assert _old_probe(rate) >= 0.9  # 300 requests end (27 s) before the backlog passes 4.9 s
+    res, runs = _new_probe(rate)
+    life = SLO_LOOSE.ttft + 4 * SLO_LOOSE.tpot
+    warm = math.ceil(rate * 6 * life)  # half the horizon of 12 lifetimes
+    assert len(runs[0].records) == warm + max(300, warm)
+    assert res.details["judged"] == max(300, warm)
+    assert not res.passed and res.attainment < 0.7
+    assert res.details["confidence"] > 0.99
+
+
+def test_an_underloaded_rate_is_accepted():
+    rate = 8.0
+    assert mdl_wait_cdf(SLO_LOOSE.ttft - D, rate, D) > 0.999  # closed form: all but ~0 attain
+    res, _ = _new_probe(rate)
+    assert res.passed and res.attainment == 1.0 and res.details["confidence"] > 0.99
+
+
+def test_the_goodput_search_lands_within_the_stated_overload_bound():
+    """With the rule the search reports no rate more than 1 / (0.95 × horizon) above capacity
+    (10 req/s; module docstring of pdserve.bench.steady); the 300-request probe goes past it."""
+    t = QueueTarget(1 / D)
+    s = Settings(workload=WORKLOAD, num_requests=300, slo=SLO_LOOSE)
+    new = search_goodput(_prober(t, build_workload(t, s, 8.0), s, []), hi=8.0, precision=0.2)
+    bound = (1 / D) * (1 + 1 / (0.95 * 12))
+    assert 8.0 <= new.goodput_rps <= bound
+    old = search_goodput(lambda r: _as_result(r, _old_probe(r)), hi=8.0, precision=0.2)
+    assert old.goodput_rps > bound
+
+
+def _as_result(rate: float, a: float):
+    from pdserve.bench.goodput import AttainmentResult
+
+    return AttainmentResult(rate, a, a >= 0.9)
+
+
+def test_rule_arithmetic():
+    rule = SteadyState(horizon=12, min_judged=300)
+    assert rule.lifetime(SLO(1.0, 0.02), 500) == pytest.approx(1.0 + 499 * 0.02)
+    assert rule.warmup(13.24, 10.98) == math.ceil(13.24 * 6 * 10.98)  # 873
+    assert rule.num_requests(13.24, 10.98) == 2 * 873
+    assert rule.num_requests(1.0, 1.0) == 6 + 300
+    assert SteadyState.first_judged(306, 6) == 6
+    assert SteadyState.first_judged(100, 80) == 50  # at least half is judged
+    v = rule.verdict([True] * 95 + [False] * 5, 0.9)
+    assert (v.attainment, v.passed, v.judged) == (0.95, True, 100)
+    # all misses in the last batch: batch means spread more than the binomial error
+    assert v.confidence < confidence(0.95, 0.9, 100)
+    assert confidence(0.9, 0.9, 100) == pytest.approx(0.5)
+    assert confidence(0.5, 0.9, 1000) > 0.999
+    with pytest.raises(ValueError, match="horizon"):
+        SteadyState(horizon=0)
