@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import DriverCore, Effect, StartStep
@@ -50,6 +50,7 @@ from pdserve.config import EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.engine import Engine, StepResult
 from pdserve.request import SamplingParams, Timeline
+from pdserve.sim.fast_forward import DecodeRun, open_decode_run
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
 STEP_END, TRANSFER_END, ARRIVAL, SCALE = 0, 1, 2, 3
@@ -247,7 +248,7 @@ def gc_paused() -> Iterator[None]:
 class DecodeShortcut:
     """The exact decode fast path of one simulated instance, as the worker's
     :class:`~pdserve.cluster.worker.StepShortcut`: when the step is pure decode with an
-    unchanged batch, the scheduler's :class:`~pdserve.engine.scheduler.DecodeRun` advances it
+    unchanged batch, a :class:`~pdserve.sim.fast_forward.DecodeRun` advances it
     (no batch is built, one price call; the same block-pool calls in the same order). The run
     stays open over the instance's next steps; it is closed (its requests caught up) before
     commands other than new requests, transfers and imports, and before a decode instance's
@@ -276,12 +277,12 @@ class DecodeShortcut:
         be scheduled (the scheduler catches the run up if it reads the running requests)."""
         ex, eng = self.executor, self.engine
         sched = eng.scheduler
-        run = sched.open_run
+        run = cast(DecodeRun | None, sched.open_run)  # only ever a DecodeRun in a simulation
         if run is not None and not run.sync():  # the batch changed other than by imports
             run.close()
             run = None
         if run is None:
-            run = sched.decode_run(ex.token_id)
+            run = open_decode_run(sched, ex.token_id)
             if run is None:
                 return None
         if not run.safe():  # a scheduled step; the scheduler closes the run if it reads it
