@@ -26,7 +26,7 @@ from typing import Any
 
 from pdserve.cluster.actions import Action, Fail, Send, Transfer
 from pdserve.cluster.flip import NoFlip, TransitionWatcher, parse_flip
-from pdserve.cluster.routing import InstanceView, Router, make_router
+from pdserve.cluster.routing import InstanceView, Router, make_router, routers_for
 from pdserve.cluster.tetri import decode_demand
 from pdserve.cluster.worker import (
     Abort,
@@ -36,6 +36,7 @@ from pdserve.cluster.worker import (
     StepReport,
     TokenDelta,
 )
+from pdserve.config import ClusterConfig
 from pdserve.engine.engine import EngineStats
 from pdserve.predict import make_predictor
 from pdserve.request import Prompt, SamplingParams, Timeline
@@ -111,6 +112,26 @@ class Controller:
         self.history: dict[str, ClusterRequest] | None = {} if keep_history else None
         self.queued: deque[ClusterRequest] = deque()  # held by the router, arrival order
         self.removing: set[str] = set()  # draining before removal (live scaling)
+
+    @classmethod
+    def from_config(cls, config: ClusterConfig, instances: list[InstanceView], *,
+                    routers: tuple[Router, Router] | None = None,
+                    model_max_len: int | None = None, keep_history: bool = False) -> Controller:
+        """The controller of a deployment — the one construction path of both drivers: its
+        routers (:func:`~pdserve.cluster.routing.routers_for` unless built by the caller) and,
+        for a disaggregated deployment, TetriInfer's length predictor and flip watcher."""
+        prefill, decode = routers or routers_for(config)
+        predictor, flips = None, None
+        if config.strategy == "disaggregated":
+            predictor = make_predictor(config.length_predictor, config.predictor_granularity,
+                                       config.predictor_accuracy, config.predictor_data)
+            policy = parse_flip(config.flip)
+            if not isinstance(policy, NoFlip):
+                flips = TransitionWatcher(policy, {
+                    r.role: config.engine_config(r, model_max_len).scheduler
+                    for r in config.roles})
+        return cls(instances, prefill, decode, keep_history=keep_history, predictor=predictor,
+                   flips=flips)
 
     # ------------------------------------------------------------------ helpers
     def _router_of(self, instance_id: str) -> Router:
@@ -474,19 +495,3 @@ class Controller:
 
     def get(self, request_id: str) -> ClusterRequest | None:
         return self.requests.get(request_id)
-
-
-def controller_extras(config: Any, model_max_len: int | None = None) -> dict[str, Any]:
-    """The controller's TetriInfer parts from a deployment (``ClusterConfig``): the length
-    predictor and the transition watcher — for both drivers (one construction path)."""
-    out: dict[str, Any] = {}
-    if config.strategy != "disaggregated":
-        return out
-    out["predictor"] = make_predictor(config.length_predictor, config.predictor_granularity,
-                                      config.predictor_accuracy, config.predictor_data)
-    policy = parse_flip(config.flip)
-    if not isinstance(policy, NoFlip):
-        schedulers = {r.role: config.engine_config(r, model_max_len).scheduler
-                      for r in config.roles}
-        out["flips"] = TransitionWatcher(policy, schedulers)
-    return out

@@ -13,6 +13,7 @@ from pdserve.registry import Registry
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import ClusterRequest
+    from pdserve.config import ClusterConfig
 
 
 @dataclass
@@ -121,6 +122,14 @@ def make_routers(prefill: str | Router, decode: str | Router,
         return make_router(r, **{k: v for k, v in given.items() if k in takes})
 
     return one(prefill), one(decode)
+
+
+def routers_for(config: ClusterConfig, prefill_time: Any = None,
+                **extra: Any) -> tuple[Router, Router]:
+    """The routers a deployment names, with its router options (the one way both drivers build
+    them; the simulator adds its latency model's ``prefill_time`` and ``extra`` settings)."""
+    return make_routers(config.prefill_router, config.decode_router, prefill_time,
+                        **extra, **config.router_options())
 
 
 def role_router(role: str, prefill: Router, decode: Router) -> Router:

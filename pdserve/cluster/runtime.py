@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.cluster.controller import Controller, Fail, Transfer, controller_extras
+from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import Deliver, DriverCore, Effect, StartStep
 from pdserve.cluster.instances import (
     InProcessInstance,
@@ -42,7 +42,7 @@ from pdserve.cluster.protocol import (
     Removal,
     RequestFailedError,
 )
-from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
+from pdserve.cluster.routing import InstanceView, Router, role_router, routers_for
 from pdserve.cluster.scaling import InstanceHandle
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
@@ -109,12 +109,9 @@ class ClusterRuntime:
                                                      c.block_size))
             for c in clients
         }
-        self.controller = Controller([i.view for i in self.instances.values()],
-                                     *(routers or make_routers(
-                                         config.prefill_router, config.decode_router,
-                                         **config.router_options())),
-                                     **controller_extras(config,
-                                                         model_config.max_position_embeddings))
+        self.controller = Controller.from_config(
+            config, [i.view for i in self.instances.values()], routers=routers,
+            model_max_len=model_config.max_position_embeddings)
         self.core = DriverCore(self.controller, self.instances, loop=True)
         # starts the client of a new instance (add_instance); build_runtime sets it
         self.make_client: Callable[[InstanceSpec], Awaitable[InstanceClient]] | None = None
@@ -557,8 +554,7 @@ async def build_runtime(config: ClusterConfig, model_name: str | None = None) ->
     specs = config.instance_specs(model_config.max_position_embeddings)
     check_specs(specs, model_config, remote=bool(config.ray_address))
     tokenizer = load_tokenizer(config.model)
-    routers = make_routers(config.prefill_router, config.decode_router,
-                           **config.router_options())
+    routers = routers_for(config)
     if config.backend == "ray":
         init_ray(config.ray_address, sum(s.tp * s.pp for s in specs))
     clients = await start_clients(config, specs, tokenizer, routers)

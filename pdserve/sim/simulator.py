@@ -46,7 +46,7 @@ from pdserve.cluster.worker import (
     InstanceWorker,
     StepReport,
 )
-from pdserve.config import EngineConfig, Link, ModelConfig
+from pdserve.config import ClusterConfig, EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.engine import Engine, StepResult
 from pdserve.request import SamplingParams, Timeline
@@ -300,7 +300,9 @@ class DecodeShortcut:
 
 class Simulator:
     """Runs a workload on simulated instances. ``intra_node_link`` joins instances on the same
-    node, ``inter_node_link`` the others (DistServe §4.1/§4.2 placements)."""
+    node, ``inter_node_link`` the others (DistServe §4.1/§4.2 placements). With ``deployment``
+    the controller is built as the live runtime builds it (:meth:`Controller.from_config`);
+    without, from the routers and ``controller_kw`` (tests)."""
 
     def __init__(self, instances: Sequence[SimInstance], model: ModelConfig,
                  prefill_router: str | Router = "shortest_queue",
@@ -308,7 +310,8 @@ class Simulator:
                  intra_node_link: Link | None = None, inter_node_link: Link | None = None,
                  kv_dtype: str = "float16", record_batches: bool = False,
                  controller_kw: dict[str, Any] | None = None,
-                 fast_forward: bool | None = None) -> None:
+                 fast_forward: bool | None = None,
+                 deployment: ClusterConfig | None = None) -> None:
         self.model = model
         # the exact decode fast path (:class:`DecodeShortcut`); off: every step is scheduled
         self.fast_forward = (FAST_FORWARD if fast_forward is None else fast_forward)
@@ -321,10 +324,15 @@ class Simulator:
         self.insts: dict[str, _Inst] = {}
         for spec in instances:
             self.insts.update((i.spec.instance_id, i) for i in self._build(spec))
-        self.controller = Controller(
-            [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
-                          i.spec.engine.cache.block_size) for i in self.insts.values()],
-            *routers, keep_history=True, **(controller_kw or {}))
+        views = [InstanceView(i.spec.instance_id, i.worker.role, i.spec.num_kv_blocks,
+                              i.spec.engine.cache.block_size) for i in self.insts.values()]
+        if deployment is not None:  # the live runtime's construction path
+            self.controller = Controller.from_config(
+                deployment, views, routers=routers,
+                model_max_len=model.max_position_embeddings, keep_history=True)
+        else:
+            self.controller = Controller(views, *routers, keep_history=True,
+                                         **(controller_kw or {}))
         self.core = DriverCore(self.controller, self.insts)
         self.num_gpus = sum(s.num_gpus for s in instances)
         self._heap: list[tuple[float, int, int, Any]] = []

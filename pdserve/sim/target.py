@@ -31,8 +31,7 @@ from typing import Any
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
-from pdserve.cluster.controller import controller_extras
-from pdserve.cluster.routing import make_routers
+from pdserve.cluster.routing import routers_for
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
 from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
@@ -219,14 +218,12 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
     inter = _resolve_link(dep.inter_node_link, devices[0], streams) \
         if dep.inter_node_link is not None else intra
     entry = instances[0].latency  # the colocated or prefill instances' step-time model
-    routers = make_routers(dep.prefill_router, dep.decode_router,
-                           prefill_time=lambda n: entry.prefill_time([n]),
-                           prefill_batch_time=entry.prefill_time, step_time=entry.step_time,
-                           **dep.router_options())
+    routers = routers_for(dep, prefill_time=lambda n: entry.prefill_time([n]),
+                          prefill_batch_time=entry.prefill_time, step_time=entry.step_time)
     simulator = Simulator(instances, model, *routers,
                           intra_node_link=intra, inter_node_link=inter,
                           kv_dtype=specs[0].engine.dtype, record_batches=record_batches,
-                          controller_kw=controller_extras(dep, model.max_position_embeddings))
+                          deployment=dep)
     max_len = specs[0].engine.scheduler.max_model_len
     describe = {"model": model.name, "strategy": dep.strategy, "roles": info,
                 "num_gpus": simulator.num_gpus, "max_model_len": max_len,
