@@ -420,7 +420,21 @@ def _stop_ranks(procs: list[subprocess.Popen], wait_s: float = 10.0) -> None:
             p.wait()
 
 
+def _exit_with_parent(interval_s: float = 1.0) -> None:
+    """End this rank when the process that started it is gone (killed, not only stopped: an
+    idle rank waiting for the next step would not notice otherwise)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="pdserve-rank-watchdog").start()
+
+
 def _rank_main() -> int:
+    _exit_with_parent()
     config, tp, rank, address, num_threads = pickle.load(sys.stdin.buffer)
     executor = ModelExecutor(config, num_threads=num_threads, tp=tp, rank=rank, address=address)
     try:

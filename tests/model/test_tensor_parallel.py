@@ -114,3 +114,55 @@ def test_kv_hand_off_across_tp_degrees(tiny_dirs) -> None:
             assert _continue(dst, prompt, dst_blocks, first) == hd.tokens[req.request_id]
     finally:
         two.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="tensor parallelism over NCCL needs 2 CUDA devices")
+def test_tp2_over_nccl_equals_tp1_on_cuda(tiny_dirs) -> None:
+    """The same code path on CUDA: NCCL for the all-reduces, gloo for the step plans."""
+    model = tiny_dirs["llama"]
+    prompts = make_prompts(PROMPTS)
+
+    def on_cuda(tp: int) -> ModelExecutor:
+        cfg = EngineConfig(model=model, device="cuda", cache=CacheConfig(num_kv_blocks=64))
+        return ModelExecutor(cfg, tp=tp)
+
+    want = generate(on_cuda(1), prompts)
+    ex = on_cuda(2)
+    try:
+        assert generate(ex, prompts) == want
+    finally:
+        ex.close()
+
+
+def test_ranks_end_with_their_driver(tiny_dirs, tmp_path) -> None:
+    """A driver killed outright (SIGKILL: no cleanup runs) leaves no rank behind."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pdserve.config import CacheConfig, EngineConfig\n"
+        "from pdserve.engine.model_executor import ModelExecutor\n"
+        f"cfg = EngineConfig(model={tiny_dirs['llama']!r}, cache=CacheConfig(num_kv_blocks=8))\n"
+        "ex = ModelExecutor(cfg, num_threads=1, tp=2)\n"
+        "print(ex._procs[0].pid, flush=True)\n"
+        "time.sleep(300)\n")
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert driver.stdout is not None
+    rank = int(driver.stdout.readline())
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(rank, 9)
+    raise AssertionError("the rank outlived its driver")
