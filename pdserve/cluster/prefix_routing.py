@@ -32,6 +32,18 @@ PrefillTime = Callable[[int], float]
 _ID = attrgetter("instance_id")
 
 
+def memo_prefill_time(memo: dict[int, float], prefill_time: PrefillTime,
+                      num_tokens: int) -> float:
+    """``prefill_time(num_tokens)``, memoised in ``memo`` (a regression: a pure function of the
+    count; the memo is emptied past 65,536 entries)."""
+    t = memo.get(num_tokens)
+    if t is None:
+        if len(memo) >= 1 << 16:
+            memo.clear()
+        t = memo[num_tokens] = prefill_time(num_tokens)
+    return t
+
+
 @dataclass(frozen=True)
 class LinearPrefillTime:
     """Default prefill-time regression, ``base + per_token · tokens`` seconds.
@@ -224,14 +236,7 @@ class E2Router(Router):
         return self._cands_by_id
 
     def _pt(self, num_tokens: int) -> float:
-        """``prefill_time(num_tokens)``, memoised (a regression: a pure function of the
-        count)."""
-        t = self._pt_memo.get(num_tokens)
-        if t is None:
-            if len(self._pt_memo) >= 1 << 16:
-                self._pt_memo.clear()
-            t = self._pt_memo[num_tokens] = self.prefill_time(num_tokens)
-        return t
+        return memo_prefill_time(self._pt_memo, self.prefill_time, num_tokens)
 
     def _exploit(self, m: PrefixMatch, j: int, by_id: dict[str, InstanceView],
                  now: float) -> InstanceView | None:
@@ -597,12 +602,7 @@ class PrefixAwareRouter(Router):
 
     # ------------------------------------------------------------------ helpers
     def _pt(self, num_tokens: int) -> float:
-        t = self._pt_memo.get(num_tokens)
-        if t is None:
-            if len(self._pt_memo) >= 1 << 16:
-                self._pt_memo.clear()
-            t = self._pt_memo[num_tokens] = self.prefill_time(num_tokens)
-        return t
+        return memo_prefill_time(self._pt_memo, self.prefill_time, num_tokens)
 
     def _unpromise(self, iid: str, keys: tuple[int, ...]) -> None:
         promised = self._promised

@@ -206,6 +206,16 @@ class ClusterRuntime:
         self._run(effects)
         return instance_id
 
+    async def _discard(self, instance_id: str, dead: _Instance) -> None:
+        """Forget a dead instance: the driver's and the runtime's entries, its report pump and
+        its client."""
+        self.core.forget(instance_id)
+        del self.instances[instance_id]
+        if dead.pump is not None:
+            dead.pump.cancel()
+        with contextlib.suppress(Exception):
+            await dead.client.close()
+
     async def remove_instance(self, instance_id: str,
                               drain_timeout: float | None = None) -> Removal:
         """Stop routing to ``instance_id``, let it finish what it holds (running decodes
@@ -219,12 +229,7 @@ class ClusterRuntime:
         dead = self.instances.get(instance_id)
         if dead is not None and not dead.view.alive and instance_id not in \
                 self.controller.removing:  # nothing to drain; its restart is called off
-            self.core.forget(instance_id)
-            del self.instances[instance_id]
-            if dead.pump is not None:
-                dead.pump.cancel()
-            with contextlib.suppress(Exception):
-                await dead.client.close()
+            await self._discard(instance_id, dead)
             spec = self.config.role(role)
             self.num_gpus -= spec.tp * spec.pp if spec is not None else 1
             rec = Removal(instance_id, role, requested, self.clock(), None)
@@ -295,12 +300,7 @@ class ClusterRuntime:
             if not self._running or self.instances.get(iid) is not dead:
                 await client.close()
                 return
-            self.core.forget(iid)
-            del self.instances[iid]
-            if dead.pump is not None:
-                dead.pump.cancel()
-            with contextlib.suppress(Exception):
-                await dead.client.close()
+            await self._discard(iid, dead)
             view = InstanceView(iid, client.role, client.num_kv_blocks, client.block_size)
             inst = self.instances[iid] = _Instance(client, view)
             try:
