@@ -17,7 +17,9 @@ tokenizer and chat-template code already read:
 The cache lives under ``$PDSERVE_CACHE`` (or ``~/.cache/pdserve``) in ``gguf/<key>/<name>``, the
 key a hash of the file's absolute path, size and modification time (and the versions of this
 converter and of transformers), so a changed file is converted again. No torch here: numpy and
-safetensors' numpy API.
+safetensors' numpy API. The conversion takes a minute or two on a small CPU (SmolLM2-135M: read
+the file, dequantize 272 tensors, write them, build the tokenizer); :class:`Progress` reports
+each step on stderr, with a bar per tensor on a terminal and plain lines otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -62,6 +66,82 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 regex (SmolLM's
 # and StarCoder's vocabularies); transformers' conversion keeps the plain GPT-2 split for them.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
+
+
+class Progress:
+    """Steps and a per-tensor count on stderr: a tqdm bar on a terminal, else a plain line per
+    step and per tenth of the tensors. ``enabled=False`` prints nothing."""
+
+    def __init__(self, enabled: bool = True, stream: Any = None) -> None:
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.monotonic()
+        self._bar: Any = None
+        self._total = 0
+        self._done = 0
+        self._quiet = threading.Event()  # set: the current step's heartbeat stops
+        self._lock = threading.Lock()  # a heartbeat line never follows the next step's
+
+    def _say(self, text: str) -> None:
+        if self.enabled:
+            print(f"pdserve: [{time.monotonic() - self.t0:5.1f} s] {text}", file=self.stream,
+                  flush=True)
+
+    def step(self, text: str, heartbeat_s: float = 10.0) -> None:
+        """Start a step; until the next one, a line every ``heartbeat_s`` seconds says it is
+        still running (steps inside other libraries report nothing themselves)."""
+        self.close()
+        self._say(text)
+        if not self.enabled or heartbeat_s <= 0:
+            return
+        quiet = self._quiet = threading.Event()
+
+        def beat() -> None:
+            start = time.monotonic()
+            while not quiet.wait(heartbeat_s):
+                with self._lock:
+                    if quiet.is_set():
+                        break
+                    self._say(f"... still {text} ({time.monotonic() - start:.0f} s)")
+
+        threading.Thread(target=beat, daemon=True, name="gguf-progress").start()
+
+    def done(self, text: str) -> None:
+        self.close()
+        self._say(text)
+
+    def close(self) -> None:
+        """Stop the heartbeat and the bar."""
+        with self._lock:
+            self._quiet.set()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def tensors(self, total: int) -> None:
+        self.close()
+        self._total, self._done = total, 0
+        if self.enabled and self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="pdserve: dequantizing", unit="tensor",
+                             file=self.stream, leave=False)
+        else:
+            self._say(f"dequantizing {total} tensors")
+
+    def tensor_done(self, name: str) -> None:
+        self._done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(name, refresh=False)
+            self._bar.update(1)
+            if self._done == self._total:
+                self._bar.close()
+                self._bar = None
+                self._say(f"dequantized {self._total} tensors")
+        elif self._total and (self._done * 10 // self._total
+                              > (self._done - 1) * 10 // self._total):
+            self._say(f"dequantized {self._done}/{self._total} tensors ({name})")
 
 
 def _reader(path: str) -> Any:
@@ -173,14 +253,18 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def hf_weights(reader: Any, cfg: dict[str, Any], path: str = "") -> dict[str, np.ndarray]:
+def hf_weights(reader: Any, cfg: dict[str, Any], path: str = "",
+               progress: Progress | None = None) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32 under its Hugging Face name."""
     from gguf import dequantize
 
+    progress = progress or Progress(enabled=False)
     permute = cfg["model_type"] in _PERMUTED_QK
     out: dict[str, np.ndarray] = {}
+    progress.tensors(len(reader.tensors))
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # folded into config.json's rope_scaling
+            progress.tensor_done(t.name)
             continue
         m = _LAYER_RE.fullmatch(t.name)
         if m and m.group(2) in _LAYER_TENSORS:
@@ -203,6 +287,7 @@ def hf_weights(reader: Any, cfg: dict[str, Any], path: str = "") -> dict[str, np
         elif permute and kind == "attn_k":
             w = _unpermute(w, cfg["num_key_value_heads"])
         out[name] = np.ascontiguousarray(w)
+        progress.tensor_done(t.name)
     return out
 
 
@@ -243,20 +328,34 @@ def write_tokenizer(reader: Any, gguf_path: str, out_dir: str, max_len: int) -> 
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tcfg)
 
 
-def convert_gguf(gguf_path: str, out_dir: str) -> str:
-    """Write the Hugging Face layout of ``gguf_path`` into ``out_dir``; returns ``out_dir``."""
+def convert_gguf(gguf_path: str, out_dir: str, progress: Progress | None = None) -> str:
+    """Write the Hugging Face layout of ``gguf_path`` into ``out_dir``; returns ``out_dir``.
+    ``progress`` reports each step (default: silent)."""
     from safetensors.numpy import save_file
 
+    progress = progress or Progress(enabled=False)
+    try:
+        return _convert(gguf_path, out_dir, progress, save_file)
+    finally:
+        progress.close()
+
+
+def _convert(gguf_path: str, out_dir: str, progress: Progress, save_file: Any) -> str:
+    progress.step(f"reading {os.path.basename(gguf_path)}")
     reader = _reader(gguf_path)
     cfg = hf_config(reader, gguf_path)
-    weights = hf_weights(reader, cfg, gguf_path)
+    weights = hf_weights(reader, cfg, gguf_path, progress)
     os.makedirs(out_dir, exist_ok=True)
     _write_json(os.path.join(out_dir, "config.json"), cfg)
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
     _write_json(os.path.join(out_dir, "generation_config.json"), gen)
+    size = sum(w.nbytes for w in weights.values())
+    progress.step(f"writing model.safetensors ({size / 2**20:,.0f} MiB of float32)")
     save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     del weights
+    progress.step("building the tokenizer from the GGUF vocabulary (transformers)")
     write_tokenizer(reader, gguf_path, out_dir, cfg["max_position_embeddings"])
+    progress.done("converted")
     return out_dir
 
 
@@ -278,5 +377,6 @@ def gguf_model_dir(gguf_path: str, name: str | None = None) -> str:
     path = os.path.join(cache_root(), "gguf", key, name)
     if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         return path
-    print(f"pdserve: converting {gguf_path} into {path} (once)", file=sys.stderr, flush=True)
-    return build_once(path, lambda tmp: convert_gguf(gguf_path, tmp))
+    print(f"pdserve: converting {gguf_path} into {path} (once; a minute or two)",
+          file=sys.stderr, flush=True)
+    return build_once(path, lambda tmp: convert_gguf(gguf_path, tmp, Progress()))

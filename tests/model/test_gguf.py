@@ -268,6 +268,49 @@ def test_conversion_is_cached_by_file_identity(tiny_dirs, tmp_path, monkeypatch)
     assert not any(".tmp" in d for d in os.listdir(os.path.dirname(first)))
 
 
+def test_conversion_reports_each_step_and_the_tensors(tiny_dirs, tmp_path, capsys):
+    """Not a terminal: plain lines for each step and each tenth of the tensors; a terminal: a
+    tqdm bar counting tensors."""
+    import io
+
+    path = write_gguf(tiny_dirs["qwen2"], str(tmp_path / "q.gguf"))
+    n = len(gguf_convert._reader(path).tensors)
+    resolve_model(path)
+    err = capsys.readouterr().err.splitlines()
+    for step in ("converting", "reading q.gguf", f"dequantizing {n} tensors",
+                 f"dequantized {n}/{n} tensors", "writing model.safetensors",
+                 "building the tokenizer", "converted"):
+        assert any(step in line for line in err), (step, err)
+    assert 1 < sum("dequantized" in line for line in err) <= 10
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    gguf_convert.convert_gguf(path, str(tmp_path / "again"), gguf_convert.Progress(stream=out))
+    text = out.getvalue()
+    assert f"0/{n}" in text and "\r" in text and f"dequantized {n} tensors" in text
+
+
+def test_a_long_step_says_it_is_still_running():
+    import io
+
+    out = io.StringIO()
+    p = gguf_convert.Progress(stream=out)
+    p.step("building the tokenizer", heartbeat_s=0.01)
+    for _ in range(1000):  # until the heartbeat has spoken (no timing asserted)
+        if "still building the tokenizer" in out.getvalue():
+            break
+        time.sleep(0.01)
+    p.done("converted")
+    lines = out.getvalue().splitlines()
+    assert any("... still building the tokenizer (" in line for line in lines), lines
+    assert lines[-1].endswith("converted")
+    time.sleep(0.05)
+    assert out.getvalue().splitlines()[-1].endswith("converted")  # and then stops
+
+
 def test_llm_and_load_model_take_a_gguf_file(tiny_dirs, tmp_path):
     from pdserve.llm import LLM
     from pdserve.model.loader import load_model
