@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.latency import FittedProfile
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 
 DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "..", "pdserve", "data", "profiles",
                                "distserve_profiler-a100-80g.distserve.json")  # shipped

@@ -4,4 +4,10 @@ The router registry (:data:`pdserve.cluster.routing.ROUTERS`) is filled here, wh
 is imported: each router module registers its classes.
 """
 
-from pdserve.cluster import cache_routing, macro, prefix_routing, routing, tetri  # noqa: F401
+from pdserve.cluster import (  # noqa: F401
+    cache_routing,
+    decode_dispatch,
+    macro,
+    prefix_routing,
+    routing,
+)

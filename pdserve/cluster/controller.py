@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.cluster.actions import Action, Fail, Send, Transfer
+from pdserve.cluster.decode_dispatch import decode_demand
 from pdserve.cluster.flip import NoFlip, TransitionWatcher, parse_flip
 from pdserve.cluster.routing import InstanceView, Router, make_router, routers_for
-from pdserve.cluster.tetri import decode_demand
 from pdserve.cluster.worker import (
     Abort,
     AddRequest,
@@ -172,7 +172,7 @@ class Controller:
 
     def _count_decode(self, req: ClusterRequest, inst: InstanceView, sign: int) -> None:
         """Heavy/light decode counts and predicted KV tokens per decode instance (TetriInfer
-        §3.3.4's load information, cluster/tetri.py)."""
+        §3.3.4's load information, cluster/decode_dispatch.py)."""
         heavy, tokens = decode_demand(req)
         if heavy:
             inst.num_heavy += sign

@@ -35,8 +35,8 @@ class InstanceView:
     queued: int = 0
     active: int = 0
     pending_tokens: int = 0
-    # TetriInfer (cluster/tetri.py): decodes routed here by predicted length, their predicted
-    # KV tokens; ``draining``: being emptied for a role flip (routers do not see it)
+    # TetriInfer (cluster/decode_dispatch.py): decodes routed here by predicted length, their
+    # predicted KV tokens; ``draining``: being emptied for a role flip (routers do not see it)
     num_heavy: int = 0
     num_light: int = 0
     predicted_tokens: int = 0

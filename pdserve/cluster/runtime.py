@@ -36,14 +36,14 @@ from pdserve.cluster.instances import (
     wait_for_resources,
 )
 from pdserve.cluster.macro import MacroRolling
-from pdserve.cluster.protocol import (
+from pdserve.cluster.routing import InstanceView, Router, role_router, routers_for
+from pdserve.cluster.scaling import InstanceHandle
+from pdserve.cluster.serving_api import (
     InstanceStatus,
     QueueFullError,
     Removal,
     RequestFailedError,
 )
-from pdserve.cluster.routing import InstanceView, Router, role_router, routers_for
-from pdserve.cluster.scaling import InstanceHandle
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, cdiv
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 from pdserve.tokenizer import load_tokenizer

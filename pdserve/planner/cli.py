@@ -147,7 +147,7 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
     from pdserve.bench.workloads import make_workload
     from pdserve.config import Link
     from pdserve.sim.hardware import get_link
-    from pdserve.sim.models import get_model_config
+    from pdserve.sim.model_catalogue import get_model_config
 
     model = get_model_config(args.model)  # unknown model: one clear error now
     name = args.model if not Path(args.model).is_dir() else args.model

@@ -13,7 +13,7 @@ from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.steady import SteadyState
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, Link, ModelConfig
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 
 KINDS = ("colocated", "prefill", "decode", "partial")
 STRATEGIES = ("colocated", "disaggregated", "partial")

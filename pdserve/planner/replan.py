@@ -32,7 +32,7 @@ from pdserve.bench.metrics import SLO, RequestRecord, attains
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.config import ClusterConfig
 from pdserve.flags import positive, positive_int
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 
 
 @dataclass(frozen=True)

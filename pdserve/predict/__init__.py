@@ -12,7 +12,7 @@ from pdserve.predict.base import (
 )
 from pdserve.predict.classifier import SoftmaxClassifier
 from pdserve.predict.data import fit_predictor, load_pairs
-from pdserve.predict.models import Majority, Oracle, PromptLength
+from pdserve.predict.predictors import Majority, Oracle, PromptLength
 
 PREDICTOR_NAMES = LENGTH_PREDICTORS  # "none" and every registered predictor
 

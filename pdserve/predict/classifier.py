@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.predict.base import LengthPrediction, bucket_of, register
-from pdserve.predict.models import _Fitted, length_bin
+from pdserve.predict.predictors import _Fitted, length_bin
 
 NUM_LEN_BINS = 16
 

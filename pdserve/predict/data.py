@@ -22,7 +22,7 @@ import numpy as np
 from pdserve.config import check_granularity
 from pdserve.engine.logfile import AppendLog
 from pdserve.predict.base import PREDICTORS, LengthPredictor
-from pdserve.predict.models import Oracle, default_num_buckets
+from pdserve.predict.predictors import Oracle, default_num_buckets
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over a :class:`~pdserve.cluster.protocol.ServingRuntime`.
+"""OpenAI-compatible HTTP API over a :class:`~pdserve.cluster.serving_api.ServingRuntime`.
 
 ``build_app(runtime)`` serves ``/v1/completions``, ``/v1/chat/completions`` (streaming as
 server-sent events, one chunk per generated token), ``/v1/models``, ``/tokenize``,
@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__, grammar
-from pdserve.cluster.protocol import (
+from pdserve.cluster.serving_api import (
     QueueFullError,
     RequestFailedError,
     ScalableRuntime,
@@ -52,7 +52,7 @@ from pdserve.server.errors import (
 from pdserve.server.fanout import Fanout
 from pdserve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import (
+from pdserve.server.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -16,7 +16,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.server.protocol import ErrorInfo, ErrorResponse, escape_line_separators
+from pdserve.server.openai_types import ErrorInfo, ErrorResponse, escape_line_separators
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pdserve.request import RequestOutput
-from pdserve.server.protocol import (
+from pdserve.server.openai_types import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,

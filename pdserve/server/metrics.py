@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pdserve.cluster.protocol import ServingRuntime
+from pdserve.cluster.serving_api import ServingRuntime
 from pdserve.request import RequestOutput
 
 log = logging.getLogger("pdserve.server")

@@ -27,7 +27,7 @@ from pdserve.sim.latency import (
     profile_grid,
     profile_model,
 )
-from pdserve.sim.models import get_model_config, list_models
+from pdserve.sim.model_catalogue import get_model_config, list_models
 
 __all__ = [
     "AnalyticModel", "ClusterSpec", "DeviceSpec", "Efficiency", "FittedProfile", "LatencyModel",

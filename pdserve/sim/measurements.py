@@ -68,7 +68,7 @@ def model_config(spec: str | ModelConfig) -> ModelConfig:
     """A catalogue name or a checkpoint directory as a :class:`ModelConfig`."""
     if isinstance(spec, ModelConfig):
         return spec
-    from pdserve.sim.models import get_model_config
+    from pdserve.sim.model_catalogue import get_model_config
 
     return get_model_config(spec)
 
@@ -147,7 +147,7 @@ def from_distserve_json(path: str | os.PathLike[str],
                         models: Sequence[str] | None = None) -> list[Measurement]:
     """Every (model, TP) entry of a ``simdistserve`` profile file whose model the catalogue
     knows (or only ``models``), evaluated on :func:`profile_shapes`."""
-    from pdserve.sim.models import canonical_model_name
+    from pdserve.sim.model_catalogue import canonical_model_name
 
     with open(path) as f:
         data = json.load(f)

@@ -36,7 +36,7 @@ from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_ca
 from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 from pdserve.sim.simulator import SimInstance, SimRequest, SimResult, Simulator
 
 DEFAULT_HARDWARE = "A100-80GB"

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from pdserve.cluster.instances import InProcessInstance
-from pdserve.cluster.protocol import QueueFullError, RequestFailedError
 from pdserve.cluster.runtime import ClusterRuntime
+from pdserve.cluster.serving_api import QueueFullError, RequestFailedError
 from pdserve.cluster.worker import InstanceWorker
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.request import SamplingParams

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from pdserve.cluster.controller import ClusterRequest, Controller, Send
+from pdserve.cluster.decode_dispatch import decode_demand
 from pdserve.cluster.flip import FlipPolicy, IdleFlip, LowLoadFlip, TransitionWatcher
 from pdserve.cluster.routing import InstanceView, make_router
-from pdserve.cluster.tetri import decode_demand
 from pdserve.cluster.worker import AddTransfer, TokenDelta
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.predict import LengthPrediction, Oracle

@@ -207,7 +207,7 @@ def test_bfloat16_on_cpu(tiny_dirs, hf_models):
 def test_engine_rejects_mixture_of_experts():
     from pdserve.config import ModelConfig
     from pdserve.model.loader import build_model
-    from pdserve.sim.models import CATALOGUE
+    from pdserve.sim.model_catalogue import CATALOGUE
 
     cfg = ModelConfig.from_hf_dict(dict(CATALOGUE["mixtral-8x7b"], num_hidden_layers=1,
                                         hidden_size=64, intermediate_size=64,

@@ -11,7 +11,7 @@ from pdserve.planner.problem import Problem
 from pdserve.planner.search import plan
 from pdserve.planner.units import Unit, UnitCache, evaluate_unit
 from pdserve.sim.hardware import get_device
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 
 PROFILE = "distserve_profiler-a100-80g.distserve"
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.cluster.protocol import InstanceStatus, QueueFullError, RequestFailedError
+from pdserve.cluster.serving_api import InstanceStatus, QueueFullError, RequestFailedError
 from pdserve.engine.engine import EngineStats
 from pdserve.request import RequestOutput, SamplingParams, Timeline, validate_prompt
 

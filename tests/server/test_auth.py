@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.cluster.protocol import InstanceStatus, Removal
+from pdserve.cluster.serving_api import InstanceStatus, Removal
 from pdserve.server import build_app
 from pdserve.server import cli as serve_cli
 from tests.server.fakes import FakeRuntime

@@ -15,7 +15,7 @@ import pytest
 import pdserve.server.app as app_module
 from pdserve.server import build_app
 from pdserve.server.formats import ChatFormat
-from pdserve.server.protocol import MAX_MESSAGES, MAX_STOP
+from pdserve.server.openai_types import MAX_MESSAGES, MAX_STOP
 from tests.server.fakes import FakeRuntime
 
 CHAT = "/v1/chat/completions"

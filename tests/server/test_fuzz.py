@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from pdserve.server import build_app
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pdserve.server.openai_types import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tests.server.fakes import FakeRuntime
 
 POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]

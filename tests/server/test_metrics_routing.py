@@ -7,7 +7,7 @@ import dataclasses
 
 import httpx
 
-from pdserve.cluster.protocol import InstanceStatus
+from pdserve.cluster.serving_api import InstanceStatus
 from pdserve.server import build_app
 from tests.server.fakes import FakeRuntime
 from tests.server.test_metrics import scrape, value

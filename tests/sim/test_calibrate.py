@@ -24,7 +24,7 @@ from pdserve.sim.measurements import (
     profile_shapes,
     save_samples,
 )
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 
 # DistServe's profile ships with pdserve; Splitwise's and Vidur's data are only in
 # ../shared/profiles beside the repository (development layout): those checks skip without it.

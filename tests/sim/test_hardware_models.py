@@ -12,7 +12,7 @@ from pdserve.sim.hardware import (
     list_devices,
     list_links,
 )
-from pdserve.sim.models import canonical_model_name, get_model_config, list_models
+from pdserve.sim.model_catalogue import canonical_model_name, get_model_config, list_models
 
 
 def test_device_lookup_case_insensitive_and_aliases():

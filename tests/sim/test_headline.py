@@ -12,7 +12,7 @@ from pdserve.bench.presets import distserve_filter
 from pdserve.bench.traces import load_trace
 from pdserve.cli import main as pdserve_main
 from pdserve.sim.latency import FittedProfile
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 from pdserve.sim.target import build_simulator
 
 ROOT = Path(__file__).resolve().parents[2]

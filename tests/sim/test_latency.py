@@ -24,7 +24,7 @@ from pdserve.sim.latency import (
     pipeline_finish_times,
     profile_grid,
 )
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 
 # DistServe simdistserve/estimators/profile_data/profiler-a100-80g.distserve.json @ 82831f1,
 # facebook/opt-13b, tp=1 (milliseconds), as shipped in /work/shared/profiles.

@@ -67,7 +67,7 @@ from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, ModelConfig, kv_cache_blocks
 from pdserve.sim.hardware import get_device
 from pdserve.sim.latency import FittedProfile
-from pdserve.sim.models import get_model_config
+from pdserve.sim.model_catalogue import get_model_config
 from pdserve.sim.simulator import SimResult
 from pdserve.sim.target import SimulationConfig, build_simulator, resolve_profile
 from pdserve.sim.target import simulate as simulate_requests
