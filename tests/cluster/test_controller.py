@@ -168,3 +168,26 @@ def test_debug_log_follows_a_request_through_the_controller(caplog):
         "r KV imported on d0",
         "r finished (length): 4 output tokens",
     ]
+
+
+def test_debug_log_follows_a_request_through_a_worker(caplog):
+    """DEBUG lines of pdserve.cluster.worker: each command, a prefill request's first token and
+    hold for transfer, a refused command."""
+    from pdserve.cluster.worker import Abort, InstanceWorker
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tests.engine.fakes import FakeExecutor
+
+    eng = EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=16),
+                       scheduler=SchedulerConfig(role="prefill", max_model_len=64,
+                                                 enable_chunked_prefill=False))
+    w = InstanceWorker("p0", eng, FakeExecutor(16, 4))
+    with caplog.at_level("DEBUG", logger="pdserve.cluster.worker"):
+        w.handle([AddRequest("r", [1, 2, 3], P, 0.0)], 0.0)
+        w.handle([AddRequest("r", [1], P, 0.0)], 1.0)  # a duplicate id is refused
+        w.handle([Abort("r")], 2.0, step=False)
+    got = [r.getMessage() for r in caplog.records]
+    assert got[0] == "AddRequest r on p0 at 0.000000"
+    assert got[1] == "r on p0: held for transfer after 1 tokens"
+    assert got[2] == "AddRequest r on p0 at 1.000000"
+    assert got[3].startswith("AddRequest on p0 refused: ")
+    assert got[4:] == ["Abort r on p0 at 2.000000"]
