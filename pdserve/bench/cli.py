@@ -160,13 +160,14 @@ def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
         p.add_argument("--targets-config", metavar="FILE",
                        help="JSON/YAML list of {name, target, num_gpus, model, options}")
         p.add_argument("--num-gpus", action="append", default=[], metavar="[NAME=]N",
-                       help="GPUs per target for per-GPU numbers (N for all, or NAME=N)")
+                       help="GPUs per target for per-GPU numbers (N for all, or NAME=N; "
+                            "default: what a pdserve server reports, else 1)")
     else:
         p.add_argument("--target", required=True, metavar="URL|NAME",
                        help=f"server URL (http://host:port) or one of: {', '.join(target_names())}")
-        p.add_argument("--num-gpus", type=positive_int, default=1,
-                       help="GPUs the target uses (per-GPU numbers divide by it) "
-                            "(default: %(default)s)")
+        p.add_argument("--num-gpus", type=positive_int, default=None,
+                       help="GPUs the target uses (per-GPU numbers divide by it) (default: "
+                            "what a pdserve server reports, else 1, marked as assumed)")
     add_workload_args(p)
     add_slo_args(p)
     c = p.add_argument_group("client")
@@ -417,7 +418,7 @@ def _compare_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
         else:
             next(sp for sp in specs if sp["name"] == name)["num_gpus"] = count
     for sp in specs:
-        sp.setdefault("num_gpus", default_gpus or 1)
+        sp.setdefault("num_gpus", default_gpus)  # None: what the server reports
     return specs
 
 
@@ -438,7 +439,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     targets = []
     for sp in specs:
         ns = argparse.Namespace(**vars(args))
-        ns.num_gpus = int(sp["num_gpus"])
+        ns.num_gpus = None if sp["num_gpus"] is None else int(sp["num_gpus"])
         ns.model = sp.get("model", args.model)
         ns.target_option = list(args.target_option) + list((sp.get("options") or {}).items())
         targets.append(_target(ns, str(sp["target"]), sp["name"]))

@@ -129,10 +129,10 @@ def error_message(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {text[:300]}"
 
 
-async def fetch_model_info(base_url: str, api_key: str | None = None,
-                           timeout: float = 10.0) -> tuple[str, int | None, int | None]:
-    """The first served model's id, its ``max_model_len`` and its ``vocab_size`` where the
-    server reports them (vLLM reports the first, pdserve both)."""
+async def fetch_model_info(base_url: str, api_key: str | None = None, timeout: float = 10.0
+                           ) -> tuple[str, int | None, int | None, int | None]:
+    """The first served model's id, its ``max_model_len``, ``vocab_size`` and the deployment's
+    ``num_gpus`` where the server reports them (vLLM reports the first, pdserve all three)."""
     url = normalize_base_url(base_url) + "/v1/models"
     try:
         async with httpx.AsyncClient(timeout=timeout) as c:
@@ -143,7 +143,8 @@ async def fetch_model_info(base_url: str, api_key: str | None = None,
         raise ConnectionError(f"{url} answered {error_message(r.status_code, r.content)}")
     try:
         card = r.json()["data"][0]
-        return str(card["id"]), card.get("max_model_len"), card.get("vocab_size")
+        return (str(card["id"]), card.get("max_model_len"), card.get("vocab_size"),
+                card.get("num_gpus"))
     except (ValueError, KeyError, IndexError, TypeError):
         raise ConnectionError(f"{url} did not list any model") from None
 
@@ -286,7 +287,7 @@ async def run_requests(requests: Sequence[WorkloadRequest], cfg: ClientConfig,
         raise ValueError(f"max_concurrency must be >= 1, got {cfg.max_concurrency}")
     model = cfg.model
     if model is None:
-        model, _, _ = await fetch_model_info(base, cfg.api_key, min(cfg.timeout, 30.0))
+        model = (await fetch_model_info(base, cfg.api_key, min(cfg.timeout, 30.0)))[0]
     url, headers = base + "/v1/completions", _headers(cfg.api_key)
     sem = asyncio.Semaphore(cfg.max_concurrency)
     limits = httpx.Limits(max_connections=cfg.max_concurrency,

@@ -243,6 +243,7 @@ class Summary:
     tightest_slo_scale: float | None = None
     breakdown: dict[str, Any] | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    num_gpus_note: str | None = None  # where num_gpus came from, when not from the user
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(asdict(self))

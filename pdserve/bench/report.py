@@ -55,7 +55,8 @@ def summary_markdown(s: Summary, title: str = "") -> str:
         ("requests (ok / failed)", f"{s.num_ok} / {s.num_failed}"),
         ("offered rate", f"{_num(s.offered_rate_rps)} req/s"),
         ("throughput", f"{_num(s.throughput_rps)} req/s, {_num(s.output_tokens_per_s)} tok/s"),
-        ("per GPU", f"{_num(s.per_gpu_throughput_rps)} req/s ({s.num_gpus} GPU(s))"),
+        ("per GPU", f"{_num(s.per_gpu_throughput_rps)} req/s ({s.num_gpus} GPU(s)"
+                    + (f", {s.num_gpus_note})" if s.num_gpus_note else ")")),
     ]
     if s.slo is not None:
         pct = round((s.target or 0) * 100)

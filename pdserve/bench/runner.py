@@ -136,6 +136,7 @@ def run_workload(target: Target, w: Workload, s: Settings) -> Run:
         raise RuntimeError(f"target {target.name} returned {len(records)} records for "
                            f"{len(w.requests)} requests")
     summary = summarize(records, s.slo, s.target, target.num_gpus)
+    summary.num_gpus_note = getattr(target, "num_gpus_note", None)
     sweep = None
     if s.slo is not None:
         slo = s.slo
@@ -173,6 +174,7 @@ def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
         recs = sorted(run.records, key=lambda r: r.timeline.arrival or 0.0)
         judged = recs[rule.first_judged(len(recs), rule.warmup(rate, life)):]
         run.summary = summarize(judged, slo, s.target, target.num_gpus)  # the steady window
+        run.summary.num_gpus_note = getattr(target, "num_gpus_note", None)
         run.judged = len(judged)
         if s.criterion == "both":
             v = rule.verdict([all(meets(r, slo)) for r in judged], s.target)

@@ -36,20 +36,25 @@ class Target(Protocol):
     async def run(self, requests: list[WorkloadRequest]) -> list[RequestRecord]: ...
 
 
+UNKNOWN_GPUS = "assumed: the server does not report its GPU count; give --num-gpus"
+
+
 class HttpTarget:
     """An OpenAI-compatible server (pdserve, vLLM, SGLang) driven by the streaming client.
 
     ``prepare()`` asks ``/v1/models`` for the model name (unless given), ``max_model_len`` and
-    ``vocab_size``
-    (vLLM and pdserve report it; the CLI scales workloads to it).
+    ``vocab_size`` (vLLM and pdserve report it; the CLI scales workloads to it) and, unless
+    ``num_gpus`` is given, the deployment's GPU count (pdserve reports it; for other servers
+    per-GPU numbers assume 1 and :attr:`num_gpus_note` says so).
     """
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 max_concurrency: int = 1024, timeout: float = 300.0, *, num_gpus: int = 1,
+                 max_concurrency: int = 1024, timeout: float = 300.0, *,
+                 num_gpus: int | None = None,
                  name: str | None = None, request_timeline: bool = True,
                  progress: bool = True, extra_body: dict[str, Any] | None = None,
                  scrape_metrics: str | None = None, scrape_interval: float = 0.5) -> None:
-        if num_gpus < 1:
+        if num_gpus is not None and num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
         if scrape_interval <= 0:
             raise ValueError(f"scrape_interval must be > 0, got {scrape_interval}")
@@ -57,15 +62,17 @@ class HttpTarget:
                                    timeout, request_timeline=request_timeline,
                                    progress=progress, extra_body=dict(extra_body or {}))
         self.name = name or self.config.base_url
-        self.num_gpus = num_gpus
+        self.num_gpus = num_gpus or 1
+        self.num_gpus_note: str | None = None if num_gpus else UNKNOWN_GPUS
         self.max_model_len: int | None = None
         self.vocab_size: int | None = None
         self.scrape_metrics, self.scrape_interval = scrape_metrics, scrape_interval
 
     async def prepare(self) -> None:
-        model, self.max_model_len, self.vocab_size = await fetch_model_info(
-            self.config.base_url,
-                                                           self.config.api_key)
+        model, self.max_model_len, self.vocab_size, gpus = await fetch_model_info(
+            self.config.base_url, self.config.api_key)
+        if self.num_gpus_note is not None and isinstance(gpus, int) and gpus >= 1:
+            self.num_gpus, self.num_gpus_note = gpus, "reported by the server"
         if self.config.model is None:
             self.config = replace(self.config, model=model)
 
@@ -121,7 +128,7 @@ def make_target(spec: str, args: Any, name: str | None = None) -> Target:
         return HttpTarget(
             spec, getattr(args, "model", None), getattr(args, "api_key", None),
             getattr(args, "max_concurrency", 1024), getattr(args, "timeout", 300.0),
-            num_gpus=getattr(args, "num_gpus", 1), name=name,
+            num_gpus=getattr(args, "num_gpus", None), name=name,
             request_timeline=not getattr(args, "no_timeline", False),
             progress=not getattr(args, "no_progress", False),
             scrape_metrics=getattr(args, "scrape_metrics", None),

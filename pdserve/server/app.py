@@ -504,7 +504,8 @@ class OpenAIServer:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
                                          root=self.runtime.model_name,
                                          max_model_len=self.runtime.max_model_len,
-                                         vocab_size=getattr(self.runtime, "vocab_size", None))])
+                                         vocab_size=getattr(self.runtime, "vocab_size", None),
+                                         num_gpus=getattr(self.runtime, "num_gpus", None))])
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)

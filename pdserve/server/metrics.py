@@ -1,4 +1,5 @@
-"""Prometheus metrics of the API server, named after vLLM's (``vllm:`` → ``pdserve:``).
+"""Prometheus metrics of the API server, named after vLLM's with pdserve's prefix (``vllm:`` →
+``pdserve:``; no ``vllm:`` series is served).
 
 Per-request histograms and token counters are fed by a :class:`RequestTracker` from each
 request's output deltas and observed from its final timeline; per-instance gauges and counters
@@ -20,7 +21,9 @@ from pdserve.request import RequestOutput
 
 log = logging.getLogger("pdserve.server")
 
-UNKNOWN_INSTANCE = "unknown"
+# the instance label of a request no instance has produced output for (aborted, refused or
+# failed while queued): counted, but under no instance
+NO_INSTANCE = "none"
 
 # Bucket choices follow vLLM's (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -112,7 +115,7 @@ class RequestTracker:
         if out.instance_id:
             self.last_instance = out.instance_id
         if out.new_token_ids:
-            inst = out.instance_id or self.last_instance or UNKNOWN_INSTANCE
+            inst = out.instance_id or self.last_instance or NO_INSTANCE
             if self.first_instance is None:
                 self.first_instance = inst
                 m.prompt_tokens.labels(m.model_name, inst).inc(self.num_prompt_tokens)
@@ -124,14 +127,14 @@ class RequestTracker:
         """The request ended without a final delta (by default: the client went away)."""
         if not self.done:
             self.done = True
-            inst = self.last_instance or UNKNOWN_INSTANCE
+            inst = self.last_instance or NO_INSTANCE
             self.m.request_success.labels(self.m.model_name, inst, reason).inc()
 
     def _finish(self, out: RequestOutput) -> None:
         self.done = True
         m, name = self.m, self.m.model_name
         reason = out.finish_reason or "stop"
-        last = self.last_instance or UNKNOWN_INSTANCE
+        last = self.last_instance or NO_INSTANCE
         first = self.first_instance or last
         m.request_success.labels(name, last, reason).inc()
         if reason not in ("stop", "length"):

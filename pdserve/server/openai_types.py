@@ -492,6 +492,7 @@ class ModelCard(BaseModel):
     root: str
     max_model_len: int
     vocab_size: int | None = None  # pdserve's addition: benchmark clients draw token ids below it
+    num_gpus: int | None = None  # pdserve's addition: the deployment's devices (per-GPU numbers)
     parent: str | None = None
 
 

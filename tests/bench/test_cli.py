@@ -17,9 +17,10 @@ SLO_FLAGS = ["--slo-ttft", "0.3", "--slo-tpot", "0.05"]
 
 @pytest.fixture(autouse=True)
 def queue_targets() -> None:
-    register_target("queue10", lambda a: QueueTarget(10.0, num_gpus=a.num_gpus, name="queue10"))
+    register_target("queue10", lambda a: QueueTarget(10.0, num_gpus=a.num_gpus or 1,
+                                                     name="queue10"))
     register_target("queue30", lambda a: QueueTarget(
-        float(a.target_options.get("capacity", 30)), num_gpus=a.num_gpus, name="queue30"))
+        float(a.target_options.get("capacity", 30)), num_gpus=a.num_gpus or 1, name="queue30"))
 
 
 def test_register_adds_three_subcommands() -> None:

@@ -224,7 +224,8 @@ async def test_models(client: httpx.AsyncClient, runtime: FakeRuntime) -> None:
     assert card == {"id": MODEL, "object": "model", "created": card["created"],
                     "owned_by": "pdserve", "root": runtime.model_name,
                     "max_model_len": runtime.max_model_len,
-                    "vocab_size": None, "parent": None}  # the fake runtime has no vocab_size
+                    "vocab_size": None,  # the fake runtime has no vocab_size
+                    "num_gpus": runtime.num_gpus, "parent": None}
 
 
 @pytest.mark.parametrize(("path", "name"), [

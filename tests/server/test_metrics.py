@@ -105,3 +105,20 @@ async def test_errors_are_counted() -> None:
     m = {"model_name": "m", "instance": "colocated-0"}
     assert value(s, "pdserve:request_success_total", finished_reason="error", **m) == 1
     assert value(s, "pdserve:e2e_request_latency_seconds_count", **m) == 0
+
+
+async def test_a_request_no_instance_answered_is_counted_under_none() -> None:
+    """A request that ends before any instance produced output for it (here: the runtime
+    fails it at once) is counted, under ``instance="none"`` (not an "unknown" instance)."""
+    runtime = FakeRuntime()
+    runtime.fail_after, runtime.fail_mode = 0, "raise"
+    app = build_app(runtime, "m")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        r = await c.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 5,
+                                                  "stream": True})
+        assert r.status_code == 200 and "error" in r.text
+        after = await scrape(c)
+    ended = {labels: v for (name, labels), v in after.items()
+             if name == "pdserve:request_success_total"}
+    assert ended and all(dict(labels)["instance"] == "none" for labels in ended), ended
+    assert sum(ended.values()) == 1
