@@ -102,8 +102,10 @@ class ModelExecutor:
         self.thread_steps: Counter[int] = Counter()  # steps run per thread count (CPU)
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device() + rank)
+            base = self.device.index  # rank r of a group takes the r-th device from there
+            if base is None:
+                base = torch.cuda.current_device()
+            self.device = torch.device("cuda", base + rank)
             torch.cuda.set_device(self.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
