@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -54,9 +54,12 @@ from pdserve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_types import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -615,6 +618,42 @@ def _validate(model: type[M], data: bytes) -> M:
         raise RequestValidationError(e.errors()) from None
 
 
+ERROR_MEANINGS = {
+    400: "a bad value (the error names the field) or a request over an admission bound",
+    401: "a missing or wrong API key", 404: "an unknown model or route",
+    413: "a body over --max-request-bytes", 429: "the queue is full (Retry-After: 1)",
+    503: "no live instance for a role, or an instance failure caught the request"}
+GENERATION_ERRORS = (400, 401, 404, 413, 429, 503)
+SSE_SCHEMA = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "server-sent events: `data: <chunk JSON>` per token of "
+    "each choice (the chunk has the response's shape with one choice delta), `data: <error "
+    "object>` on a failure after the start, `data: [DONE]`"}}}
+
+
+def _responses(ok: type[BaseModel] | None, errors: tuple[int, ...],
+               stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses``: 200 (``ok``'s model, or the route's; with ``stream`` also an
+    event stream) and each of ``errors`` with the OpenAI error object."""
+    out: dict[int | str, dict[str, Any]] = {}
+    if ok is not None:
+        out[200] = {"model": ok, "description": "the response (stream: false)"}
+    if stream:
+        out[200]["content"] = {"text/event-stream": {"schema": SSE_SCHEMA}}
+    for code in errors:
+        out[code] = {"model": ErrorResponse, "description": ERROR_MEANINGS[code]}
+    return out
+
+
+HEALTH = {200: {"description": "every role has a live instance",
+                "content": {"application/json": {"schema": {"type": "object",
+                                                            "maxProperties": 0}}}},
+          503: {"model": ErrorResponse, "description": ERROR_MEANINGS[503]}}
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 REQUEST_MODELS: dict[str, type[BaseModel]] = {}
 
 
@@ -626,18 +665,44 @@ def _request_body(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the request models the endpoints parse themselves."""
+def _openapi(app: FastAPI, vocab: int | None, max_model_len: int) -> dict[str, Any]:
+    """FastAPI's schema plus the request models the endpoints parse themselves, with this
+    model's bounds: token ids (``x-token-id`` in the models' schemas) below the vocabulary,
+    prompt token lists (``x-prompt``) and completion budgets (``x-budget``) below
+    ``max_model_len``; one ``operationId`` per method."""
     if app.openapi_schema is None:
+        import warnings
+
         from fastapi.openapi.utils import get_openapi
 
-        schema = get_openapi(title=app.title, version=app.version,
-                             description=app.description, routes=app.routes)
+        with warnings.catch_warnings():  # GET and POST /ping share a route: renamed below
+            warnings.filterwarnings("ignore", "Duplicate Operation ID")
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)
         comps = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, model in REQUEST_MODELS.items():
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             comps.update(js.pop("$defs", {}))
             comps[name] = js
+        stack: list[Any] = [comps]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if node.pop("x-token-id", False) and vocab:
+                    node["maximum"] = vocab - 1
+                if node.pop("x-prompt", False):
+                    node["maxItems"] = max_model_len - 1  # one token left to generate
+                if node.pop("x-budget", False):
+                    node["maximum"] = max_model_len - 1
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+        seen: set[str] = set()
+        for path in schema.get("paths", {}).values():
+            for method, op in path.items():
+                if op.get("operationId") in seen:
+                    op["operationId"] = f"{op['operationId']}_{method}"
+                seen.add(op.get("operationId", ""))
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -686,7 +751,9 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
         {"workers": grammar_workers, "timeout": grammar_timeout})
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving",
                   version=__version__)
-    app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
+    app.openapi = partial(  # type: ignore[method-assign]
+        _openapi, app, getattr(runtime, "vocab_size", None)
+        or _tokenizer_vocab_size(runtime.tokenizer), runtime.max_model_len)
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -699,7 +766,9 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        r = APIError(exc.status_code, str(exc.detail)).response()
+        r.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return r
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
@@ -709,43 +778,44 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
     if api_key or admin_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, admin_key=admin_key)
 
-    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest),
+              responses=_responses(CompletionResponse, GENERATION_ERRORS, stream=True))
     async def completions(raw: Request) -> Response:
         return await server.completions(await server.parse(raw, CompletionRequest), raw)
 
-    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest),
+              responses=_responses(ChatCompletionResponse, GENERATION_ERRORS, stream=True))
     async def chat_completions(raw: Request) -> Response:
         return await server.chat(await server.parse(raw, ChatCompletionRequest), raw)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses(None, (401,)))
     async def models() -> ModelList:
         return server.models()
 
-    @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest),
+              responses=_responses(None, (400, 401, 404, 413)))
     async def tokenize(raw: Request) -> TokenizeResponse:
         return await server.tokenize(await server.parse(raw, TokenizeRequest))
 
-    @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest))
+    @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest),
+              responses=_responses(None, (400, 401, 404, 413)))
     async def detokenize(raw: Request) -> DetokenizeResponse:
         return await server.detokenize(await server.parse(raw, DetokenizeRequest))
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH)
     async def health() -> Response:
         return server.health()
 
-    @app.get("/ping", operation_id="ping_get")
-    async def ping() -> Response:
-        return server.health()
-
-    @app.post("/ping", operation_id="ping_post")
-    async def ping_post() -> Response:
+    @app.api_route("/ping", methods=["GET", "POST"], responses=HEALTH)
+    async def ping() -> Response:  # one route: a 405 lists both methods in Allow
         return server.health()
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=_responses(None, (401,)))
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -756,11 +826,12 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
                                 "or --admin-key-file")
         return app
 
-    @app.get("/admin/instances")
+    @app.get("/admin/instances", responses=_responses(None, (401,)))
     async def list_instances() -> dict[str, Any]:
         return {"instances": _instances(runtime)}
 
-    @app.post("/admin/instances")
+    @app.post("/admin/instances", openapi_extra=_request_body(AdminInstancesRequest),
+              responses=_responses(None, (400, 401, 413, 503)))
     async def scale_instances(raw: Request) -> dict[str, Any]:
         try:
             body = AdminInstancesRequest.model_validate_json(await raw.body())

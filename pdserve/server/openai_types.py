@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -31,6 +32,26 @@ MAX_MESSAGES = 4096  # chat turns per request (checked before the template runs)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions ``logprobs``
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap for chat ``top_logprobs``
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+# The JSON schema each field states (OpenAPI, fuzzers): the rules the validators below and
+# SamplingParams enforce, whose messages name the field; the schema only says them.
+# a token id: the app's OpenAPI schema bounds it by the model's vocabulary
+TOKEN_ID = {"type": "integer", "minimum": 0, "x-token-id": True}
+# a prompt's token ids / a completion's token budget: bounded by max_model_len (the same way)
+PROMPT_IDS = {"type": "array", "minItems": 1, "items": TOKEN_ID, "x-prompt": True}
+
+
+def _or_null(**kw: Any) -> WithJsonSchema:
+    return WithJsonSchema({"anyOf": [kw, {"type": "null"}]})
+
+
+def _num(**kw: Any) -> WithJsonSchema:
+    return _or_null(type="number", **kw)
+
+
+def _int(**kw: Any) -> WithJsonSchema:
+    return _or_null(type="integer", **kw)
 
 
 def find_lone_surrogate(value: Any) -> str | None:
@@ -75,33 +96,47 @@ class _GenerationRequest(_Request):
     tools and function calling, ``guided_grammar``."""
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    temperature: Annotated[float | None, _num(minimum=0, maximum=1e6)] = None
+    top_p: Annotated[float | None, _num(exclusiveMinimum=0, maximum=1)] = None
+    top_k: Annotated[int | None, _int(minimum=-1)] = None
+    min_p: Annotated[float | None, _num(minimum=0, maximum=1)] = None
     seed: int | None = None
     stop: (Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
            | Annotated[list[Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]],
                        Field(max_length=MAX_STOP)]
            | None) = None
-    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    stop_token_ids: Annotated[list[int] | None, _or_null(
+        type="array", maxItems=MAX_STOP_TOKEN_IDS, items={"type": "integer", "minimum": 0})] \
+        = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    n: int = 1
-    best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    min_tokens: Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0})] = 0
+    n: Annotated[int, WithJsonSchema({"type": "integer", "minimum": 1,
+                                      "maximum": MAX_CHOICES})] = 1
+    best_of: Annotated[int | None, WithJsonSchema({"anyOf": [{"const": 1},
+                                                             {"type": "null"}]})] = None
+    presence_penalty: Annotated[float | None, _num(minimum=-2, maximum=2)] = None
+    frequency_penalty: Annotated[float | None, _num(minimum=-2, maximum=2)] = None
+    repetition_penalty: Annotated[float | None, _num(exclusiveMinimum=0, maximum=100)] = None
+    logit_bias: Annotated[dict[str, float] | None, _or_null(
+        type="object", maxProperties=300, propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})] = None
+    response_format: Annotated[dict[str, Any] | None, _or_null(
+        type="object", required=["type"], properties={
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["schema"],
+                            "properties": {"name": {"type": "string"},
+                                           "schema": {"type": "object"}}}})] = None
     guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
+    guided_regex: Annotated[str | None, _or_null(type="string", minLength=1)] = None
+    guided_choice: Annotated[list[str] | None, _or_null(
+        type="array", minItems=1, items={"type": "string", "minLength": 1})] = None
+    guided_grammar: Annotated[str | None, WithJsonSchema({"type": "null"})] = None
+    tools: Annotated[list[Any] | None, _or_null(type="array", maxItems=0)] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(
+        {"anyOf": [{"const": "none"}, {"type": "null"}]})] = None
+    functions: Annotated[list[Any] | None, _or_null(type="array", maxItems=0)] = None
+    function_call: Annotated[str | dict[str, Any] | None, WithJsonSchema(
+        {"anyOf": [{"const": "none"}, {"type": "null"}]})] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -223,16 +258,52 @@ def _is_token_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
+def _at_most_one_constraint() -> list[dict[str, Any]]:
+    """JSON schema: at most one of the structured-output fields is set (``anyOf`` of "all
+    but this one are null or absent")."""
+    names = ["guided_json", "guided_regex", "guided_choice"]
+
+    def unset(name: str) -> dict[str, Any]:
+        return {"anyOf": [{"not": {"required": [name]}},
+                          {"properties": {name: {"type": "null"}}}]}
+
+    rf_free = {"anyOf": [{"not": {"required": ["response_format"]}},
+                         {"properties": {"response_format": {"anyOf": [
+                             {"type": "null"},
+                             {"properties": {"type": {"const": "text"}}}]}}}]}
+    cases = [{"allOf": [rf_free, *(unset(m) for m in names if m != n)]} for n in names]
+    cases.append({"allOf": [unset(m) for m in names]})
+    return cases
+
+
+def _needs(field: str, flag: str, value: Any) -> dict[str, Any]:
+    """JSON schema: ``field`` (when set) needs ``flag`` to be ``value``."""
+    return {"anyOf": [{"not": {"required": [field]}},
+                      {"properties": {field: {"type": "null"}}},
+                      {"required": [flag], "properties": {flag: {"const": value}}}]}
+
+
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``. ``prompt`` is a string, a list of token ids, or a list of
     either (one choice per prompt and sample: choice ``i * n + j`` is sample ``j`` of prompt
     ``i``). ``echo`` prepends the prompt to the text; ``suffix`` is refused."""
 
-    prompt: str | list[int] | list[str | list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"anyOf": _at_most_one_constraint()},
+        {"anyOf": [{"not": {"required": ["echo"]}}, {"properties": {"echo": {"const": False}}},
+                   {"not": {"required": ["logprobs"]}},
+                   {"properties": {"logprobs": {"type": "null"}}}]}]})
+
+    prompt: Annotated[str | list[int] | list[str | list[int]], WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1},
+        PROMPT_IDS,
+        {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            PROMPT_IDS]}}]})]
+    max_tokens: Annotated[int | None, _int(minimum=1, **{"x-budget": True})] = 16
+    logprobs: Annotated[int | None, _int(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)] = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Annotated[str | None, _or_null(type="string", maxLength=0)] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -291,8 +362,13 @@ class ChatMessage(_Request):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Annotated[str, WithJsonSchema({"enum": list(CHAT_ROLES)})]
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"},
+                                                   "text": {"type": "string"}}}},
+        {"type": "null"}]})] = None
 
     @field_validator("role")
     @classmethod
@@ -325,11 +401,15 @@ class ChatCompletionRequest(_GenerationRequest):
     defaults to the rest of the context; ``logprobs`` is a flag and ``top_logprobs`` the number
     of alternatives (at most 20)."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"anyOf": _at_most_one_constraint()}, _needs("top_logprobs", "logprobs", True)]})
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Annotated[int | None, _int(minimum=1, **{"x-budget": True})] = None
+    max_completion_tokens: Annotated[int | None, _int(minimum=1, **{"x-budget": True})] \
+        = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int | None, _int(minimum=0, maximum=MAX_TOP_LOGPROBS)] = None
 
     _messages_count = field_validator("messages", mode="before")(_few_messages)
 
@@ -362,6 +442,10 @@ class ChatCompletionRequest(_GenerationRequest):
 class TokenizeRequest(_Request):
     """``POST /tokenize``: either ``prompt`` or chat ``messages``."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None \
@@ -379,7 +463,8 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[int], WithJsonSchema(
+        {"type": "array", "items": TOKEN_ID})]
 
 
 # ---------------------------------------------------------------------------------- responses
