@@ -4,7 +4,8 @@
   the length predictors ...) imports nothing of the harness (sim, planner, bench, flags, the
   CLIs, demo, predictor training) — at any level, ``TYPE_CHECKING`` blocks included.
 - ``config`` and ``request`` import no other pdserve module but each other.
-- No import cycle at import time (module-level imports).
+- No import cycle at import time (module-level imports), nor through function-level or
+  ``TYPE_CHECKING`` imports.
 - A function-level import in the core says why on its line (``# lazy: torch``, ...): it is
   there only to keep a heavy dependency from loading.
 
@@ -110,12 +111,12 @@ def back_edges(imports: list[Import]) -> list[str]:
     return bad
 
 
-def cycles(imports: list[Import]) -> list[list[str]]:
-    """Strongly connected components (of more than one module, or a self-import) of the
-    import-time graph."""
+def cycles(imports: list[Import], levels: tuple[str, ...] = ("top",)) -> list[list[str]]:
+    """Strongly connected components (of more than one module, or a self-import) of the graph
+    of the imports at ``levels`` (default: those that run at import time)."""
     graph: dict[str, set[str]] = {}
     for i in imports:
-        if i.level == "top":
+        if i.level in levels:
             graph.setdefault(i.src, set()).add(i.dst)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -170,6 +171,12 @@ def test_no_import_cycle_at_import_time(imports):
     assert cycles(imports) == []
 
 
+def test_no_import_cycle_even_through_lazy_and_typing_imports(imports):
+    """Modules form layers: not even a function-level or a ``TYPE_CHECKING`` import closes a
+    circle (a type a lower module needs lives there, or is a Protocol of what it reads)."""
+    assert cycles(imports, ("top", "function", "typing")) == []
+
+
 def test_function_level_imports_in_the_core_say_why(imports):
     assert unexplained_lazy_imports(imports) == []
 
@@ -197,6 +204,9 @@ def test_the_checks_catch_what_they_name(tmp_path):
         "pdserve/engine/policies.py:3: core module pdserve.engine.policies imports harness "
         "module pdserve.sim.hardware"]
     assert cycles(found) == [["pdserve.engine.policies", "pdserve.engine.prefill_order"]]
+    assert sorted(cycles(found, ("top", "function", "typing"))) == [
+        ["pdserve.config", "pdserve.engine.policies", "pdserve.engine.prefill_order",
+         "pdserve.sim.hardware"]]
     assert unexplained_lazy_imports(found) == [
         "pdserve/engine/policies.py:3: function-level import of pdserve.sim.hardware in core "
         "module pdserve.engine.policies without a '# lazy: <what it keeps from loading>' "

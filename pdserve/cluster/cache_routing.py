@@ -20,7 +20,7 @@ from pdserve.engine.kv_cache import KVEvent
 from pdserve.request import NO_PARENT, block_hashes
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import ClusterRequest
+    from pdserve.cluster.cluster_request import ClusterRequest
 
 
 # ============================================================================ SGLang router

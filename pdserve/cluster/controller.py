@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.cluster.actions import Action, Fail, Send, Transfer
+from pdserve.cluster.cluster_request import ClusterRequest
 from pdserve.cluster.decode_dispatch import decode_demand
 from pdserve.cluster.flip import NoFlip, TransitionWatcher, parse_flip
 from pdserve.cluster.routing import InstanceView, Router, make_router, routers_for
@@ -44,40 +44,6 @@ from pdserve.request import Prompt, SamplingParams, Timeline
 log = logging.getLogger(__name__)
 
 MAX_DISPATCHES = 4  # a request re-dispatched after this many failed attempts fails instead
-
-
-@dataclass
-class ClusterRequest:
-    request_id: str
-    prompt_token_ids: Prompt  # (a list is made one)
-    params: SamplingParams
-    timeline: Timeline
-    output_token_ids: list[int] = field(default_factory=list)
-    stage: str = "new"  # queued | prefill | transfer | decode | done
-    instance: str | None = None  # the instance whose tokens we accept now
-    prefill_instance: str | None = None
-    decode_instance: str | None = None
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    num_dispatches: int = 0
-    # instances the request lives on -> KV tokens promised there and not yet reserved
-    placed: dict[str, int] = field(default_factory=dict)
-    predicted: Any = None  # LengthPrediction of the output (TetriInfer §3.3.2)
-    counted_on: str | None = None  # the decode instance whose heavy/light counts include it
-
-    def __post_init__(self) -> None:
-        # the prompt carries its block hashes, computed once for the router and the engines
-        if not isinstance(self.prompt_token_ids, Prompt):
-            self.prompt_token_ids = Prompt(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def arrival(self) -> float:
-        assert self.timeline.arrival is not None
-        return self.timeline.arrival
 
 
 class Controller:
@@ -281,7 +247,7 @@ class Controller:
         for rid, first_block in rep.pulls:
             acts += self.on_pull(iid, rid, first_block, end)
         if self.flips is not None:
-            acts += self.flips.tick(self, end)
+            acts += self.flips.tick(self.instances, end)
         if self.queued:
             acts += self._route_queued(end)
         return acts, accepted

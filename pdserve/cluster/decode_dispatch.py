@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from pdserve.cluster.routing import InstanceView, Router, register
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import ClusterRequest
+    from pdserve.cluster.cluster_request import ClusterRequest
 
 HEAVY_DECODE_TOKENS = 128  # TetriInfer §5.1: decodes longer than ShareGPT's median are heavy
 

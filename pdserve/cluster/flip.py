@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pdserve.cluster.actions import Action, Send
 from pdserve.cluster.routing import InstanceView
@@ -35,9 +34,6 @@ from pdserve.cluster.worker import SetRole, StepReport
 from pdserve.config import FLIP_POLICIES as FLIP_NAMES
 from pdserve.config import SchedulerConfig, flip_settings
 from pdserve.registry import Registry
-
-if TYPE_CHECKING:
-    from pdserve.cluster.controller import Controller
 
 OTHER = {"prefill": "decode", "decode": "prefill"}
 
@@ -163,10 +159,11 @@ class TransitionWatcher:
         if rec is not None:
             rec.done = now
 
-    def tick(self, ctl: Controller, now: float) -> list[Action]:
+    def tick(self, instances: Mapping[str, InstanceView], now: float) -> list[Action]:
+        """The controller's instances (``Controller.instances``) at ``now``: the flips to send."""
         acts: list[Action] = []
         for iid, rec in self._open.items():  # drained instances flip now
-            inst = ctl.instances[iid]
+            inst = instances[iid]
             if not inst.alive or inst.active:
                 continue
             if rec.drained is None:
@@ -179,7 +176,7 @@ class TransitionWatcher:
         if now - self._last_check < self.check_interval_s or isinstance(self.policy, NoFlip):
             return acts
         self._last_check = now
-        views = [i for i in ctl.instances.values() if i.alive and i.role in OTHER]
+        views = [i for i in instances.values() if i.alive and i.role in OTHER]
         for inst in views:
             if inst.draining:
                 continue

@@ -14,7 +14,7 @@ from pdserve.cluster.routing import InstanceView, Router, register, require
 from pdserve.cluster.scaling import InstanceHandle, Mitosis, Move, migrate
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import ClusterRequest
+    from pdserve.cluster.cluster_request import ClusterRequest
 
 
 @register

@@ -26,7 +26,7 @@ from pdserve.engine.kv_cache import KVEvent
 from pdserve.request import block_hashes
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import ClusterRequest
+    from pdserve.cluster.cluster_request import ClusterRequest
 
 PrefillTime = Callable[[int], float]
 _ID = attrgetter("instance_id")

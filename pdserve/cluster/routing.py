@@ -12,7 +12,7 @@ from pdserve.engine.kv_cache import KVEvent
 from pdserve.registry import Registry
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import ClusterRequest
+    from pdserve.cluster.cluster_request import ClusterRequest
     from pdserve.config import ClusterConfig
 
 

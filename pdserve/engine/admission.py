@@ -15,14 +15,24 @@ prediction can never stall an instance.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pdserve.config import ADMISSION_POLICIES
+from pdserve.config import ADMISSION_POLICIES, SchedulerConfig
+from pdserve.engine.kv_cache import BlockPool
+from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.registry import Registry
 from pdserve.request import Request
 
-if TYPE_CHECKING:
-    from pdserve.engine.scheduler import Scheduler
+
+class SchedulerView(Protocol):
+    """What an admission policy reads of the decode scheduler
+    (:class:`pdserve.engine.scheduler.Scheduler`)."""
+
+    running: list[Request]
+    pulling: dict[str, Request]
+    pool: BlockPool
+    kv: KVCacheManager
+    config: SchedulerConfig
 
 
 def expected_total_tokens(req: Request, max_model_len: int) -> int:
@@ -36,7 +46,7 @@ def expected_total_tokens(req: Request, max_model_len: int) -> int:
 class AdmissionPolicy:
     name = ""
 
-    def admit(self, sched: Scheduler, req: Request, need: int) -> bool:
+    def admit(self, sched: SchedulerView, req: Request, need: int) -> bool:
         raise NotImplementedError
 
 
@@ -45,7 +55,7 @@ register = ADMISSIONS.register
 make_admission = ADMISSIONS.make
 
 
-def _busy(sched: Scheduler) -> bool:
+def _busy(sched: SchedulerView) -> bool:
     return bool(sched.running or sched.pulling)
 
 
@@ -57,7 +67,7 @@ class Greedy(AdmissionPolicy):
 
     name = "greedy"
 
-    def admit(self, sched: Scheduler, req: Request, need: int) -> bool:
+    def admit(self, sched: SchedulerView, req: Request, need: int) -> bool:
         reserve = len(sched.running) + len(sched.pulling)
         return need + reserve <= sched.pool.num_free_blocks or not _busy(sched)
 
@@ -69,7 +79,7 @@ class ReserveStatic(AdmissionPolicy):
 
     name = "reserve-static"
 
-    def admit(self, sched: Scheduler, req: Request, need: int) -> bool:
+    def admit(self, sched: SchedulerView, req: Request, need: int) -> bool:
         kv = sched.kv
         growth = (kv.blocks_for(expected_total_tokens(req, sched.config.max_model_len))
                   - kv.blocks_for(req.num_tokens))
@@ -87,7 +97,7 @@ class ReserveDynamic(AdmissionPolicy):
 
     name = "reserve-dynamic"
 
-    def admit(self, sched: Scheduler, req: Request, need: int) -> bool:
+    def admit(self, sched: SchedulerView, req: Request, need: int) -> bool:
         kv, max_len = sched.kv, sched.config.max_model_len
         free = sched.pool.num_free_blocks
         others = list(sched.running) + list(sched.pulling.values())
