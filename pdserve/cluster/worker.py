@@ -138,15 +138,11 @@ class StepReport:
 
 class StepShortcut(Protocol):
     """Takes an instance's step without the scheduler building a batch — the simulator's exact
-    decode fast path (:class:`pdserve.sim.simulator.DecodeShortcut`). :meth:`InstanceWorker.handle`
-    tells it before applying commands and before anything reads the running requests (so it
-    can bring them up to date), and asks it first for each step: ``(elapsed, result)`` when it
+    decode fast path (:class:`pdserve.sim.simulator.DecodeShortcut`; the scheduler catches up
+    the requests it advanced before reading them, ``Scheduler.open_run``).
+    :meth:`InstanceWorker.handle` asks it first for each step: ``(elapsed, result)`` when it
     took the step (``result`` carrying the requests that finished in it, or ``None``), or
     ``None`` to let the engine step."""
-
-    def before_commands(self, commands: list[Command]) -> None: ...
-
-    def before_read(self) -> None: ...
 
     def step(self, now: float) -> tuple[float, StepResult | None] | None: ...
 
@@ -180,14 +176,10 @@ class InstanceWorker:
         :class:`StepShortcut`)."""
         eng = self.engine
         rep = StepReport(self.instance_id, self.role, now)
-        if shortcut is not None:
-            shortcut.before_commands(commands)
         for cmd in commands:
             self._apply(cmd, now, rep)
         rep.role = self.role  # a SetRole took effect
         if self.role == "decode":
-            if shortcut is not None:
-                shortcut.before_read()
             rep.pulls = eng.reserve_pulls(now)
         taken = shortcut.step(now) if shortcut is not None and step else None
         if taken is not None:
@@ -203,8 +195,6 @@ class InstanceWorker:
                 rep.batch = [(s.request_id, s.start, s.num_tokens) for s in res.batch.seqs]
             self._deltas(res, rep)
         if self.role == "decode":  # blocks freed by this step may admit pending transfers
-            if shortcut is not None:
-                shortcut.before_read()
             rep.pulls += eng.reserve_pulls(now + rep.elapsed)
         rep.stats = eng.stats()
         if self.record_events:

@@ -45,6 +45,7 @@ def expected_total_tokens(req: Request, max_model_len: int) -> int:
 
 class AdmissionPolicy:
     name = ""
+    reads_running = False  # reads the running requests' lengths (not only counts and the pool)
 
     def admit(self, sched: SchedulerView, req: Request, need: int) -> bool:
         raise NotImplementedError
@@ -96,6 +97,7 @@ class ReserveDynamic(AdmissionPolicy):
     prompt KV, must fit the blocks free now. With nothing running it admits as reserve-static."""
 
     name = "reserve-dynamic"
+    reads_running = True
 
     def admit(self, sched: SchedulerView, req: Request, need: int) -> bool:
         kv, max_len = sched.kv, sched.config.max_model_len

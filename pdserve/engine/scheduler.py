@@ -107,6 +107,7 @@ class Scheduler:
         if self.requests:
             raise ValueError(f"cannot change role with {len(self.requests)} requests on the "
                              f"instance; drain it first")
+        self.close_run()
         self._configure(config)
 
     # ------------------------------------------------------------------ admission
@@ -315,6 +316,7 @@ class Scheduler:
         self.requests.pop(rid, None)
 
     def abort(self, request_id: str, now: float) -> Request | None:
+        self.close_run()
         req = self.requests.get(request_id)
         if req is not None:
             self.finish(req, S.FINISHED_ABORTED, now)
@@ -323,6 +325,7 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill role
     def release(self, request_id: str, now: float) -> Request:
         """A decode instance has the KV of this held request: free the prefill copy."""
+        self.close_run()
         req = self.held.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} is not held on this instance")
@@ -343,6 +346,8 @@ class Scheduler:
         ``reserve-*`` policies (TetriInfer §3.4, :mod:`pdserve.engine.admission`) replace that
         test with the request's predicted usage."""
         out: list[tuple[Request, int]] = []
+        if self.admission.reads_running:  # the running requests' lengths: catch them up
+            self.close_run()
         if self.waiting:
             return out
         kv, max_seqs = self.kv, self.config.max_num_seqs

@@ -39,10 +39,7 @@ from pdserve.cluster.controller import Controller, Fail, Transfer
 from pdserve.cluster.driver import DriverCore, Effect, StartStep
 from pdserve.cluster.routing import InstanceView, Router, make_routers, role_router
 from pdserve.cluster.worker import (
-    AddRequest,
-    AddTransfer,
     Command,
-    ImportKV,
     InstanceWorker,
     StepReport,
 )
@@ -250,26 +247,16 @@ class DecodeShortcut:
     :class:`~pdserve.cluster.worker.StepShortcut`: when the step is pure decode with an
     unchanged batch, a :class:`~pdserve.sim.fast_forward.DecodeRun` advances it
     (no batch is built, one price call; the same block-pool calls in the same order). The run
-    stays open over the instance's next steps; it is closed (its requests caught up) before
-    commands other than new requests, transfers and imports, and before a decode instance's
-    KV pulls when admission reads more than counts and the pool."""
+    stays open over the instance's next steps; the scheduler closes it (catches its requests
+    up) before it reads them: a step it schedules, an abort, a release, a role flip, and a
+    decode instance's KV pulls when the admission policy reads the running requests'
+    lengths."""
 
     def __init__(self, engine: Engine, executor: SimExecutor) -> None:
         # no reference back to the simulator or its instance: a finished simulation is then
         # acyclic and freed by reference counting, without the cyclic collector
         self.engine, self.executor = engine, executor
         self.num_folded = 0  # steps advanced without a batch
-
-    def before_commands(self, commands: list[Command]) -> None:
-        # adding a request or a transfer, importing KV: no running request is read
-        if not all(type(c) in (AddRequest, AddTransfer, ImportKV) for c in commands):
-            self.engine.scheduler.close_run()
-
-    def before_read(self) -> None:
-        # admission reads only counts and the pool (not the running requests' lazy tokens)
-        sched = self.engine.scheduler
-        if sched.admission.name not in ("greedy", "reserve-static"):
-            sched.close_run()
 
     def step(self, now: float) -> tuple[float, StepResult | None] | None:
         """Advance the instance's next step with its :class:`DecodeRun` (opened if need be):

@@ -22,12 +22,12 @@ PROFILE = FittedProfile(prefill=(0.01, 2e-5, 1e-9), decode_small=(0.008, 3e-7, 1
                         decode_large=(0.009, 3.1e-7, 9e-5), decode_threshold=24)
 
 
-def engine(role, chunked, caching, blocks, seqs=64):
+def engine(role, chunked, caching, blocks, seqs=64, admission="greedy"):
     return EngineConfig(
         cache=CacheConfig(block_size=16, num_kv_blocks=blocks, enable_prefix_caching=caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=seqs,
                                   max_model_len=512, enable_chunked_prefill=chunked,
-                                  role=role))
+                                  role=role, admission=admission))
 
 
 def workload(seed, n=120, rate=6.0):
@@ -55,6 +55,10 @@ def setups(kind, caching, blocks):
         return [SimInstance(f"t{i}", engine("temporal", False, caching, blocks), PROFILE,
                             blocks) for i in range(3)]
     pre = [SimInstance("p0", engine("prefill", False, caching, 4096), PROFILE, 4096)]
+    if kind == "disaggregated-reserve-dynamic":  # its admission reads the running requests
+        return pre + [SimInstance(f"d{i}", engine("decode", True, caching, blocks,
+                                                  admission="reserve-dynamic"), PROFILE, blocks)
+                      for i in range(2)]
     if kind == "disaggregated":
         return pre + [SimInstance("d0", engine("decode", True, caching, blocks), PROFILE,
                                   blocks),
@@ -99,7 +103,7 @@ def state(sim, res):
 
 
 KINDS = ["colocated-chunked", "colocated-prefill-first", "disaggregated", "disaggregated-pp",
-         "partial"]
+         "disaggregated-reserve-dynamic", "partial"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
