@@ -88,7 +88,9 @@ class ModelExecutor:
         is the driver: it starts the other ranks as processes on this machine, sends each of
         them every step's batch once (:meth:`execute`) and alone samples. A rank started with
         ``rank > 0`` and the driver's rendezvous ``address`` serves it in :meth:`serve_ranks`.
-        One rank dying fails the next step (the instance is dead)."""
+        One rank dying fails the next step (the instance is dead). In float32 a TP instance's
+        greedy tokens equal TP1's (tests); in bfloat16/float16 the partial products are rounded
+        before they are summed, so a near tie between two logits may break the other way."""
         self.config = config
         self.tp, self.rank = tp, rank
         self._procs: list[subprocess.Popen] = []
@@ -266,7 +268,8 @@ class ModelExecutor:
             elif kind == "export":
                 self._export(msg[1])
             elif kind == "import":
-                self._import(msg[1], msg[2])
+                self._import(msg[1], self.comm.scatter_cpu(None, torch.empty(
+                    msg[2], dtype=DTYPES[msg[3]])))
             elif kind == "stop":
                 return
 
@@ -351,14 +354,16 @@ class ModelExecutor:
             raise ValueError(f"KV payload of shape {tuple(kv.shape)} does not fit "
                              f"{len(block_ids)} blocks of this cache (expected {want})")
         with self._group_lock:
-            if self.tp > 1:
-                self.comm.broadcast_object(("import", block_ids, kv))
+            if self.tp > 1:  # each rank is sent its own KV heads only
+                parts = [kv[:, :, slice(*self.layout.kv_head_range(r))]
+                         for r in range(self.tp)]
+                dtype = next(k for k, v in DTYPES.items() if v == kv.dtype)
+                self.comm.broadcast_object(("import", block_ids, tuple(parts[0].shape), dtype))
+                kv = self.comm.scatter_cpu(parts, parts[0])
             self._import(block_ids, kv)
 
     def _import(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        if self.tp > 1:  # this rank's KV heads
-            lo, hi = self.layout.kv_head_range()
-            kv = kv[:, :, lo:hi]
+        """Write this rank's KV heads of ``block_ids``."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             self.kv_cache.index_copy_(3, idx, kv.to(self.device, self.dtype))

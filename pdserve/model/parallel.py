@@ -208,6 +208,20 @@ class Communicator:
                         _gather_options(0)).wait()
         return out if self.rank == 0 else None
 
+    def scatter_cpu(self, parts: list[Any] | None, like: Any) -> Any:
+        """Rank ``r`` receives ``parts[r]`` (CPU tensors of ``like``'s shape and dtype, given on
+        rank 0 only)."""
+        if self.world == 1:
+            assert parts is not None
+            return parts[0]
+        import torch
+
+        out = torch.empty_like(like)
+        inputs = [p.contiguous() for p in parts] if self.rank == 0 and parts else []
+        opts = _scatter_options(0)
+        self.cpu.scatter([out], [inputs] if self.rank == 0 else [], opts).wait()
+        return out
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` (pickled), on every rank."""
         if self.world == 1:
@@ -232,5 +246,13 @@ def _gather_options(root: int) -> Any:
     import torch.distributed as dist
 
     opts = dist.GatherOptions()
+    opts.rootRank = root
+    return opts
+
+
+def _scatter_options(root: int) -> Any:
+    import torch.distributed as dist
+
+    opts = dist.ScatterOptions()
     opts.rootRank = root
     return opts

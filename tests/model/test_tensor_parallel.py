@@ -166,3 +166,14 @@ def test_ranks_end_with_their_driver(tiny_dirs, tmp_path) -> None:
         time.sleep(0.2)
     os.kill(rank, 9)
     raise AssertionError("the rank outlived its driver")
+
+
+def test_generate_cli_with_tp2_prints_what_tp1_prints(tiny_dirs, capsys) -> None:
+    from pdserve import cli
+
+    argv = ["generate", "--model", tiny_dirs["opt"], "--prompt", "The quick brown fox",
+            "--max-tokens", "12", "--num-kv-blocks", "32", "--max-model-len", "256"]
+    assert cli.main([*argv, "--tp", "1"]) == 0
+    one = capsys.readouterr().out
+    assert cli.main([*argv, "--tp", "2"]) == 0
+    assert capsys.readouterr().out == one and "12 tokens" in one
