@@ -177,7 +177,9 @@ def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
         run.summary.num_gpus_note = getattr(target, "num_gpus_note", None)
         run.judged = len(judged)
         if s.criterion == "both":
-            v = rule.verdict([all(meets(r, slo)) for r in judged], s.target)
+            every = [all(meets(r, slo)) for r in recs]
+            v = rule.verdict(every[len(recs) - len(judged):], s.target,
+                             sum(every) / max(len(every), 1))
             a, conf = v.attainment, v.confidence
         else:  # DistServe's variant: P90 TTFT and P90 TPOT checked separately
             a = float(run.summary.attainment_distserve or 0.0)

@@ -12,8 +12,11 @@ search (``pdserve goodput``, ``plan``, ``advise``, the replanner):
 3. **Judged.** Then ``max(min_judged, w)`` more, whose attainment (in arrival order after the
    warm-up) is the probe's: the arrivals span at least ``horizon`` lifetimes (default 12) and
    at least ``min_judged`` requests are judged.
-4. **Early verdict.** A simulated probe stops as soon as its verdict on the judged requests is
-   certain whatever the rest does (:mod:`pdserve.planner.early`).
+4. **Verdict.** The probe passes when the judged requests' attainment meets the target and
+   so does the whole run's: a server started empty serves its first requests at least as well
+   as in steady state, so a whole run that misses the target already says the steady state
+   does (it lets an overloaded probe fail during its warm-up). A simulated probe stops as
+   soon as its verdict is certain whatever the rest does (:mod:`pdserve.planner.early`).
 5. **Confidence.** Each verdict carries the probability that the steady-state attainment lies
    on the side of the target the verdict says: the judged requests in ``batches`` consecutive
    batches, the attainment's standard error from the batch means (which carries the
@@ -88,9 +91,10 @@ class SteadyState:
         requests of warm-up: at most half of them are not judged."""
         return min(warmup, n // 2)
 
-    def verdict(self, oks: Sequence[bool], target: float) -> Verdict:
+    def verdict(self, oks: Sequence[bool], target: float, whole: float = 1.0) -> Verdict:
         """Attainment of the judged requests ``oks`` (in arrival order), pass/fail against
-        ``target`` and its confidence (rule 5)."""
+        ``target`` (``whole``: the whole run's attainment, rule 4) and its confidence
+        (rule 5)."""
         n = len(oks)
         if n == 0:
             return Verdict(0.0, False, 0.0, 0)
@@ -100,6 +104,8 @@ class SteadyState:
                  for i in range(k)]
         mu = sum(means) / k
         se_batch = math.sqrt(sum((m - mu) ** 2 for m in means) / (k - 1) / k) if k > 1 else 0.0
+        if whole < target <= a:  # failed on the whole run: the judged attainment flatters
+            return Verdict(whole, False, confidence(whole, target, n), n)
         return Verdict(a, a >= target, confidence(a, target, n, se_batch), n)
 
 

@@ -80,12 +80,20 @@ def advise_point(p: Problem, strategies: Sequence[str] = STRATEGIES,
 def advise(base: Problem, slo_scales: Sequence[float], output_scales: Sequence[float],
            workers: int | None = None,
            on_unit: Callable[[UnitResult], None] | None = None,
-           strategies: Sequence[str] = STRATEGIES) -> list[AdvicePoint]:
+           strategies: Sequence[str] = STRATEGIES,
+           on_cell: Callable[[float, float, AdvicePoint | None], None] | None = None
+           ) -> list[AdvicePoint]:
+    """One :func:`advise_point` per (output scale, SLO scale); ``on_cell(slo_scale,
+    output_scale, None)`` before each cell and ``on_cell(..., point)`` after it."""
     out = []
     for f in output_scales:
         for k in slo_scales:
+            if on_cell is not None:
+                on_cell(k, f, None)
             p = replace(base, slo=base.slo.scaled(k), output_scale=f)
             out.append(AdvicePoint(k, f, **advise_point(p, strategies, workers, on_unit)))
+            if on_cell is not None:
+                on_cell(k, f, out[-1])
     return out
 
 

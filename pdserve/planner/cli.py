@@ -190,37 +190,82 @@ def _strategies(text: str) -> list[str]:
     return out
 
 
-class _Bar:
-    """A rich progress bar over phase units on stderr."""
+class _Progress:
+    """Progress on stderr: a rich bar of phase units (and, for ``advise``, of grid cells with
+    an ETA from the cells done) on a terminal; plain lines when stderr is not one; nothing
+    with ``--no-progress``."""
 
-    def __init__(self, enabled: bool, what: str) -> None:
+    def __init__(self, enabled: bool, what: str, cells: int | None = None) -> None:
+        import time
+
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
+        self.enabled, self.what, self.cells = enabled, what, cells
+        self.tty = enabled and sys.stderr.isatty()
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            console=Console(stderr=True), disable=not enabled, transient=True)
-        self.what = what
+                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                            console=Console(stderr=True), disable=not self.tty,
+                            transient=True)
+        self.clock = time.perf_counter
+        self.t0 = self.cell_t0 = self.clock()
+        self.done_units = self.done_cells = 0
         self.task: Any = None
+        self.cell_task: Any = None
 
-    def __enter__(self) -> _Bar:
+    def __enter__(self) -> _Progress:
         self.bar.__enter__()
+        if self.cells is not None:
+            self.cell_task = self.bar.add_task("cells", total=self.cells)
         self.task = self.bar.add_task(self.what, total=None)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.bar.__exit__(*exc)
 
+    def _line(self, text: str) -> None:
+        if self.enabled and not self.tty:
+            print(text, file=sys.stderr, flush=True)
+
+    def start_cell(self, label: str, units: int) -> None:
+        self.cell_t0, self.done_units = self.clock(), 0
+        self.bar.reset(self.task, total=units, description=f"{label}: units")
+        self._line(f"cell {self.done_cells + 1}/{self.cells}: {label}: {units} phase units")
+
+    def end_cell(self, label: str, summary: str) -> None:
+        self.done_cells += 1
+        took = self.clock() - self.cell_t0
+        left = (self.clock() - self.t0) / self.done_cells * ((self.cells or 0) - self.done_cells)
+        if self.cell_task is not None:
+            self.bar.update(self.cell_task, advance=1, description=f"cells (~{left:.0f} s left)")
+        self._line(f"cell {self.done_cells}/{self.cells} done in {took:.0f} s: {label}: "
+                   f"{summary}; ETA {left:.0f} s")
+
     def __call__(self, r: Any) -> None:
+        self.done_units += 1
         self.bar.update(self.task, advance=1, description=f"{self.what}: {r.unit.label}")
+        how = r.pruned or r.stopped or f"{len(r.probes)} probes"
+        self._line(f"  unit {self.done_units}: {r.unit.label}: {r.goodput_rps:.3f} req/s "
+                   f"({how}; {r.wall_s:.1f} s)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.planner.search import deployment_file, plan
 
     p = problem_from_args(args)
-    with _Bar(not args.no_progress and sys.stderr.isatty(), "simulating units") as bar:
-        result = plan(p, args.workers, bar, _strategies(args.strategies),
-                      prune=not args.exhaustive)
+    from pdserve.planner.units import candidate_units
+
+    strategies = _strategies(args.strategies)
+    with _Progress(not args.no_progress, "simulating units") as bar:
+        bar.start_cell("plan", len(candidate_units(p, strategies)))
+        result = plan(p, args.workers, bar, strategies, prune=not args.exhaustive)
     print(plan_markdown(result, args.top))
     against = None
     if args.against:
@@ -385,8 +430,22 @@ def cmd_advise(args: argparse.Namespace) -> int:
     base = problem_from_args(args)
     scales = _floats(args.slo_scales, "--slo-scales")
     outs = _floats(args.output_scales, "--output-scales")
-    with _Bar(not args.no_progress and sys.stderr.isatty(), "advising") as bar:
-        grid = advise(base, scales, outs, args.workers, bar, _strategies(args.strategies))
+    from pdserve.planner.units import candidate_units
+
+    strategies = _strategies(args.strategies)
+    units = len(candidate_units(base, strategies))
+    with _Progress(not args.no_progress, "simulating units", len(scales) * len(outs)) as bar:
+        def cell(slo_scale: float, output_scale: float, point: Any) -> None:
+            label = f"SLO x{slo_scale:g}, output x{output_scale:g}"
+            if point is None:
+                bar.start_cell(label, units)
+            else:
+                bar.end_cell(label, f"best colocated {point.colocated_per_gpu:.3f}, "
+                                    f"disaggregated {point.disaggregated_per_gpu:.3f}, "
+                                    f"partial {point.partial_per_gpu:.3f} req/s per GPU "
+                                    f"({point.winner} wins)")
+
+        grid = advise(base, scales, outs, args.workers, bar, strategies, on_cell=cell)
     print(advise_markdown(base, grid))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

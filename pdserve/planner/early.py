@@ -7,8 +7,12 @@ A probe judges ``n`` requests, those after its warm-up in arrival order (the ste
 (:func:`pdserve.planner.units.judged_oks`). Let ``max_miss`` be the largest ``m`` with
 ``(n - m) / n >= target`` (the same floating-point expression). Then:
 
-* the probe **fails** as soon as more than ``max_miss`` requests are known to miss, and
-* it **passes** as soon as ``n - max_miss`` requests are known to meet the SLO,
+* the probe **fails** as soon as more than ``max_miss`` judged requests are known to miss, or
+  more than ``max_misses(N, target)`` of all its ``N`` requests (the rule's whole-run test:
+  an empty start only flatters a server), and
+* it **passes** as soon as ``n - max_miss`` judged requests are known to meet the SLO (the
+  whole run then attains at least as much: its warm-up requests met an emptier server; the
+  full run checks it anyway),
 
 whatever the rest of the run does, so the simulation can stop there with the same verdict
 (:meth:`pdserve.sim.simulator.Simulator.run`'s ``stop``). A request's fate is known
@@ -63,6 +67,9 @@ class AttainmentWatch:
         self.max_miss = max_misses(self.n, target)
         self.need_ok = self.n - self.max_miss
         self.undecided: dict[str, SimRequest] = {r.request_id: r for r in every}
+        self.every = every
+        self.all_max_miss = max_misses(len(every), target)
+        self.all_misses = 0
         self.ttft_ptr = 0
         self.finished_seen = 0
         self.misses = 0
@@ -88,21 +95,25 @@ class AttainmentWatch:
             self.finished_seen = finished
             for rid, creq in found:
                 del self.undecided[rid]
+                ok = self._meets(rid, creq)
+                self.all_misses += not ok
                 if rid in self.judged:
-                    self._count(self._meets(rid, creq))
+                    self._count(ok)
         if self.kind != "decode":
             limit = self.slo.ttft
-            order, ptr = self.order, self.ttft_ptr
-            while ptr < self.n and now - order[ptr].arrival > limit:
+            order, ptr = self.every, self.ttft_ptr
+            while ptr < len(order) and now - order[ptr].arrival > limit:
                 rid = order[ptr].request_id
                 ptr += 1
                 if rid in self.undecided:
                     tl = hist[rid].timeline
                     if not tl.token_times or tl.token_times[0] - tl.arrival > limit:
                         del self.undecided[rid]
-                        self._count(False)
+                        self.all_misses += 1
+                        if rid in self.judged:
+                            self._count(False)
             self.ttft_ptr = ptr
-        if self.misses > self.max_miss:
+        if self.misses > self.max_miss or self.all_misses > self.all_max_miss:
             self.verdict = False
         elif self.oks >= self.need_ok:
             self.verdict = True
@@ -134,5 +145,9 @@ class AttainmentWatch:
 
     @property
     def attainment_bound(self) -> float:
-        """After a stop: the upper bound (fail) or lower bound (pass) on the attainment."""
-        return (self.n - self.misses) / self.n if self.verdict is False else self.oks / self.n
+        """After a stop: the upper bound (fail) or lower bound (pass) on the judged
+        attainment (a fail on the whole run: on the whole run's)."""
+        if self.verdict is False:
+            return min((self.n - self.misses) / self.n,
+                       (len(self.every) - self.all_misses) / len(self.every))
+        return self.oks / self.n

@@ -161,16 +161,16 @@ def unit_workload(p: Problem, u: Unit, rate: float) -> Workload:
 
 
 def judged_oks(records: Sequence[RequestRecord], slo: SLO, kind: str, warmup: int
-               ) -> list[bool]:
+               ) -> tuple[list[bool], float]:
     """Whether each judged request (after ``warmup`` in arrival order,
     :meth:`SteadyState.first_judged`) meets the SLO: TTFT (``prefill``), TPOT (``decode``) or
-    both."""
+    both; and the whole run's attainment."""
     recs = sorted(records, key=lambda r: r.timeline.arrival or 0.0)  # stable: as the watch
     out = []
-    for r in recs[SteadyState.first_judged(len(recs), warmup):]:
+    for r in recs:
         t_ok, p_ok = meets(r, slo)
         out.append(t_ok if kind == "prefill" else p_ok if kind == "decode" else t_ok and p_ok)
-    return out
+    return out[SteadyState.first_judged(len(recs), warmup):], sum(out) / max(len(out), 1)
 
 
 @dataclass
@@ -263,7 +263,8 @@ def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate:
         details.update(early="pass" if watch.verdict else "fail", stopped_at_s=watch.at,
                        judged=watch.n, confidence=watch.confidence)
         return AttainmentResult(rate, watch.attainment_bound, watch.verdict, details)
-    v = rule.verdict(judged_oks(to_records(requests, result), p.slo, kind, warm), p.target)
+    oks, whole = judged_oks(to_records(requests, result), p.slo, kind, warm)
+    v = rule.verdict(oks, p.target, whole)
     details.update(judged=v.judged, confidence=v.confidence)
     return AttainmentResult(rate, v.attainment, v.passed, details)
 

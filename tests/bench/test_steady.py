@@ -93,5 +93,8 @@ def test_rule_arithmetic():
     assert v.confidence < confidence(0.95, 0.9, 100)
     assert confidence(0.9, 0.9, 100) == pytest.approx(0.5)
     assert confidence(0.5, 0.9, 1000) > 0.999
+    # rule 4: a whole run under the target fails, whatever its judged part says
+    v = rule.verdict([True] * 100, 0.9, whole=0.85)
+    assert (v.attainment, v.passed) == (0.85, False)
     with pytest.raises(ValueError, match="horizon"):
         SteadyState(horizon=0)

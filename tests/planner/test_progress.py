@@ -1,0 +1,32 @@
+"""Long planner commands say what they do: plain progress lines on a stderr that is not a
+terminal (a pipe, CI, pytest's capture), one per phase unit and, for ``advise``, one per grid
+cell with an ETA; nothing with ``--no-progress``."""
+
+from __future__ import annotations
+
+import re
+
+from pdserve.cli import main
+
+ARGS = ["--model", "opt-13b", "--gpus-per-node", "1", "--workload", "fixed:input=256,output=4",
+        "--slo-ttft", "1", "--slo-tpot", "0.2", "--num-requests", "30", "--max-probes", "3",
+        "--strategies", "colocated"]
+
+
+def test_advise_prints_a_line_per_cell_with_an_eta(const_profile, capsys):
+    prof = const_profile({1: 60.0}, decode_ms=20.0)
+    assert main(["advise", "--profile", prof, *ARGS, "--slo-scales", "1,2",
+                 "--output-scales", "1"]) == 0
+    err = capsys.readouterr().err
+    cells = re.findall(r"^cell (\d)/2 done in \d+ s: SLO x([^,]+), output x1: .*ETA (\d+) s$",
+                       err, re.M)
+    assert [(c, s) for c, s, _ in cells] == [("1", "1"), ("2", "2")]
+    assert cells[-1][2] == "0"  # nothing left after the last cell
+    assert re.search(r"^cell 1/2: SLO x1, output x1: 2 phase units$", err, re.M)
+    assert len(re.findall(r"^  unit \d+: colocated TP1 PP1 ", err, re.M)) == 4
+
+
+def test_no_progress_is_silent(const_profile, capsys):
+    prof = const_profile({1: 60.0}, decode_ms=20.0)
+    assert main(["plan", "--profile", prof, *ARGS, "--no-progress"]) == 0
+    assert "unit" not in capsys.readouterr().err
