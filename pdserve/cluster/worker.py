@@ -276,6 +276,7 @@ class InstanceWorker:
             return  # aborted while the transfer was in flight
         if isinstance(payload, PullFailed):
             self.engine.abort(rid, now)
+            self._reported.pop(rid, None)  # the driver recomputes it elsewhere: forget it here
             rep.transfer_failures.append((rid, f"KV transfer failed: {payload.message}"))
             return
         self.engine.import_kv(payload, now)

@@ -29,6 +29,7 @@ from pdserve.flags import (
 from pdserve.planner.replan import add_replan_flags, replanner_from_args
 from pdserve.server.compile_pool import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS
 from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
+from pdserve.server.http import DEFAULT_HEADER_TIMEOUT_S
 
 if TYPE_CHECKING:
     from pdserve.predict.data import PairLog
@@ -64,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default: %(default)s s)")
     m.add_argument("--grammar-workers", type=positive_int, default=DEFAULT_WORKERS,
                    help="processes compiling output constraints (default: %(default)s)")
+    m.add_argument("--header-timeout", type=positive, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="close a connection that has not sent its request headers within this "
+                        "many seconds (slow clients) (default: %(default)s)")
     m.add_argument("--max-instances", type=positive_int,
                    help="the most instances /admin/instances may run at once (default: twice "
                         "the deployment's)")
@@ -123,16 +127,19 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                 pair_log: PairLog | None = None,
                 replan: Callable[[Any], Any] | None = None,
-                app_options: dict[str, Any] | None = None) -> None:
+                app_options: dict[str, Any] | None = None,
+                header_timeout: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
     """Build and start the runtime, serve HTTP until SIGINT/SIGTERM, then shut down. With
     ``pair_log``, every finished request is logged as a (prompt, output length) pair; with
     ``replan`` (:func:`pdserve.planner.replan.replanner_from_args`), a live replanner watches the
     runtime; ``app_options`` are more keyword arguments of
-    :func:`~pdserve.server.app.build_app` (admin API, grammar compilation)."""
+    :func:`~pdserve.server.app.build_app` (admin API, grammar compilation). A connection
+    that has not sent its request headers within ``header_timeout`` seconds is closed."""
     import uvicorn
 
     from pdserve.cluster.runtime import build_runtime
     from pdserve.server.app import build_app, default_served_model_name
+    from pdserve.server.http import timed_h11
 
     n = sum(r.count for r in config.roles)
     where = (f"Ray at {config.ray_address}" if config.ray_address else "a local Ray instance") \
@@ -149,7 +156,8 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
         app = build_app(runtime, served_model_name, api_key, max_request_bytes, pair_log,
                         **(app_options or {}))
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                               timeout_graceful_shutdown=5))
+                                               timeout_graceful_shutdown=5,
+                                               http=timed_h11(header_timeout)))
         # uvicorn re-raises the signal it caught once it has stopped; route it to a no-op so
         # that it does not cancel this task before the runtime is shut down below.
         for sig in handled:
@@ -249,6 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
                                     "max_instances": args.max_instances,
                                     "grammar_timeout": args.grammar_timeout,
                                     "grammar_workers": args.grammar_workers}
+            extra["header_timeout"] = args.header_timeout
             asyncio.run(serve(config, args.host, args.port, args.served_model_name,
                               api_key, args.log_level, args.max_request_bytes, pair_log,
                               **extra))

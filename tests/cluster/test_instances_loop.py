@@ -100,3 +100,23 @@ def test_a_failing_worker_reaches_the_poll_and_stop_ends_it() -> None:
     ok.stop()
     with pytest.raises(InstanceDeadError):
         ok.next_reports(epoch, timeout=20)
+
+
+def test_a_failed_kv_pull_leaves_no_per_request_state() -> None:
+    """A decode instance whose KV pull failed forgets the request (no ``_reported`` entry per
+    failed pull: a slow leak under a flaky link)."""
+    from pdserve.cluster.worker import AddTransfer, ImportKV, PullFailed
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    eng = EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=32),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=128,
+                                                 role="decode"))
+    w = InstanceWorker("decode-0", eng, executor=FakeExecutor(32, 4, VOCAB, 0.001))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for i in range(5):
+        rid = f"r{i}"
+        rep = w.handle([AddTransfer(rid, [1, 2, 3, 4, 5], [6], params, 0.0)], float(i))
+        rep = w.handle([ImportKV(rid, PullFailed("source died"))], float(i) + 0.5)
+        assert rep.transfer_failures and rep.transfer_failures[0][0] == rid, rep
+    assert w._reported == {}
+    assert w.check_integrity()["used_blocks"] == 0
