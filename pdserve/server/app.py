@@ -852,10 +852,10 @@ async def serve_locally(runtime: ServingRuntime, shutdown_runtime: bool = True,
 
     import uvicorn
 
+    from pdserve.server.http import timed_h11  # lazy: uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    from pdserve.server.http import timed_h11
-
     server = uvicorn.Server(uvicorn.Config(build_app(runtime, **app_kwargs),
                                            log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=2, http=timed_h11()))

@@ -29,7 +29,7 @@ from pdserve.flags import (
 from pdserve.planner.replan import add_replan_flags, replanner_from_args
 from pdserve.server.compile_pool import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS
 from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
-from pdserve.server.http import DEFAULT_HEADER_TIMEOUT_S
+from pdserve.server.http import DEFAULT_HEADER_TIMEOUT_S, timed_h11
 
 if TYPE_CHECKING:
     from pdserve.predict.data import PairLog
@@ -139,7 +139,6 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
 
     from pdserve.cluster.runtime import build_runtime
     from pdserve.server.app import build_app, default_served_model_name
-    from pdserve.server.http import timed_h11
 
     n = sum(r.count for r in config.roles)
     where = (f"Ray at {config.ray_address}" if config.ray_address else "a local Ray instance") \
