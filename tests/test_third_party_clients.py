@@ -1,0 +1,76 @@
+"""A third-party benchmark client against ``pdserve serve --demo``: guidellm, offline, with the
+one flag the README gives (the tokenizer as a local path; without it guidellm looks the served
+name up on the Hugging Face hub and fails offline).
+
+guidellm is not in the ``test`` extra: it installs without version conflicts beside pdserve's
+dependencies, but brings uvloop and httptools, which uvicorn then picks on its own (another event
+loop and HTTP parser under every server test), and some thirty more packages (pandas, pyarrow,
+datasets, sanic, ...). Install it (here or in its own virtual environment) and point
+``$PDSERVE_GUIDELLM`` at its executable, or have ``guidellm`` on the PATH, to run this test; it
+skips otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDELLM = os.environ.get("PDSERVE_GUIDELLM") or shutil.which("guidellm")
+pytestmark = pytest.mark.skipif(
+    not GUIDELLM, reason="guidellm not installed (set $PDSERVE_GUIDELLM to its executable)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_guidellm_against_the_demo_server(tmp_path: Path) -> None:
+    from pdserve.model.tiny import default_model_dir
+
+    tokenizer = default_model_dir()  # the demo's model directory holds its tokenizer
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--demo", "--backend", "inproc",
+         "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # until it serves (or dies); a liveness guard, not a timing check
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        out = tmp_path / "guidellm.json"
+        r = subprocess.run(
+            [GUIDELLM, "run", "--backend", f"kind=openai_http,target={url}",
+             "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+             "--profile", "kind=constant,rate=4", "--constraint", "kind=max_requests,count=8",
+             "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+             "--disable-progress", "--output", f"kind=json,path={out}"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        bench = json.loads(out.read_text())["benchmarks"][0]
+        assert bench["metrics"]["request_totals"] == {"successful": 8, "errored": 0,
+                                                      "incomplete": 0, "total": 8}
+        assert bench["metrics"]["output_token_count"]["successful"]["mean"] == 8
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
