@@ -133,8 +133,9 @@ def check_live_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1,
                          f"{ranks_available} {what} available")
 
 
-# A rank waits for the next step for as long as the instance idles; a dead peer still shows up
-# at once (gloo reports the closed connection).
+# A rank waits for the next step for as long as the instance idles. A dead peer shows up at the
+# next collective (gloo reports the closed connection); an idle rank also watches its parent
+# process (pdserve.engine.model_executor).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 

@@ -167,7 +167,8 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
                 await asyncio.sleep(0.05)
             name = served_model_name or default_served_model_name(runtime.model_name)
             print(f"pdserve: serving {name!r} on http://{host}:{port}/v1 "
-                  f"({config.strategy}, {config.num_gpus} instance(s))", flush=True)
+                  f"({config.strategy}, {n} instance(s), {config.num_gpus} rank(s))",
+                  flush=True)
 
         announcer = asyncio.create_task(announce())
         try:
