@@ -46,6 +46,7 @@ from pdserve.server.errors import (
     APIError,
     APIKeyMiddleware,
     BodyLimitMiddleware,
+    LineSafeJSONResponse,
     param_of,
     validation_error,
 )
@@ -750,7 +751,7 @@ def build_app(runtime: ServingRuntime, served_model_name: str | None = None,
         runtime.model_name), pair_log,
         {"workers": grammar_workers, "timeout": grammar_timeout})
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving",
-                  version=__version__)
+                  version=__version__, default_response_class=LineSafeJSONResponse)
     app.openapi = partial(  # type: ignore[method-assign]
         _openapi, app, getattr(runtime, "vocab_size", None)
         or _tokenizer_vocab_size(runtime.tokenizer), runtime.max_model_len)

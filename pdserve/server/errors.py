@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -25,6 +26,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 RETRY_AFTER_S = 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+class LineSafeJSONResponse(JSONResponse):
+    """The app's default JSON response: U+0085, U+2028 and U+2029 escaped like every other body
+    the server writes (:func:`~pdserve.server.protocol.escape_line_separators`)."""
+
+    def render(self, content: Any) -> bytes:
+        return escape_line_separators(json.dumps(
+            content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))).encode()
 
 
 class APIError(Exception):

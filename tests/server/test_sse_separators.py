@@ -58,6 +58,10 @@ def test_server_escapes_line_separators(live_server: Callable[..., str]) -> None
                                                  "max_tokens": 3})
     assert not any(sep in r.content for sep in RAW)
     assert r.json()["choices"][0]["text"] == "\u2028\u0085\u2029"
+    with httpx.Client() as c:  # and every other JSON body (here /detokenize's)
+        r = c.post(f"{url}/detokenize", json={"model": "fake-model", "tokens": [24, 25, 26]})
+    assert r.status_code == 200 and not any(sep in r.content for sep in RAW), r.content
+    assert r.json()["prompt"] == "\u2028\u0085\u2029"
 
 
 def test_bench_client_reads_every_token(live_server: Callable[..., str]) -> None:
