@@ -114,3 +114,19 @@ async def test_a_failing_restart_is_retried_with_back_off(monkeypatch: pytest.Mo
         assert toks == reference_generate(prompt(3), 6, VOCAB)
     finally:
         await rt.shutdown()
+
+
+async def test_remove_instance_with_a_drain_timeout_recomputes_what_it_held() -> None:
+    rt = runtime("colocated", n=2, router="round_robin")
+    await rt.start()
+    try:
+        long = asyncio.create_task(run(rt, "long", prompt(4), 150))
+        await wait_for(lambda: any(i.view.active for i in rt.instances.values()), "a request")
+        busy = next(iid for iid, i in rt.instances.items() if i.view.active)
+        rec = await rt.remove_instance(busy, drain_timeout=0.05)
+        assert rec.timed_out and rec.pool is None and busy not in rt.instances
+        toks, where = await asyncio.wait_for(long, 60)
+        assert toks == reference_generate(prompt(4), 150, VOCAB) and where != busy
+        await pools_clean(rt)
+    finally:
+        await rt.shutdown()
