@@ -22,7 +22,7 @@ import math
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, fields
 from typing import Any, NoReturn
 
@@ -134,8 +134,10 @@ def _flag_type(hint: Any) -> tuple[Any, list[str] | None]:
 
 def add_engine_flags(parser: argparse.ArgumentParser,
                      exclude: Iterable[str] = ("role", "prefill_token_target"),
-                     ) -> argparse._ArgumentGroup:
-    """One flag per :attr:`EngineConfig.KWARGS` name minus ``exclude`` (``--block-size N``...)."""
+                     defaults: Mapping[str, Any] | None = None) -> argparse._ArgumentGroup:
+    """One flag per :attr:`EngineConfig.KWARGS` name minus ``exclude`` (``--block-size N``...);
+    ``defaults``: what the command applies where it differs from ``EngineConfig``'s (shown in
+    ``--help``)."""
     group = parser.add_argument_group("engine (every instance)")
     skip = set(exclude)
     for name in EngineConfig.KWARGS:
@@ -147,6 +149,9 @@ def add_engine_flags(parser: argparse.ArgumentParser,
             kind = int
         default = f.default if f.default is not MISSING else None
         help_ = f.metadata.get("help", name)
+        if defaults and name in defaults:
+            default = defaults[name]
+            help_ = help_.split(" (default")[0]
         if default is not None and "default:" not in help_:
             help_ += f" (default: {default})"
         flag = "--" + name.replace("_", "-")

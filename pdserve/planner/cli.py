@@ -26,7 +26,7 @@ from pdserve.flags import (
     positive_int,
     say,
 )
-from pdserve.planner.problem import Problem
+from pdserve.planner.problem import ENGINE_DEFAULTS, Problem
 from pdserve.sim.target import add_latency_source_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
@@ -139,7 +139,7 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tp", type=positive_int)
     s.add_argument("--max-pp", type=positive_int)
     s.add_argument("--workers", type=positive_int, help="processes (default: up to 2 cores)")
-    add_engine_flags(p, _EXCLUDE)
+    add_engine_flags(p, _EXCLUDE, ENGINE_DEFAULTS)
 
 
 def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:

@@ -18,6 +18,9 @@ from pdserve.sim.model_catalogue import get_model_config
 KINDS = ("colocated", "prefill", "decode", "partial")
 STRATEGIES = ("colocated", "disaggregated", "partial")
 AFFINITIES = ("high", "low")
+# engine settings every planned instance gets unless the problem says otherwise (a plan prices
+# the serving dtype; prefix reuse depends on a workload's shared prefixes, which plans ignore)
+ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float16", "enable_prefix_caching": False}
 DEFAULT_LM = 512  # DistServe §3.1: 512 tokens saturate an A100 for a 13B model
 
 
@@ -85,7 +88,7 @@ class Problem:
 
     def engine_settings(self) -> dict[str, Any]:
         """Shared engine settings with the simulation defaults and the memory override."""
-        e = {"dtype": "float16", "enable_prefix_caching": False, **dict(self.engine)}
+        e = {**ENGINE_DEFAULTS, **dict(self.engine)}
         if self.gpu_memory_gib is not None:
             dev = device_memory_gib(self)
             share = e.get("gpu_memory_utilization", 0.9) * self.gpu_memory_gib / dev

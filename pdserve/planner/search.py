@@ -142,6 +142,39 @@ def _one_unit(pl: Placement) -> bool:
     return pl.strategy == "partial" and d["num_instances"] == d["macro_instance_size"]
 
 
+CEILING_SLACK = 1.5  # capacity bounds are approximate (UnitCache.get_bounded uses 1.3)
+
+
+def rate_ceiling(p: Problem, cands: Sequence[Unit]) -> tuple[float, str]:
+    """An upper bound of the rate any placement of ``units`` on ``p``'s cluster serves, from
+    their capacity bounds (:func:`~pdserve.planner.units.unit_model`, no simulation):
+    colocated and partial units replicated onto every GPU; prefill and decode units in the
+    best split of the GPUs between the two. Returns the bound and the placement giving it."""
+    from pdserve.planner import units  # (looked up on the module: tests stand in for it)
+
+    caps = {}
+    for u in cands:
+        try:
+            caps[u] = units.unit_model(p, u).capacity_rps
+        except ValueError:  # does not fit
+            continue
+    best, how = 0.0, "no unit fits"
+    g = p.num_gpus
+    for u, c in caps.items():
+        k = g // u.num_gpus
+        if u.kind in ("colocated", "partial") and k and k * c > best:
+            best, how = k * c, f"{k} x {u.label}"
+    pre = [(u, c) for u, c in caps.items() if u.kind == "prefill"]
+    dec = [(u, c) for u, c in caps.items() if u.kind == "decode"]
+    for a, ca in pre:
+        for b, cb in dec:
+            for n in range(1, g // a.num_gpus + 1):
+                m = (g - n * a.num_gpus) // b.num_gpus
+                if m and min(n * ca, m * cb) > best:
+                    best, how = min(n * ca, m * cb), f"{n} x {a.label} + {m} x {b.label}"
+    return best, how
+
+
 def plan(p: Problem, workers: int | None = None,
          on_unit: Callable[[UnitResult], None] | None = None,
          strategies: Sequence[str] = STRATEGIES, prune: bool = True,
@@ -157,6 +190,11 @@ def plan(p: Problem, workers: int | None = None,
     base_workload(p)  # a bad workload fails here, before any pool starts
     notes: list[str] = []
     units = candidate_units(p, strategies)
+    ceiling, how = rate_ceiling(p, units)
+    if ceiling > 0 and p.rate > CEILING_SLACK * ceiling:  # (none fits: said below, per unit)
+        raise ValueError(f"{p.rate:g} req/s is beyond what {p.nodes}x{p.gpus_per_node} GPUs can "
+                         f"serve of {p.model} on this workload: at most ~{ceiling:.3g} req/s "
+                         f"by the units' capacity bounds ({how}); nothing was simulated")
     alg2 = "disaggregated" in strategies and p.affinity == "low"
     alg1 = "disaggregated" in strategies and p.affinity == "high"
     with UnitCache(p, workers, on_unit) as cache:
@@ -207,10 +245,10 @@ def plan(p: Problem, workers: int | None = None,
                          f"{p.nodes}x{p.gpus_per_node} GPUs ({pruned or 'every goodput is 0'})")
     fitting = [x for x in ranked_all if x.fits]
     if not fitting:
-        need = min(x.num_gpus for x in ranked_all)
+        fewest = min(ranked_all, key=lambda x: (x.num_gpus, -x.per_gpu_rps, x.name))
         raise ValueError(f"the cluster ({p.nodes} node(s) x {p.gpus_per_node} GPUs) is too small "
-                         f"to serve {p.rate:g} req/s of {p.model}: the best placement needs "
-                         f"{need} GPUs ({ranked_all[0].name})")
+                         f"to serve {p.rate:g} req/s of {p.model}: the placement needing the "
+                         f"fewest GPUs, {fewest.name}, needs {fewest.num_gpus}")
     best = fitting[0]
     colo = next((x for x in fitting if x.strategy == "colocated"), None)
     dis = next((x for x in fitting if x.strategy == "disaggregated"), None)

@@ -1,0 +1,47 @@
+"""What ``pdserve plan`` tells its user: the defaults it applies, a rate no placement can serve
+said before any simulation, the placement a GPU count names."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import pdserve.planner.units as unit_mod
+from pdserve.bench.metrics import SLO
+from pdserve.cli import main
+from pdserve.planner.problem import ENGINE_DEFAULTS, Problem
+from pdserve.planner.search import CEILING_SLACK, plan, rate_ceiling
+from pdserve.planner.units import candidate_units, unit_model
+
+
+def test_help_shows_the_engine_defaults_the_planner_applies(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    settings = Problem().engine_settings()
+    for name in ENGINE_DEFAULTS:
+        flag = "--" + name.replace("_", "-")
+        shown = re.search(re.escape(flag) + r"[^(]*\(default: (\w+)\)", text)
+        assert shown is not None and shown.group(1) == str(settings[name]), name
+
+
+def test_a_rate_beyond_the_capacity_bounds_fails_before_any_simulation(const_profile,
+                                                                      monkeypatch):
+    p = Problem(model="opt-13b", profile=const_profile({1: 100.0}, decode_ms=20.0,
+                                                       decode_per_seq_ms=1.0),
+                workload="fixed:input=512,output=8", slo=SLO(5.0, 1.0), nodes=1,
+                gpus_per_node=2, lm=512, rate=1000.0)
+    units = candidate_units(p)
+    ceiling, how = rate_ceiling(p, units)
+    # the bound by hand: the best of each unit kind replicated (colocated, partial) or split
+    colo = max(2 // u.num_gpus * unit_model(p, u).capacity_rps for u in units
+               if u.kind in ("colocated", "partial"))
+    assert ceiling >= colo and 0 < ceiling < p.rate / CEILING_SLACK
+
+    def never(*a, **k):
+        raise AssertionError("simulated")
+
+    monkeypatch.setattr(unit_mod, "evaluate_unit", never)
+    with pytest.raises(ValueError, match=r"1000 req/s is beyond .* nothing was simulated"):
+        plan(p, 1)
