@@ -4,6 +4,7 @@ by hand on a four-scrape log."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,9 @@ def test_bad_logs_get_clear_errors(tmp_path: Path) -> None:
         from_metrics_log(log, "opt-13b")
 
 
-def test_cli_calibrates_from_a_metrics_log(tmp_path: Path) -> None:
+def test_cli_calibrates_from_a_metrics_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``pdserve calibrate --metrics-log``: fits the log's two samples and writes a spec that
     loads back; without ``--model`` it says so."""
     import argparse
@@ -100,6 +103,8 @@ def test_cli_calibrates_from_a_metrics_log(tmp_path: Path) -> None:
     args.func(args)
     assert json.loads((tmp_path / "r.json").read_text())["fit"]["n"] == 2
     assert load_hardware(str(out)).device.name == "L40S"
+    capsys.readouterr()
     missing = parse(["--hardware", "L40S", "--metrics-log", str(log)])
-    with pytest.raises(ValueError, match="--metrics-log .* pass --model"):
-        missing.func(missing)
+    assert missing.func(missing) == 2  # one line, exit 2
+    err = capsys.readouterr().err
+    assert re.search("--metrics-log .* pass --model", err), err
