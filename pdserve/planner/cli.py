@@ -359,12 +359,18 @@ def plan_markdown(result: Any, top: int = 8) -> str:
              f"{p.profile or p.hardware or 'A100-80GB (analytic)'}; planned in "
              f"{result.wall_s:.1f} s",
              "",
-             "| rank | placement | algorithm | GPUs | goodput (req/s) | per GPU | how |",
-             "|---|---|---|---|---|---|---|"]
+             "| rank | placement | algorithm | GPUs | goodput (req/s) | per GPU | output tok/s "
+             "per GPU | how |",
+             "|---|---|---|---|---|---|---|---|"]
+    from pdserve.planner.problem import base_workload
+
+    w = base_workload(p)
+    mean_out = sum(r.output_len for r in w.requests) / len(w.requests)
     for i, pl in enumerate([result.best, *result.alternatives][:top]):
         how = "simulated whole" if pl.simulated else "phase units"
         lines.append(f"| {i + 1} | {pl.name} | {pl.algorithm} | {pl.num_gpus} | "
-                     f"{pl.goodput_rps:.3f} | {pl.per_gpu_rps:.3f} | {how} |")
+                     f"{pl.goodput_rps:.3f} | {pl.per_gpu_rps:.3f} | "
+                     f"{pl.per_gpu_rps * mean_out:.0f} | {how} |")
     lines += ["", f"**Chosen:** {result.best.name} — {result.best.per_gpu_rps:.3f} req/s per GPU.",
               "", "| strategy | best placement | per GPU | vs chosen |", "|---|---|---|---|"]
     for strat in ("colocated", "disaggregated", "partial"):
@@ -372,6 +378,8 @@ def plan_markdown(result: Any, top: int = 8) -> str:
         if b is not None:
             lines.append(f"| {strat} | {b.name} | {b.per_gpu_rps:.3f} | "
                          f"{b.per_gpu_rps / result.best.per_gpu_rps:.2f}x |")
+        elif strat in result.strategies:
+            lines.append(f"| {strat} | none: {result.why_none(strat)} | – | – |")
     if result.advantage is not None:
         lines.append(f"Best disaggregated / best colocated per-GPU goodput: "
                      f"{result.best_disaggregated.per_gpu_rps:.3f} / "

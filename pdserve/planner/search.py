@@ -54,11 +54,29 @@ class Plan:
     wall_s: float
     notes: list[str] = field(default_factory=list)
     best_partial: Placement | None = None
+    strategies: tuple[str, ...] = STRATEGIES  # the strategies searched
 
     def best_of(self, strategy: str) -> Placement | None:
         """The best fitting placement of ``strategy`` (None: none searched or none fits)."""
         return {"colocated": self.best_colocated, "disaggregated": self.best_disaggregated,
                 "partial": self.best_partial}[strategy]
+
+    def why_none(self, strategy: str) -> str:
+        """Why ``strategy`` has no fitting placement, from its units' results."""
+        kinds = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode"),
+                 "partial": ("partial",)}[strategy]
+        rs = [r for r in self.units if r.unit.kind in kinds]
+        if not rs:
+            return "not searched"
+        if all(r.pruned for r in rs):
+            reasons = list(dict.fromkeys(r.pruned.split(":")[0] for r in rs if r.pruned))
+            return f"every unit pruned ({', '.join(reasons)}; see the unit table)"
+        for kind in kinds:
+            if not any(r.goodput_rps > 0 for r in rs if r.unit.kind == kind):
+                return (f"no {kind} unit reaches a goodput (each misses the SLO at every rate "
+                        "probed, or was pruned)")
+        return (f"its placements need more GPUs than the cluster's {self.problem.num_gpus} "
+                f"at {self.problem.rate:g} req/s")
 
     @property
     def advantage(self) -> float | None:
@@ -254,7 +272,7 @@ def plan(p: Problem, workers: int | None = None,
     dis = next((x for x in fitting if x.strategy == "disaggregated"), None)
     part = next((x for x in fitting if x.strategy == "partial"), None)
     return Plan(p, best, fitting[1:], colo, dis, sorted(results, key=lambda r: r.unit),
-                time.perf_counter() - t0, notes, part)
+                time.perf_counter() - t0, notes, part, tuple(strategies))
 
 
 

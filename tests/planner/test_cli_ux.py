@@ -45,3 +45,16 @@ def test_a_rate_beyond_the_capacity_bounds_fails_before_any_simulation(const_pro
     monkeypatch.setattr(unit_mod, "evaluate_unit", never)
     with pytest.raises(ValueError, match=r"1000 req/s is beyond .* nothing was simulated"):
         plan(p, 1)
+
+
+def test_a_strategy_without_a_fitting_placement_says_why(const_profile, capsys):
+    prof = const_profile({1: 60.0}, decode_ms=20.0)
+    assert main(["plan", "--profile", prof, "--model", "opt-13b", "--gpus-per-node", "1",
+                 "--workload", "fixed:input=256,output=4", "--slo-ttft", "1", "--slo-tpot",
+                 "0.2", "--num-requests", "30", "--max-probes", "3", "--strategies",
+                 "colocated,disaggregated", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    # one GPU holds no prefill instance beside a decode one
+    assert re.search(r"^\| disaggregated \| none: every unit pruned \(no room beside the "
+                     r"smallest (decode|prefill) unit", out, re.M)
+    assert "| partial |" not in out  # not searched, not listed
