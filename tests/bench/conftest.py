@@ -16,6 +16,16 @@ def fake_server() -> Iterator[FakeServer]:
 
 
 @pytest.fixture(scope="session")
+def sharegpt_dir() -> str | None:
+    """The traces folder, or ``None`` where it is missing: ShareGPT-based workloads (chatbot,
+    TetriInfer's classes, mixed) then draw from the sample bundled with pdserve."""
+    try:
+        return str(find_traces_dir())
+    except TraceNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="session")
 def traces_dir() -> str:
     try:
         return str(find_traces_dir())

@@ -76,23 +76,23 @@ def test_clipping_keeps_the_ratio() -> None:
     assert w.requests[0].prompt_token_ids == w.requests[0].prompt_token_ids[:300]
 
 
-def test_fit_scale_uses_p99(traces_dir: str) -> None:
+def test_fit_scale_uses_p99(sharegpt_dir: str | None) -> None:
     w = make_workload("chatbot", 400, rate=1.0, length_scale="fit", max_model_len=512,
-                      traces_dir=traces_dir)
+                      traces_dir=sharegpt_dir)
     totals = np.array([r.prompt_len + r.output_len for r in w.requests])
     assert w.scaling.scale < 0.1
     assert totals.max() <= 512
     assert w.scaling.num_clipped <= 0.02 * 400 + 1
     with pytest.raises(ValueError, match="max_model_len"):
-        make_workload("chatbot", 10, rate=1.0, length_scale="fit", traces_dir=traces_dir)
+        make_workload("chatbot", 10, rate=1.0, length_scale="fit", traces_dir=sharegpt_dir)
 
 
-def test_deterministic_and_in_vocab(traces_dir: str) -> None:
-    a = make_workload("chatbot", 50, rate=2.0, seed=5, vocab_size=512, traces_dir=traces_dir,
+def test_deterministic_and_in_vocab(sharegpt_dir: str | None) -> None:
+    a = make_workload("chatbot", 50, rate=2.0, seed=5, vocab_size=512, traces_dir=sharegpt_dir,
                       length_scale=0.1)
-    b = make_workload("chatbot", 50, rate=2.0, seed=5, vocab_size=512, traces_dir=traces_dir,
+    b = make_workload("chatbot", 50, rate=2.0, seed=5, vocab_size=512, traces_dir=sharegpt_dir,
                       length_scale=0.1)
-    c = make_workload("chatbot", 50, rate=2.0, seed=6, vocab_size=512, traces_dir=traces_dir,
+    c = make_workload("chatbot", 50, rate=2.0, seed=6, vocab_size=512, traces_dir=sharegpt_dir,
                       length_scale=0.1)
     assert a.requests == b.requests
     assert [r.prompt_token_ids for r in a.requests] != [r.prompt_token_ids for r in c.requests]
@@ -102,8 +102,8 @@ def test_deterministic_and_in_vocab(traces_dir: str) -> None:
     assert max(firsts.values()) <= 3  # private prompts do not share prefixes
 
 
-def test_retimed_keeps_requests_and_scales_arrivals(traces_dir: str) -> None:
-    w = make_workload("chatbot", 100, rate=1.0, traces_dir=traces_dir)
+def test_retimed_keeps_requests_and_scales_arrivals(sharegpt_dir: str | None) -> None:
+    w = make_workload("chatbot", 100, rate=1.0, traces_dir=sharegpt_dir)
     fast = w.retimed(4.0)
     assert fast.rate == 4.0 and fast.arrival == "poisson"
     assert [r.prompt_token_ids for r in fast.requests] == [r.prompt_token_ids
@@ -129,15 +129,16 @@ def test_trace_replay_rate_override(traces_dir: str) -> None:
 
 @pytest.mark.parametrize("name,heavy_in,heavy_out", [
     ("lpld", False, False), ("lphd", False, True), ("hpld", True, False), ("hphd", True, True)])
-def test_tetriinfer_classes(traces_dir: str, name: str, heavy_in: bool, heavy_out: bool) -> None:
-    w = make_workload(name, 200, rate=1.0, traces_dir=traces_dir)
+def test_tetriinfer_classes(sharegpt_dir: str | None, name: str, heavy_in: bool,
+                            heavy_out: bool) -> None:
+    w = make_workload(name, 200, rate=1.0, traces_dir=sharegpt_dir)
     assert all((r.prompt_len > 512) == heavy_in and (r.output_len > 128) == heavy_out
                for r in w.requests)
     assert w.default_slo is not None
 
 
-def test_mixed_contains_every_class(traces_dir: str) -> None:
-    w = make_workload("mixed", 2000, rate=1.0, traces_dir=traces_dir)
+def test_mixed_contains_every_class(sharegpt_dir: str | None) -> None:
+    w = make_workload("mixed", 2000, rate=1.0, traces_dir=sharegpt_dir)
     classes = Counter((r.prompt_len > 512, r.output_len > 128) for r in w.requests)
     assert len(classes) == 4
 
@@ -229,9 +230,9 @@ def test_bad_specs(spec: str, msg: str) -> None:
         make_workload(spec, 10, rate=1.0)
 
 
-def test_bad_arguments(traces_dir: str) -> None:
+def test_bad_arguments(sharegpt_dir: str | None) -> None:
     with pytest.raises(ValueError, match="needs a rate"):
-        make_workload("chatbot", 10, traces_dir=traces_dir)
+        make_workload("chatbot", 10, traces_dir=sharegpt_dir)
     with pytest.raises(ValueError, match="num_requests"):
         make_workload("fixed", 0, rate=1.0)
     with pytest.raises(ValueError, match="length scale"):
