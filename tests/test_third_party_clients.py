@@ -2,12 +2,12 @@
 one flag the README gives (the tokenizer as a local path; without it guidellm looks the served
 name up on the Hugging Face hub and fails offline).
 
-guidellm is not in the ``test`` extra: it installs without version conflicts beside pdserve's
-dependencies, but brings uvloop and httptools, which uvicorn then picks on its own (another event
-loop and HTTP parser under every server test), and some thirty more packages (pandas, pyarrow,
-datasets, sanic, ...). Install it (here or in its own virtual environment) and point
-``$PDSERVE_GUIDELLM`` at its executable, or have ``guidellm`` on the PATH, to run this test; it
-skips otherwise."""
+guidellm is not in the ``test`` extra: 0.8.1 pins ``click~=8.4.0`` (a downgrade of the click
+that Ray, uvicorn and schemathesis share), brings uvloop and httptools, which uvicorn then picks
+on its own for the test servers (another event loop and HTTP parser under the server tests),
+and some thirty more packages (pandas, pyarrow, datasets, sanic, ...). Install it in its own
+virtual environment and point ``$PDSERVE_GUIDELLM`` at its executable (or have ``guidellm`` on
+the PATH) to run this test; it skips otherwise."""
 
 from __future__ import annotations
 
