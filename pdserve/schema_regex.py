@@ -115,18 +115,35 @@ def _group(regex: str) -> str:
 
 
 def _nonnegative_range(lo: int, hi: int) -> str:
-    """Integers ``lo..hi`` (0 <= lo <= hi) without leading zeros."""
-    parts = []
+    """Integers ``lo..hi`` (0 <= lo <= hi) without leading zeros. Runs of whole digit counts
+    (all 2- to 15-digit numbers, say) become one ``[1-9][0-9]{m,n}``."""
+    parts: list[str] = []
+    full: list[int] = []  # digit counts taken whole, consecutive
+
+    def flush() -> None:
+        if full:
+            lo_d, hi_d = full[0] - 1, full[-1] - 1
+            parts.append("[1-9][0-9]" + (f"{{{lo_d}}}" if lo_d == hi_d else f"{{{lo_d},{hi_d}}}"))
+            full.clear()
+
     for digits in range(len(str(lo)), len(str(hi)) + 1):
         a = max(lo, 10 ** (digits - 1) if digits > 1 else 0)
         b = min(hi, 10 ** digits - 1)
-        if a <= b:
-            parts.append(_same_length_range(str(a), str(b)))
+        if a > b:
+            continue
+        if digits > 1 and a == 10 ** (digits - 1) and b == 10 ** digits - 1:
+            full.append(digits)
+            continue
+        flush()
+        parts.append(_same_length_range(str(a), str(b)))
+    flush()
     return "|".join(parts)
 
 
 def integer_range(lo: int | None, hi: int | None) -> str:
     """Integers from ``lo`` to ``hi`` (``None``: the digit cap) as JSON writes them."""
+    if lo is None and hi is None:
+        return f"(-?(0|[1-9][0-9]{{0,{MAX_INTEGER_DIGITS - 1}}}))"
     lo = -_MAX_INT if lo is None else max(lo, -_MAX_INT)
     hi = _MAX_INT if hi is None else min(hi, _MAX_INT)
     if lo > hi:
@@ -375,6 +392,9 @@ class _Converter:
         """Numbers in [lo, hi] (open ends where ``*_x``): whole numbers (``.0`` allowed) in the
         closed integer range, and ``n + f`` / ``-(m + f)`` with a non-zero fraction ``f``
         where the whole open interval between two integers lies inside the bounds."""
+        if lo is None and hi is None:  # no bound: the plain (smaller, faster) form
+            return (rf"(-?(0|[1-9][0-9]{{0,{MAX_INTEGER_DIGITS - 1}}})"
+                    rf"(\.[0-9]{{1,{MAX_FRACTION_DIGITS}}})?)")
         zeros = rf"(\.0{{1,{MAX_FRACTION_DIGITS}}})?"
         frac = rf"\.[0-9]{{0,{MAX_FRACTION_DIGITS - 1}}}[1-9]"
         ilo = None if lo is None else lo + 1 if lo_x else lo

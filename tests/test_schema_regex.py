@@ -28,11 +28,15 @@ VOCAB = Vocabulary(EOS, {c.encode(): [i + 1] for i, c in enumerate(CHARS)})
 
 
 @pytest.mark.parametrize(("lo", "hi"), [(0, 100), (-5, 5), (23, 71), (-100, -3), (7, 7), (0, 0),
-                                        (-1, 1), (95, 1234), (-999, 1000), (1, 9), (10, 10)])
+                                        (-1, 1), (95, 1234), (-999, 1000), (1, 9), (10, 10),
+                                        (3, 99_999), (-99_999, 12), (100, 999_999)])
 def test_integer_range_is_exact(lo: int, hi: int) -> None:
     r = re.compile(integer_range(lo, hi))
-    got = {n for n in range(-3000, 3000) if r.fullmatch(str(n))}
-    assert got == set(range(lo, hi + 1))
+    rng = random.Random(lo * 7 + hi)
+    values = [*range(-3000, 3000), *(rng.randrange(-2 * 10**6, 2 * 10**6) for _ in range(3000)),
+              *(s * 10**k + d for s in (1, -1) for k in range(7) for d in (-1, 0, 1))]
+    got = {n for n in values if r.fullmatch(str(n))}
+    assert got == {n for n in values if lo <= n <= hi}
     assert not r.fullmatch("-0") and not r.fullmatch("007") and not r.fullmatch("+1")
 
 
