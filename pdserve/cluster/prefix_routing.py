@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 PrefillTime = Callable[[int], float]
 _ID = attrgetter("instance_id")
+_INF = float("inf")
 
 
 def memo_prefill_time(memo: dict[int, float], prefill_time: PrefillTime,
@@ -523,24 +524,37 @@ class PrefixAwareRouter(Router):
     this differs).
 
     For candidate ``i`` with ``q_i`` requests still before their first token (the controller's
-    ``queued``), ``A_i`` unfinished (``active``), ``D_i = A_i − q_i`` decoding, ``X_i`` context
-    tokens in its KV (its last report's used blocks), and a prompt of ``n`` tokens with ``c_i``
+    ``queued``), ``A_i`` unfinished (``active``: decoding now, or soon, beside this one), ``X_i``
+    context tokens in its KV (its last report's used blocks), and a prompt of ``n`` tokens with
+    ``c_i``
     of them cached on ``i`` — per the KV-event-fed :class:`PrefixIndex`, or promised by a
     request of the same prefix routed to ``i`` whose prefill is still running — and ``o``
     output tokens:
 
     * ``miss_i = max(n − c_i, 1)``, the prompt tokens ``i`` would compute;
-    * ``wait_i = Σ PT(miss_r)`` over the ``q_i`` requests in front (each priced when routed);
+    * ``wait_i = Σ W(miss_r)`` over the ``q_i`` requests in front (each priced when routed),
+      ``W(m) = PT(m) − a + a·m/B``: what ``m`` tokens add to the steps that carry them — a
+      step's fixed cost ``a = 2·PT(1) − PT(2)`` is shared by the up to ``B = batch_tokens``
+      tokens it takes, so ten queued cache hits of 64 tokens cost about one step, not ten;
     * ``ttft_i = wait_i + PT(miss_i)``, the predicted first-token time;
-    * ``cost_i = ttft_i + o·DT_i⁺ + w·[D_i·o·(DT_i⁺ − DT_i) + A_i·PT(miss_i)]``: its own
-      decode (``DT_i⁺``: a decode step of ``i`` with it, ``DT_i`` without) and, weighted by
-      ``w = decode_weight``, what it costs the others: each of its ``o`` steps is longer for
-      the ``D_i`` decoding beside it, and its prefill stalls every request there (those in
-      front decode while it prefills; a chunked prefill lengthens each step they take).
+    * ``cost_i = ttft_i + o·DT_i⁺ + w·A_i·[o·(DT_i⁺ − DT_i) + PT(miss_i)]``: its own decode
+      (``DT_i⁺``: a decode step of ``i``'s ``A_i`` requests with it, ``DT_i`` without) and,
+      weighted by ``w = decode_weight``, what it costs the others: each of its ``o`` steps is
+      longer for them, and its prefill stalls them (those in front decode while it prefills;
+      a chunked prefill lengthens each step they take). The queued count too: counting only
+      those decoding now sent requests to instances whose queue was about to decode (on one
+      hot prefix, 12 % above round robin's mean latency).
 
-    The cheapest ``i`` wins among the candidates that would *start* the request no later than
-    the earliest predicted prefill finish anywhere (``wait_i ≤ min_j ttft_j``): a cache hit
-    never puts a request behind a queue it could have cleared elsewhere. Ties: candidate order.
+    The cheapest ``i`` wins (ties: candidate order). A hit on a busy holder costs its queue,
+    so E2's failure — long prompts piled onto the one holder of their prefix — cannot happen
+    while a copy elsewhere is cheaper; it is taken when the copy would cost the requests on
+    the other instance more (their stall) than the wait costs this one. ``guard=True`` adds the
+    literal rule instead: only candidates that would *start* the request no later than the
+    earliest predicted prefill finish anywhere (``start_i ≤ min_j ttft_j``, ``start_i`` the
+    steps before the one that takes the last token in front, :meth:`_start`). Off by default:
+    measured, each redirect is a recomputed long prompt that stalls the instance it lands on,
+    and under load that costs more than it saves (docs/routing.md). ``decisions`` counts
+    ``late_start``: choices the rule would have redirected.
 
     Replication follows from the cost: once a holder's queue costs more than recomputing the
     prefix, the request (and so the prefix) goes to another instance, at whatever load that
@@ -548,7 +562,13 @@ class PrefixAwareRouter(Router):
 
     ``prefill_time`` (tokens → seconds) is the deployment's latency model where known, else
     :class:`LinearPrefillTime`; the decode step is a :class:`LinearDecodeTime` (``decode_time``,
-    or fitted to ``step_time``, a latency model's own, as the simulator passes it).
+    or fitted to ``step_time``, a latency model's own, as the simulator passes it);
+    ``batch_tokens`` the instances' token budget per step (the simulator passes the engine's).
+
+    With more than ``max_priced`` (16; 0: no limit) candidates, a decision prices the instances
+    caching or promised part of the prompt and a window of ``max_priced`` others that rotates
+    over the candidates from one decision to the next (the power of a few choices, as
+    load balancers sample: the decision stays O(``max_priced``) at 64 instances).
     """
 
     name = "prefix_aware"
@@ -557,8 +577,15 @@ class PrefixAwareRouter(Router):
     def __init__(self, prefill_time: PrefillTime | None = None,
                  decode_time: LinearDecodeTime | None = None,
                  step_time: Callable[[list[tuple[int, int]], list[int]], float] | None = None,
-                 decode_weight: float = 1.0, promise_stride: int = 16) -> None:
+                 decode_weight: float = 1.0, promise_stride: int = 16,
+                 batch_tokens: int = 2048, guard: bool = False, max_priced: int = 16) -> None:
         _check(decode_weight >= 0, f"decode_weight must be >= 0, got {decode_weight}")
+        _check(batch_tokens >= 1, f"batch_tokens must be >= 1, got {batch_tokens}")
+        self.batch_tokens = batch_tokens
+        self.guard = guard
+        _check(max_priced >= 0, f"max_priced must be >= 0, got {max_priced}")
+        self.max_priced, self._rot = max_priced, 0
+        self._step_base: float | None = None  # a step's fixed cost, from prefill_time
         _check(promise_stride >= 1, f"promise_stride must be >= 1, got {promise_stride}")
         _check(decode_time is None or step_time is None,
                "give decode_time or step_time, not both")
@@ -571,16 +598,17 @@ class PrefixAwareRouter(Router):
         self.promise_stride = promise_stride
         self.index: PrefixIndex | None = None
         self._pt_memo: dict[int, float] = {}
-        # per instance: [the requests routed there, oldest first, as (cumulative PT, the block
-        # hashes they promise); Σ PT routed so far; Σ PT of the entries dropped]. The newest
-        # ``queued`` of them are the ones in front
+        # per instance: [the requests routed there, oldest first, as (cumulative W, cumulative
+        # missed tokens, the block hashes they promise); Σ W routed so far; Σ W of the entries
+        # dropped; Σ missed tokens routed; Σ of those dropped; entries]. The newest ``queued``
+        # of them are the ones in front
         self._queues: dict[str, list] = {}
         self._cands: list[InstanceView] = []
         self._cand_states: list[list] = []
         self._pos: dict[str, int] = {}
         # block hash -> instance -> requests in flight there whose prompt has that block
         self._promised: dict[int, dict[str, int]] = {}
-        self.decisions: dict[str, int] = {"hit": 0, "miss": 0, "guarded": 0}
+        self.decisions: dict[str, int] = {"hit": 0, "miss": 0, "late_start": 0, "guarded": 0}
 
     # ------------------------------------------------------------------ events
     def on_kv_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
@@ -596,7 +624,7 @@ class PrefixAwareRouter(Router):
         if self.index is not None:
             self.index.remove_instance(instance_id)
         st = self._queues.pop(instance_id, None)
-        for _, keys in st[0] if st else ():
+        for _, _, keys in st[0] if st else ():
             self._unpromise(instance_id, keys)
         self._cands = []  # (its state is gone: rebuild the candidates' list)
 
@@ -622,7 +650,8 @@ class PrefixAwareRouter(Router):
         first token (about in order), their blocks are cached and the index knows."""
         dq = st[0]
         while len(dq) > queued:
-            st[2], keys = dq.popleft()
+            st[2], st[4], keys = dq.popleft()
+            st[5] -= 1
             if keys:
                 self._unpromise(iid, keys)
 
@@ -632,10 +661,28 @@ class PrefixAwareRouter(Router):
         if len(last) != len(candidates) or not all(map(is_, last, candidates)):
             self._cands = list(candidates)
             q = self._queues
-            self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0])
+            self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0, 0, 0, 0])
                                  for v in candidates]
             self._pos = {v.instance_id: k for k, v in enumerate(candidates)}
         return self._cand_states
+
+    def _queued_time(self, tokens: int, pt_tokens: float | None = None) -> float:
+        """``W(tokens)``: what a prefill of ``tokens`` adds to the steps that carry it (the
+        class docstring); ``pt_tokens``: ``PT(tokens)`` when known."""
+        if tokens <= 0:
+            return 0.0
+        a = self._step_base
+        if a is None:
+            a = self._step_base = max(2 * self._pt(1) - self._pt(2), 0.0)
+        p = self._pt(tokens) if pt_tokens is None else pt_tokens
+        return max(p - a, 0.0) + a * tokens / self.batch_tokens
+
+    def _start(self, st: list, wait: float) -> float:
+        """When a request routed now would start on the instance of state ``st``: the steps
+        before the one that takes the last of the ``Q`` tokens in front (FCFS chunked prefill
+        fills each step's budget ``B`` in order), ``wait − W(Q mod B)``."""
+        tail = (st[3] - st[4]) % self.batch_tokens
+        return max(wait - self._queued_time(tail), 0.0)
 
     def _wait(self, view: InstanceView) -> float:
         """Σ PT of the requests in front on ``view`` (the newest ``queued`` routed there)."""
@@ -666,6 +713,39 @@ class PrefixAwareRouter(Router):
 
     # ------------------------------------------------------------------ select
     def select(self, request: ClusterRequest, candidates: list[InstanceView]) -> InstanceView:
+        pr = self._price(request, candidates)
+        waits, costs, best_finish, states = pr[0], pr[1], pr[2], pr[3]
+        k = costs.index(min(costs))
+        if waits[k] > best_finish and self._start(states[k], waits[k]) > best_finish:
+            # it would start after the request could be done elsewhere
+            if not self.guard:
+                self.decisions["late_start"] += 1
+            else:
+                self.decisions["guarded"] += 1
+                k = min((j for j, wt in enumerate(waits)
+                         if wt <= best_finish or self._start(states[j], wt) <= best_finish),
+                        key=costs.__getitem__)
+        return self._commit(candidates, k, pr)
+
+    def assess(self, request: ClusterRequest, candidates: list[InstanceView],
+               chosen: InstanceView) -> dict[str, float]:
+        """Price ``request`` as :meth:`select` would, then record it as routed to ``chosen``
+        (another router's decision, shadowed: ``docs/routing.md``'s diagnosis). Returns the
+        chosen instance's predicted start and first-token time, the earliest predicted
+        first-token time anywhere, and whether the chosen one is the cheapest."""
+        pr = self._price(request, candidates)
+        waits, costs, best_finish, states = pr[0], pr[1], pr[2], pr[3]
+        k = next(j for j, c in enumerate(candidates) if c is chosen)
+        start = self._start(states[k], waits[k]) if waits[k] > best_finish else waits[k]
+        out = {"start": start, "ttft": waits[k] + pr[4].get(k, pr[5]),
+               "best_ttft": best_finish, "cheapest": float(costs[k] == min(costs)),
+               "missed": float(pr[4].get(k, pr[5]) == pr[5])}
+        self._commit(candidates, k, pr)
+        return out
+
+    def _price(self, request: ClusterRequest, candidates: list[InstanceView]) -> tuple:
+        """Every candidate's wait and cost (the class docstring), the earliest predicted
+        first-token time, and what :meth:`_commit` needs."""
         bs = candidates[0].block_size
         if self.index is None:
             self.index = PrefixIndex(bs)
@@ -686,37 +766,54 @@ class PrefixAwareRouter(Router):
         out = request.params.max_tokens
         pt, w = self._pt, self.decode_weight
         dt = self.decode_time
-        # DT_i⁺ = base + per_seq·(D_i + 1) + per_token·(X_i + n + o/2); DT_i⁺ − DT_i = inc
+        # DT_i⁺ = base + per_seq·(A_i + 1) + per_token·(X_i + n + o/2); DT_i⁺ − DT_i = inc
         inc = dt.per_seq + dt.per_token * (n + out // 2)
         per_seq, per_block = dt.per_seq, dt.per_token * bs
         pt_cold = pt(n)
         own0 = out * (dt.base + inc) + pt_cold
         dinc = w * out * inc + out * per_seq
         wp_cold = w * pt_cold
+        adinc = wp_cold + dinc
         states = self._states(candidates)
         trim = self._trim
         xb = out * per_block
-        waits: list[float] = []
-        costs: list[float] = []
-        # every candidate priced as if nothing were cached there; the holders corrected below
-        for view, st in zip(candidates, states):
-            q = view.queued
-            if len(st[0]) > q:  # drop what reached its first token
-                trim(view.instance_id, st, q)
-            wait = st[1] - st[2]  # (0 once every entry is dropped: the sums meet)
-            a = view.active
-            stats = view.stats
-            cost = wait + own0 + wp_cold * a
-            if a > q:
-                cost += (a - q) * dinc
-            if stats is not None:
-                cost += xb * stats.num_used_blocks
-            waits.append(wait)
-            costs.append(cost)
+        num, m = len(candidates), self.max_priced
+        pos = self._pos
+        if m and num > m:  # the holders and a rotating window of m candidates
+            off = self._rot % num
+            self._rot = off + m
+            idx = {(off + j) % num for j in range(m)}
+            idx.update(pos[i] for i in lengths if i in pos)
+            waits, costs = [_INF] * num, [_INF] * num
+            for k in idx:
+                view, st = candidates[k], states[k]
+                q = view.queued
+                if st[5] > q:
+                    trim(view.instance_id, st, q)
+                waits[k] = wait = st[1] - st[2]
+                a = view.active
+                stats = view.stats
+                costs[k] = (wait + own0 + a * adinc
+                            + (xb * stats.num_used_blocks if stats is not None else 0.0))
+        else:
+            waits = []
+            costs = []
+            add_wait, add_cost = waits.append, costs.append
+            # every candidate priced as if nothing were cached there; the holders corrected
+            # below
+            for view, st in zip(candidates, states):
+                q = view.queued
+                if st[5] > q:  # drop what reached its first token
+                    trim(view.instance_id, st, q)
+                wait = st[1] - st[2]  # (0 once every entry is dropped: the sums meet)
+                a = view.active
+                stats = view.stats
+                add_wait(wait)
+                add_cost(wait + own0 + a * adinc
+                         + (xb * stats.num_used_blocks if stats is not None else 0.0))
         best_finish = min(waits) + pt_cold
         ps: dict[int, float] = {}
         if lengths:
-            pos = self._pos
             for iid, c in lengths.items():
                 at = pos.get(iid)
                 if at is None:
@@ -726,18 +823,24 @@ class PrefixAwareRouter(Router):
                 costs[at] += (p - pt_cold) * (1.0 + w * candidates[at].active)
                 if waits[at] + p < best_finish:
                     best_finish = waits[at] + p
-        k = costs.index(min(costs))
-        if waits[k] > best_finish:  # it would start after the request could be done elsewhere
-            self.decisions["guarded"] += 1
-            k = min((j for j, wt in enumerate(waits) if wt <= best_finish),
-                    key=costs.__getitem__)
+        return (waits, costs, best_finish, states, ps, pt_cold, n, keys, lengths, bs)
+
+    def _commit(self, candidates: list[InstanceView], k: int, pr: tuple) -> InstanceView:
+        """Record the request as routed to ``candidates[k]`` (its queue entry, its promises)."""
+        states, ps, pt_cold, n, keys, lengths, bs = pr[3], pr[4], pr[5], pr[6], pr[7], pr[8], \
+            pr[9]
         inst = candidates[k]
         iid = inst.instance_id
         p = ps.get(k, pt_cold)
         self.decisions["hit" if p < pt_cold else "miss"] += 1
         st = states[k]
-        st[1] += p
-        st[0].append((st[1], tuple(keys)))
+        # what it adds to the queue: its prefill less the fixed step cost, but for its share
+        # of the step's token budget
+        miss = max(n - lengths.get(iid, 0) * bs if lengths else n, 1)
+        st[1] += self._queued_time(miss, p)
+        st[3] += miss
+        st[0].append((st[1], st[3], tuple(keys)))
+        st[5] += 1
         pm = self._promised
         for h in keys:
             per = pm.get(h)

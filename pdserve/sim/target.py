@@ -219,7 +219,8 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
         if dep.inter_node_link is not None else intra
     entry = instances[0].latency  # the colocated or prefill instances' step-time model
     routers = routers_for(dep, prefill_time=lambda n: entry.prefill_time([n]),
-                          prefill_batch_time=entry.prefill_time, step_time=entry.step_time)
+                          prefill_batch_time=entry.prefill_time, step_time=entry.step_time,
+                          batch_tokens=specs[0].engine.scheduler.token_budget)
     simulator = Simulator(instances, model, *routers,
                           intra_node_link=intra, inter_node_link=inter,
                           kv_dtype=specs[0].engine.dtype, record_batches=record_batches,
