@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from pdserve import __version__, grammar
+from pdserve import __version__
 from pdserve.cluster.serving_api import (
     QueueFullError,
     RequestFailedError,
@@ -151,7 +151,8 @@ class OpenAIServer:
 
     Tokenization (of texts over ``INLINE_TEXT`` characters: shorter ones cost less than the
     hand-off), detokenization and chat templating run on a worker thread, structured-output
-    compilation on another, so the event loop (and ``/health``) never waits for them. Texts of
+    conversion and compilation in worker processes (:class:`CompilePool`, time-limited), so
+    the event loop (and ``/health``) never waits for them. Texts of
     more than ``LARGE_TEXT`` characters are tokenized on a thread of their own, so that one huge
     prompt does not hold up the others. A prompt with more characters than ``max_model_len``
     tokens could hold is refused before it is tokenized."""
@@ -167,7 +168,6 @@ class OpenAIServer:
                                      {"length_pairs": pair_log})
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
         self.large_text_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer-l")
-        self.grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self.compile_options = dict(compile_options or {})  # CompilePool's workers, timeout
         self.compile_pool: CompilePool | None = None  # started at the first constraint
         # parsing large bodies and building responses: off the loop, one at a time
@@ -287,22 +287,12 @@ class OpenAIServer:
             raise APIError(400, "structured output needs a tokenizer with a vocabulary and an "
                                 "EOS token", param=param)
 
-        def to_regex() -> str:
-            if kind == "json_object":
-                return grammar.json_object_regex()
-            if kind == "json":
-                return grammar.regex_for_schema(spec)
-            if kind == "choice":
-                return grammar.regex_for_choice(spec)
-            return str(spec)
-
-        loop = asyncio.get_running_loop()
         try:
-            regex = await loop.run_in_executor(self.grammar_pool, to_regex)
             if self.compile_pool is None:
                 self.compile_pool = CompilePool(self.tokenizer, eos, **self.compile_options)
                 weakref.finalize(self, self.compile_pool.close)  # its worker processes
-            await _unless_gone(raw, self.compile_pool.check(regex))
+            regex = await _unless_gone(raw, self.compile_pool.compile(
+                kind, None if kind == "json_object" else spec))
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
         except RuntimeError as e:  # a worker process could not start

@@ -9,14 +9,16 @@ one worker while the others serve the trivial ones beside it. A compilation that
 ``ValueError`` (HTTP 400); one whose client left is cancelled. Either way its worker process is
 killed and replaced. Results (success or the error) are cached per expression.
 
-The instance that serves the request compiles the (admitted) expression again for its own
-masks; an expression that passed here compiles there within the same limit.
+A JSON schema (or choice list) is converted to its regular expression in the worker too, under
+the same limits. The instance that serves the request compiles the (admitted) expression again
+for its own masks; an expression that passed here compiles there within the same limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import multiprocessing as mp
 from collections import OrderedDict
@@ -41,21 +43,49 @@ def _worker(conn: Connection, eos_token_id: int, by_bytes: dict[bytes, list[int]
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     from outlines_core import Index, Vocabulary
 
+    from pdserve.grammar import check_regex
+
     vocab = Vocabulary(eos_token_id, by_bytes)
     conn.send("ready")
     while True:
         try:
-            regex = conn.recv()
+            kind, spec = conn.recv()
         except EOFError:
             return
         try:
-            Index(regex, vocab)
-            conn.send(None)
+            regex = to_regex(kind, spec)
+            check_regex(regex)
+        except ValueError as e:
+            conn.send((None, str(e)))
+            continue
         except MemoryError:
-            conn.send(f"the output constraint needs more than {memory_bytes >> 20} MiB to "
-                      f"compile")
+            conn.send((None, f"the output constraint needs more than {memory_bytes >> 20} MiB "
+                             f"to convert"))
+            continue
+        try:
+            Index(regex, vocab)
+            conn.send((regex, None))
+        except MemoryError:
+            conn.send((None, f"the output constraint needs more than {memory_bytes >> 20} MiB "
+                             f"to compile"))
         except Exception as e:  # the Rust side raises its own error types
-            conn.send(f"cannot compile the output constraint: {e}")
+            conn.send((None, f"cannot compile the output constraint: {e}"))
+
+
+def to_regex(kind: str, spec: Any) -> str:
+    """The regular expression of a structured-output request: ``kind`` ``json_object``,
+    ``json`` (a schema), ``choice`` (strings) or ``regex``. ``ValueError`` when unsupported."""
+    from pdserve import grammar
+
+    if kind == "json_object":
+        return grammar.json_object_regex()
+    if kind == "json":
+        return grammar.regex_for_schema(spec)
+    if kind == "choice":
+        return grammar.regex_for_choice(spec)
+    if kind == "regex":
+        return str(spec)
+    raise ValueError(f"unknown output constraint kind {kind!r}")
 
 
 class _Worker:
@@ -116,7 +146,8 @@ class CompilePool:
         self._args: tuple[Any, ...] | None = None
         self._idle: list[_Worker] = []
         self._slots: asyncio.Semaphore | None = None
-        self._cache: OrderedDict[str, str | None] = OrderedDict()
+        # verdicts per constraint: (regex, None) or (None, error)
+        self._cache: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
         self._ctx = mp.get_context("spawn")
 
     def _vocabulary_args(self) -> tuple[Any, ...]:
@@ -133,22 +164,30 @@ class CompilePool:
     async def check(self, regex: str) -> None:
         """Compile ``regex``; ``ValueError`` when it is invalid, unsupported, or over the time
         or memory limit. Cancelling the call (the client left) kills its worker."""
-        from pdserve.grammar import check_regex  # lazy: numpy, kept out of the workers
+        await self.compile("regex", regex)
 
-        check_regex(regex)  # size: characters and counted repetitions
-        if regex in self._cache:
-            self._cache.move_to_end(regex)
-            error = self._cache[regex]
+    async def compile(self, kind: str, spec: Any) -> str:
+        """The regular expression of a structured-output request (:func:`to_regex`), converted
+        and compiled in a worker, both under the limits; ``ValueError`` as :meth:`check`."""
+        from pdserve.grammar import check_regex
+
+        if kind == "regex":
+            check_regex(str(spec))  # size: characters and counted repetitions, at once
+        key = f"{kind}\0{spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)}"
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            regex, error = self._cache[key]
         else:
-            error = await self._compile(regex)
-            if error is not None or regex not in self._cache:
-                self._cache[regex] = error
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+            regex, error = await self._compile((kind, spec))
+            self._cache[key] = (regex, error)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         if error is not None:
             raise ValueError(error)
+        assert regex is not None
+        return regex
 
-    async def _compile(self, regex: str) -> str | None:
+    async def _compile(self, job: tuple[str, Any]) -> tuple[str | None, str | None]:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
         async with self._slots:
@@ -163,20 +202,20 @@ class CompilePool:
                     if await worker.recv() != "ready":
                         raise RuntimeError("the grammar worker did not start")
                     worker.ready = True
-                worker.conn.send(regex)
+                worker.conn.send(job)
                 self.busy.append(worker)
                 try:
                     result = await asyncio.wait_for(worker.recv(), self.timeout)
                 except asyncio.TimeoutError:
-                    log.warning("compiling an output constraint of %d characters took over "
-                                "%.1f s; refused", len(regex), self.timeout)
-                    return (f"the output constraint takes longer than {self.timeout:g} s to "
-                            f"compile; simplify it")
+                    log.warning("compiling a %s output constraint took over %.1f s; refused",
+                                job[0], self.timeout)
+                    return None, (f"the output constraint takes longer than "
+                                  f"{self.timeout:g} s to compile; simplify it")
                 except (EOFError, OSError):  # the worker died (out of memory, killed)
-                    return (f"the output constraint could not be compiled within "
-                            f"{self.memory_bytes >> 20} MiB")
+                    return None, (f"the output constraint could not be compiled within "
+                                  f"{self.memory_bytes >> 20} MiB")
                 ok = True
-                return result
+                return result[0], result[1]
             finally:
                 if worker in self.busy:
                     self.busy.remove(worker)
