@@ -25,6 +25,8 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdserve import grammar
+
 log = logging.getLogger("pdserve.server")
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -43,8 +45,6 @@ def _worker(conn: Connection, eos_token_id: int, by_bytes: dict[bytes, list[int]
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     from outlines_core import Index, Vocabulary
 
-    from pdserve.grammar import check_regex
-
     vocab = Vocabulary(eos_token_id, by_bytes)
     conn.send("ready")
     while True:
@@ -54,7 +54,7 @@ def _worker(conn: Connection, eos_token_id: int, by_bytes: dict[bytes, list[int]
             return
         try:
             regex = to_regex(kind, spec)
-            check_regex(regex)
+            grammar.check_regex(regex)
         except ValueError as e:
             conn.send((None, str(e)))
             continue
@@ -75,8 +75,6 @@ def _worker(conn: Connection, eos_token_id: int, by_bytes: dict[bytes, list[int]
 def to_regex(kind: str, spec: Any) -> str:
     """The regular expression of a structured-output request: ``kind`` ``json_object``,
     ``json`` (a schema), ``choice`` (strings) or ``regex``. ``ValueError`` when unsupported."""
-    from pdserve import grammar
-
     if kind == "json_object":
         return grammar.json_object_regex()
     if kind == "json":
@@ -152,10 +150,8 @@ class CompilePool:
 
     def _vocabulary_args(self) -> tuple[Any, ...]:
         if self._args is None:
-            from pdserve.grammar import token_bytes  # lazy: numpy, kept out of the workers
-
             by_bytes: dict[bytes, list[int]] = {}
-            for i, b in token_bytes(self.tokenizer).items():
+            for i, b in grammar.token_bytes(self.tokenizer).items():
                 if i != self.eos_token_id and b:
                     by_bytes.setdefault(b, []).append(i)
             self._args = (self.eos_token_id, by_bytes, self.memory_bytes)
@@ -169,10 +165,8 @@ class CompilePool:
     async def compile(self, kind: str, spec: Any) -> str:
         """The regular expression of a structured-output request (:func:`to_regex`), converted
         and compiled in a worker, both under the limits; ``ValueError`` as :meth:`check`."""
-        from pdserve.grammar import check_regex
-
         if kind == "regex":
-            check_regex(str(spec))  # size: characters and counted repetitions, at once
+            grammar.check_regex(str(spec))  # size: characters and counted repetitions, at once
         key = f"{kind}\0{spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)}"
         if key in self._cache:
             self._cache.move_to_end(key)
