@@ -678,6 +678,87 @@ _ROLE_DEFAULTS: dict[str, dict[str, Any]] = {"prefill": {"enable_chunked_prefill
 
 
 @dataclass(frozen=True)
+class PredictorConfig:
+    """TetriInfer's length predictor (§3.3.2; :mod:`pdserve.predict`): ``name`` (``none``,
+    ``oracle``, ...), the bucket ``granularity`` in tokens, the oracle's ``accuracy`` and the
+    ``data`` it is fitted on (a trained classifier, logged pairs or a trace name)."""
+
+    name: str = "none"
+    granularity: int = 200
+    accuracy: float = 1.0
+    data: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.name in LENGTH_PREDICTORS,
+                 f"unknown length predictor {self.name!r}; available: "
+                 f"{list(LENGTH_PREDICTORS)}")
+        check_granularity(self.granularity)
+        _require(isinstance(self.accuracy, (int, float)) and 0.0 <= self.accuracy <= 1.0,
+                 f"predictor_accuracy must be in [0, 1], got {self.accuracy}")
+
+
+@dataclass(frozen=True)
+class MacroConfig:
+    """EcoServe's macro instances (strategy ``partial``): ``size`` temporal instances each, routed
+    by ``macro_rolling`` against ``slo_ttft``/``slo_tpot`` (Alg. 2); ``mitosis`` scales them
+    between ``mitosis_lower`` (N_l) and ``mitosis_upper`` (N_u) instances each (§4.2.4)."""
+
+    slo_ttft: float = _help("TTFT objective the macro_rolling router admits against, s "
+                            "(EcoServe Alg. 2)", default=5.0)
+    slo_tpot: float = _help("TPOT objective the macro_rolling router admits against, s "
+                            "(EcoServe Alg. 2)", default=0.1)
+    size: int = _help("temporal instances per macro instance (EcoServe §4.2.1)", default=4)
+    mitosis: bool = _help("scale macro instances with mitosis (EcoServe §4.2.4): start with "
+                          "mitosis_initial instances, park the rest", default=False)
+    mitosis_lower: int = _help("N_l: fewest instances of a macro instance", default=2)
+    mitosis_upper: int = _help("N_u: most instances of a macro instance", default=4)
+    mitosis_initial: int | None = _help(
+        "instances serving at the start with mitosis (default: mitosis_lower)", default=None)
+    mitosis_interval: float = _help("seconds between mitosis scaling decisions", default=10.0)
+
+    def __post_init__(self) -> None:
+        flat = {name: key for key, (_, name) in FLAT_KEYS.items()}  # messages say the flags
+        for name in ("slo_ttft", "slo_tpot", "mitosis_interval"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and v > 0,
+                     f"{flat[name]} must be > 0, got {v!r}")
+        for name in ("size", "mitosis_lower", "mitosis_upper"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 1,
+                     f"{flat[name]} must be an integer >= 1, got {v!r}")
+        _require(self.mitosis_lower <= self.mitosis_upper,
+                 f"mitosis_lower (N_l={self.mitosis_lower}) must be <= mitosis_upper "
+                 f"(N_u={self.mitosis_upper})")
+        _require(self.mitosis_upper >= 2 * self.mitosis_lower - 1,
+                 f"mitosis_upper (N_u={self.mitosis_upper}) must be >= 2*N_l - 1 = "
+                 f"{2 * self.mitosis_lower - 1}: a split past N_u leaves two macro instances "
+                 f"of at least N_l")
+        _require(self.mitosis_initial is None or self.mitosis_initial >= 1,
+                 f"mitosis_initial must be >= 1, got {self.mitosis_initial}")
+
+
+# The flat deployment keys of the nested settings -> (ClusterConfig field, nested field): the
+# command line's flags (``--predictor-granularity``, ``--mitosis-lower``, ...) and deployment
+# files written before the nesting use them; :meth:`ClusterConfig.from_dict` accepts both forms.
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "length_predictor": ("predictor", "name"),
+    "predictor_granularity": ("predictor", "granularity"),
+    "predictor_accuracy": ("predictor", "accuracy"),
+    "predictor_data": ("predictor", "data"),
+    "slo_ttft": ("macro", "slo_ttft"),
+    "slo_tpot": ("macro", "slo_tpot"),
+    "macro_instance_size": ("macro", "size"),
+    "mitosis": ("macro", "mitosis"),
+    "mitosis_lower": ("macro", "mitosis_lower"),
+    "mitosis_upper": ("macro", "mitosis_upper"),
+    "mitosis_initial": ("macro", "mitosis_initial"),
+    "mitosis_interval": ("macro", "mitosis_interval"),
+}
+_NESTED: dict[str, type[PredictorConfig] | type[MacroConfig]] = {
+    "predictor": PredictorConfig, "macro": MacroConfig}
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """A deployment: the one spec from which the live runtime and the simulator build instances.
 
@@ -689,10 +770,9 @@ class ClusterConfig:
     ``gpus_per_node`` GPUs in order (``None``: one node). ``max_waiting_requests`` bounds
     requests accepted but not yet started. Build it with :meth:`from_dict` (files, flags).
 
-    Partial disaggregation (EcoServe, strategy ``partial``): ``temporal`` instances grouped in
-    macro instances of ``macro_instance_size``, routed by ``macro_rolling`` against
-    ``slo_ttft``/``slo_tpot``; ``mitosis`` scales macro instances between ``mitosis_lower`` (N_l)
-    and ``mitosis_upper`` (N_u) instances each (§4.2.4).
+    ``predictor`` (:class:`PredictorConfig`) and ``flip`` are TetriInfer's length predictor and
+    instance flip; ``macro`` (:class:`MacroConfig`) holds partial disaggregation's settings
+    (EcoServe, strategy ``partial``: ``temporal`` instances in macro instances, mitosis).
     """
 
     model: str = ""
@@ -707,24 +787,10 @@ class ClusterConfig:
     ray_address: str | None = None
     max_waiting_requests: int = 1024
     # TetriInfer (§3.3.2 length predictor, §3.5 instance flip; pdserve/predict, cluster/flip.py)
-    length_predictor: str = "none"
-    predictor_granularity: int = 200
-    predictor_accuracy: float = 1.0
-    predictor_data: str | None = None
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
     flip: str = "none"
-    slo_ttft: float = _help("TTFT objective the macro_rolling router admits against, s "
-                            "(EcoServe Alg. 2)", default=5.0)
-    slo_tpot: float = _help("TPOT objective the macro_rolling router admits against, s "
-                            "(EcoServe Alg. 2)", default=0.1)
-    macro_instance_size: int = _help(
-        "temporal instances per macro instance (EcoServe §4.2.1)", default=4)
-    mitosis: bool = _help("scale macro instances with mitosis (EcoServe §4.2.4): start with "
-                          "mitosis_initial instances, park the rest", default=False)
-    mitosis_lower: int = _help("N_l: fewest instances of a macro instance", default=2)
-    mitosis_upper: int = _help("N_u: most instances of a macro instance", default=4)
-    mitosis_initial: int | None = _help(
-        "instances serving at the start with mitosis (default: mitosis_lower)", default=None)
-    mitosis_interval: float = _help("seconds between mitosis scaling decisions", default=10.0)
+    # EcoServe (strategy partial: macro instances, rolling activation, mitosis)
+    macro: MacroConfig = field(default_factory=MacroConfig)
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got "
@@ -738,29 +804,12 @@ class ClusterConfig:
         _require(len(set(names)) == len(names), f"each role may appear once, got {names}")
         _require(sorted(names) in (["colocated"], ["decode", "prefill"], ["temporal"]),
                  f"roles must be [colocated], [prefill, decode] or [temporal], got {names}")
-        for name in ("slo_ttft", "slo_tpot", "mitosis_interval"):
-            v = getattr(self, name)
-            _require(isinstance(v, (int, float)) and v > 0, f"{name} must be > 0, got {v!r}")
-        for name in ("macro_instance_size", "mitosis_lower", "mitosis_upper"):
-            v = getattr(self, name)
-            _require(isinstance(v, int) and v >= 1, f"{name} must be an integer >= 1, got {v!r}")
-        _require(self.mitosis_lower <= self.mitosis_upper,
-                 f"mitosis_lower (N_l={self.mitosis_lower}) must be <= mitosis_upper "
-                 f"(N_u={self.mitosis_upper})")
-        _require(self.mitosis_upper >= 2 * self.mitosis_lower - 1,
-                 f"mitosis_upper (N_u={self.mitosis_upper}) must be >= 2*N_l - 1 = "
-                 f"{2 * self.mitosis_lower - 1}: a split past N_u leaves two macro instances "
-                 f"of at least N_l")
-        _require(self.mitosis_initial is None or self.mitosis_initial >= 1,
-                 f"mitosis_initial must be >= 1, got {self.mitosis_initial}")
         object.__setattr__(self, "engine", dict(self.engine))
         self.engine_config()  # validates the shared engine settings now
-        _require(self.length_predictor in LENGTH_PREDICTORS,
-                 f"unknown length predictor {self.length_predictor!r}; available: "
-                 f"{list(LENGTH_PREDICTORS)}")
-        check_granularity(self.predictor_granularity)
-        _require(0.0 <= self.predictor_accuracy <= 1.0,
-                 f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
+        _require(isinstance(self.predictor, PredictorConfig),
+                 f"predictor must be a PredictorConfig, got {self.predictor!r}")
+        _require(isinstance(self.macro, MacroConfig),
+                 f"macro must be a MacroConfig, got {self.macro!r}")
         flip_settings(self.flip)
         if self.gpus_per_node is not None:
             for r in self.roles:
@@ -775,11 +824,8 @@ class ClusterConfig:
     def router_options(self) -> dict[str, Any]:
         """Settings a router may take as constructor keywords (``make_routers`` passes each to
         the routers whose constructor names it): EcoServe's SLOs, macro size and mitosis."""
-        return {"slo_ttft": self.slo_ttft, "slo_tpot": self.slo_tpot,
-                "macro_instance_size": self.macro_instance_size,
-                "mitosis": self.mitosis, "mitosis_lower": self.mitosis_lower,
-                "mitosis_upper": self.mitosis_upper, "mitosis_initial": self.mitosis_initial,
-                "mitosis_interval": self.mitosis_interval}
+        return {key: getattr(self.macro, name) for key, (group, name) in FLAT_KEYS.items()
+                if group == "macro"}
 
     def role(self, name: str) -> RoleSpec | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -824,11 +870,28 @@ class ClusterConfig:
         ``tp``/``pp``/``ep`` (every role), ``prefill_tp``/``prefill_pp``/``prefill_ep`` and the
         same for ``decode``,
         ``prefill_token_target`` (L_m of prefill instances), engine settings at the top level,
-        and links as ``{bandwidth_gb_per_s, latency_s}`` mappings. Shorthand overrides ``roles``.
+        links as ``{bandwidth_gb_per_s, latency_s}`` mappings, and the nested settings as
+        mappings (``predictor: {name: oracle}``) or by their flat keys (:data:`FLAT_KEYS`:
+        ``length_predictor: oracle``, the flags' names); a flat key overrides the same setting
+        given nested (a flag over a file). Shorthand overrides ``roles``.
         """
         d = {k.replace("-", "_"): v for k, v in d.items() if v is not None}
         known = {f.name for f in fields(cls)}
         short = {k: d.pop(k) for k in _SHORTHAND if k in d}
+        for group, sub in _NESTED.items():
+            given = d.get(group, {})
+            if isinstance(given, sub):
+                given = {f.name: getattr(given, f.name) for f in fields(sub)}
+            _require(isinstance(given, Mapping),
+                     f"{group} must be a mapping of {', '.join(f.name for f in fields(sub))}, "
+                     f"got {given!r}")
+            nested = {k.replace("-", "_"): v for k, v in given.items() if v is not None}
+            bad = set(nested) - {f.name for f in fields(sub)}
+            _require(not bad, f"{group}: unknown setting(s) {sorted(bad)}; known: "
+                              f"{', '.join(f.name for f in fields(sub))}")
+            nested.update({name: d.pop(key) for key, (g, name) in FLAT_KEYS.items()
+                           if g == group and key in d})
+            d[group] = sub(**nested)
         engine = d.pop("engine", None) or {}
         if isinstance(engine, EngineConfig):
             d.setdefault("model", engine.model)
@@ -844,7 +907,7 @@ class ClusterConfig:
             d.setdefault("prefill_router", "macro_rolling")  # EcoServe's router by default
         unknown = set(d) - known
         _require(not unknown, f"unknown deployment setting(s) {sorted(unknown)}; known: "
-                              f"{', '.join(sorted(known | set(_SHORTHAND)))}")
+                              f"{', '.join(sorted(known | set(_SHORTHAND) | set(FLAT_KEYS)))}")
         for name in ("kv_link", "inter_node_link"):
             if isinstance(d.get(name), Mapping):
                 d[name] = Link(**d[name])
@@ -863,6 +926,8 @@ class ClusterConfig:
                       **({"engine": dict(r.engine)} if r.engine else {})} for r in v]
             elif isinstance(v, Link):
                 v = {"bandwidth_gb_per_s": v.bandwidth_gb_per_s, "latency_s": v.latency_s}
+            elif isinstance(v, (PredictorConfig, MacroConfig)):
+                v = {g.name: getattr(v, g.name) for g in fields(v)}
             elif isinstance(v, Mapping):
                 v = dict(v)
             out[f.name] = v

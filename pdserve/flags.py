@@ -30,11 +30,13 @@ from pdserve.cluster.routing import ROUTERS
 from pdserve.config import (
     BACKENDS,
     DTYPES,
+    FLAT_KEYS,
     STRATEGIES,
     CacheConfig,
     ClusterConfig,
     EngineConfig,
     Link,
+    MacroConfig,
     SchedulerConfig,
     load_data_file,
 )
@@ -229,7 +231,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                         "majority, classifier (default: none)")
     t.add_argument("--predictor-granularity", type=positive_int, metavar="TOKENS",
                    help=f"bucket width of the predicted length "
-                        f"(default: {_DEFAULT.predictor_granularity})")
+                        f"(default: {_DEFAULT.predictor.granularity})")
     t.add_argument("--predictor-accuracy", type=share_or_zero, metavar="SHARE",
                    help="the oracle's accuracy (default: 1.0; the paper's classifier: 0.749)")
     t.add_argument("--predictor-data", metavar="FILE|TRACE",
@@ -238,19 +240,20 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
     t.add_argument("--flip", metavar="POLICY",
                    help="instance flip (TetriInfer section 3.5): none, idle[:SECONDS] or "
                         "load[:SHARE[:SECONDS]] (default: none)")
-    hints = typing.get_type_hints(ClusterConfig)
-    for f in fields(ClusterConfig):  # EcoServe's settings, from the fields' help
-        if f.name in _ECO_FIELDS:
-            kind, _ = _flag_type(hints[f.name])
-            help_ = f.metadata["help"]
-            if "default:" not in help_:
-                help_ += f" (default: {f.default})"
-            flag = "--" + f.name.replace("_", "-")
-            if kind is bool:
-                d.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_)
-            else:
-                d.add_argument(flag, dest=f.name, type=kind, default=None, help=help_)
+    hints = typing.get_type_hints(MacroConfig)
+    macro = {f.name: f for f in fields(MacroConfig)}
+    for key in _ECO_FIELDS:  # EcoServe's settings under their flat names, from the fields' help
+        f = macro[FLAT_KEYS[key][1]]
+        kind, _ = _flag_type(hints[f.name])
+        help_ = f.metadata["help"]
+        if "default:" not in help_:
+            help_ += f" (default: {f.default})"
+        flag = "--" + key.replace("_", "-")
+        if kind is bool:
+            d.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction,
+                           default=None, help=help_)
+        else:
+            d.add_argument(flag, dest=key, type=kind, default=None, help=help_)
     if live:
         d.add_argument("--backend", choices=BACKENDS,
                        help=f"instances as Ray actors or threads in this process "
@@ -263,8 +266,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
                      else ("role", "prefill_token_target", "device", "seed"))
 
 
-_ECO_FIELDS = ("slo_ttft", "slo_tpot", "macro_instance_size", "mitosis", "mitosis_lower",
-               "mitosis_upper", "mitosis_initial", "mitosis_interval")
+_ECO_FIELDS = tuple(k for k, (group, _) in FLAT_KEYS.items() if group == "macro")
 _CLUSTER_FLAGS = _ECO_FIELDS + (
                   "model", "strategy", "num_instances", "num_prefill", "num_decode", "tp", "pp",
                   "ep", "prefill_tp", "prefill_pp", "prefill_ep", "decode_tp", "decode_pp",

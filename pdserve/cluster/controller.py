@@ -89,8 +89,8 @@ class Controller:
         prefill, decode = routers or routers_for(config)
         predictor, flips = None, None
         if config.strategy == "disaggregated":
-            predictor = make_predictor(config.length_predictor, config.predictor_granularity,
-                                       config.predictor_accuracy, config.predictor_data)
+            pc = config.predictor
+            predictor = make_predictor(pc.name, pc.granularity, pc.accuracy, pc.data)
             policy = parse_flip(config.flip)
             if not isinstance(policy, NoFlip):
                 flips = TransitionWatcher(policy, {

@@ -19,7 +19,7 @@ PREDICTOR_NAMES = LENGTH_PREDICTORS  # "none" and every registered predictor
 
 def make_predictor(name: str, granularity: int = 200, accuracy: float = 1.0,
                    data: str | None = None, seed: int = 0) -> LengthPredictor | None:
-    """The deployment's predictor (``ClusterConfig.length_predictor``): ``none``; ``oracle``
+    """The deployment's predictor (``ClusterConfig.predictor.name``): ``none``; ``oracle``
     at ``accuracy``; ``classifier`` loaded from a saved ``.npz``; or any trainable predictor
     fitted now on ``data`` (logged pairs or a trace name)."""
     check_granularity(granularity)

@@ -1,5 +1,5 @@
 """Training data of the length predictors (TetriInfer §3.3.2) and fitting one: what a deployment
-needs to build its predictor at start (``ClusterConfig.predictor_data``). The accuracy report
+needs to build its predictor at start (``ClusterConfig.predictor.data``). The accuracy report
 (split, evaluate) is :mod:`pdserve.predict.train`.
 
 Training data are logged pairs (prompt, generated length) of the target model: a JSONL file

@@ -229,7 +229,7 @@ def test_simulate_with_tetriinfer_flags(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     spec = data["deployment"]["spec"]
-    assert spec["flip"] == "idle:60" and spec["length_predictor"] == "oracle"
+    assert spec["flip"] == "idle:60" and spec["predictor"]["name"] == "oracle"
     assert spec["engine"]["prefill_chunk_size"] == 512
     assert spec["engine"]["admission"] == "reserve-dynamic"
     assert data["summary"]["num_ok"] == 20

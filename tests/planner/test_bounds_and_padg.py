@@ -117,9 +117,10 @@ def test_padg_placement_replicates_macro_instances():
     # ceil(5 / 2) = 3 macro instances of 2 TP1 instances: 6 GPUs, capacity 6 req/s
     assert (pl.strategy, pl.num_gpus, pl.goodput_rps, pl.fits) == ("partial", 6, 6.0, True)
     spec = ClusterConfig.from_dict(pl.deployment)
-    assert spec.strategy == "partial" and spec.macro_instance_size == 2
+    assert spec.strategy == "partial" and spec.macro.size == 2
     assert [(r.role, r.count, r.tp) for r in spec.roles] == [("temporal", 6, 1)]
-    assert (spec.slo_ttft, spec.slo_tpot, spec.prefill_router) == (1.0, 0.1, "macro_rolling")
+    assert (spec.macro.slo_ttft, spec.macro.slo_tpot, spec.prefill_router) == \
+        (1.0, 0.1, "macro_rolling")
     assert [s.node for s in spec.instance_specs()] == [0, 0, 0, 0, 1, 1]
 
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, PredictorConfig
 from pdserve.predict import (
     LengthPrediction,
     Oracle,
@@ -108,8 +108,10 @@ def test_logged_pairs_file(tmp_path):
     (lambda: make_predictor("classifier"), "needs training data"),
     (lambda: Oracle(100, accuracy=1.5), "accuracy must be in"),
     (lambda: SoftmaxClassifier().predict([1], 1), "not trained"),
-    (lambda: ClusterConfig(predictor_granularity=0), "granularity must be an integer >= 1"),
-    (lambda: ClusterConfig(length_predictor="gpt"), "unknown length predictor 'gpt'"),
+    (lambda: ClusterConfig(predictor=PredictorConfig(granularity=0)),
+     "granularity must be an integer >= 1"),
+    (lambda: ClusterConfig(predictor=PredictorConfig(name="gpt")),
+     "unknown length predictor 'gpt'"),
     (lambda: ClusterConfig(flip="sometimes"), "unknown flip policy 'sometimes'"),
     (lambda: ClusterConfig(flip="idle:0"), "must be > 0"),
     (lambda: ClusterConfig(flip="load:x"), "bad flip policy"),

@@ -108,6 +108,73 @@ simulation: {{profile: ignored-when-live}}
     assert ClusterConfig.from_dict(cfg.to_dict()) == cfg
 
 
+OLD_STYLE = """
+model: m
+strategy: partial
+num_instances: 4
+slo_ttft: 1.5
+macro_instance_size: 2
+mitosis: true
+mitosis_lower: 2
+mitosis_upper: 3
+mitosis_interval: 5
+length_predictor: oracle
+predictor_granularity: 100
+predictor_accuracy: 0.75
+"""
+NESTED = """
+model: m
+strategy: partial
+num_instances: 4
+macro: {slo_ttft: 1.5, size: 2, mitosis: true, mitosis_lower: 2, mitosis_upper: 3,
+        mitosis_interval: 5}
+predictor: {name: oracle, granularity: 100, accuracy: 0.75}
+"""
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_old_flat_deployment_files_load_as_the_nested_form(tmp_path: Path, suffix: str) -> None:
+    import yaml
+
+    def load(text: str, name: str) -> ClusterConfig:
+        path = tmp_path / (name + suffix)
+        data = yaml.safe_load(text)
+        path.write_text(json.dumps(data) if suffix == ".json" else text)
+        return flags.deployment_from_args({"config": str(path)})
+
+    old, nested = load(OLD_STYLE, "old"), load(NESTED, "nested")
+    assert old == nested
+    assert (nested.macro.slo_ttft, nested.macro.slo_tpot, nested.macro.size) == (1.5, 0.1, 2)
+    assert (nested.macro.mitosis, nested.macro.mitosis_upper, nested.macro.mitosis_interval) \
+        == (True, 3, 5)
+    assert (nested.predictor.name, nested.predictor.granularity, nested.predictor.accuracy,
+            nested.predictor.data) == ("oracle", 100, 0.75, None)
+    assert nested.router_options()["macro_instance_size"] == 2
+    # the file form is the nested one, and it reads back
+    assert nested.to_dict()["macro"]["size"] == 2 and "macro_instance_size" not in \
+        nested.to_dict()
+    assert ClusterConfig.from_dict(nested.to_dict()) == nested
+
+
+def test_flat_flags_override_a_nested_file(model_dir: str, tmp_path: Path) -> None:
+    spec = tmp_path / "d.yaml"
+    spec.write_text(NESTED.replace("model: m", f"model: {model_dir}"))
+    cfg = cli.config_from_args(parse("--config", str(spec), "--macro-instance-size", "4",
+                                     "--no-mitosis", "--predictor-granularity", "50"))
+    assert (cfg.macro.size, cfg.macro.mitosis, cfg.macro.slo_ttft) == (4, False, 1.5)
+    assert (cfg.predictor.name, cfg.predictor.granularity) == ("oracle", 50)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"macro": {"sise": 2}}, r"macro: unknown setting\(s\) \['sise'\]"),
+    ({"predictor": "oracle"}, "predictor must be a mapping"),
+    ({"macro": {"size": 0}}, "macro_instance_size must be an integer >= 1"),
+])
+def test_bad_nested_settings_name_the_value(spec: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict({"model": "m", **spec})
+
+
 def test_demo_uses_the_tiny_model(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.ModuleType("pdserve.model.tiny")
     fake.default_model_dir = lambda: model_dir  # type: ignore[attr-defined]
