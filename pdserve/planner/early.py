@@ -25,7 +25,7 @@ whatever the rest of the run does, so the simulation can stop there with the sam
 
 The attainment a stopped probe reports is the bound it stopped on (an upper bound for a fail, a
 lower bound for a pass), marked ``early`` in the probe's details; its ``confidence`` is that of
-the bound over the ``n`` judged requests (:func:`pdserve.bench.steady.confidence`).
+the attainment of the requests decided so far (:attr:`AttainmentWatch.confidence`).
 """
 
 from __future__ import annotations
@@ -139,9 +139,15 @@ class AttainmentWatch:
 
     @property
     def confidence(self) -> float:
-        """Of the stopped verdict, for the steady-state attainment (module docstring): that of
-        the bound it stopped on, so a lower bound of the full run's."""
-        return confidence(self.attainment_bound, self.target, self.n)
+        """Of the stopped verdict, for the steady-state attainment: the attainment of the
+        requests decided so far, over as many requests (judged ones; the whole run's when it
+        failed on the whole run)."""
+        d = self.oks + self.misses
+        if self.verdict is False and self.misses <= self.max_miss:  # failed on the whole run
+            d_all = len(self.every) - len(self.undecided)
+            return confidence((d_all - self.all_misses) / max(d_all, 1), self.target,
+                              max(d_all, 1))
+        return confidence(self.oks / max(d, 1), self.target, max(d, 1))
 
     @property
     def attainment_bound(self) -> float:

@@ -222,7 +222,7 @@ def _whole_eval(args: tuple[Problem, str, dict[str, Any], float]) -> dict[str, A
 def measure_whole(p: Problem, deployments: Sequence[tuple[str, Mapping[str, Any]]],
                   per_gpu_guess: float, workers: int = 1) -> list[dict[str, Any]]:
     """Goodput of each ``(name, deployment)`` simulated whole by :func:`simulate_goodput`: the
-    problem's workload, seed, requests per probe (with the horizon floor), attainment target,
+    problem's workload, seed, steady-state probes (pdserve.bench.steady), attainment target,
     precision and early probes, the first bracket at ``per_gpu_guess`` × its GPUs (so the
     bracket's relative width is the same for every deployment) — the same probes a plan's
     units get, for comparing a plan's choice with hand-picked placements."""

@@ -16,7 +16,8 @@ Per-GPU goodput of a unit = its goodput / its GPUs. A unit whose weights and KV 
 the SLO even at zero load (each request alone on the instance) are not simulated; a unit whose
 capacity bound is dominated is not simulated, and a unit that fails at the rate tying the best
 per-GPU goodput of its kind so far stops after that probe (:meth:`UnitCache.get_bounded`).
-Each probe's simulation ends as soon as its verdict is certain (:func:`run_probe`,
+Each probe follows the steady-state rule (:mod:`pdserve.bench.steady`: a warm-up, then the judged
+requests) and its simulation ends as soon as its verdict is certain (:func:`run_probe`,
 :mod:`pdserve.planner.early`). Results are memoised per unit; units run on a process pool, each
 started when a worker is free.
 """
