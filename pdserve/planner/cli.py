@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.metrics import CRITERIA
 from pdserve.flags import (
     add_engine_flags,
     engine_kwargs_from_args,
@@ -97,6 +98,9 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--attainment", type=positive, default=Problem.target,
                    help=f"target share of requests meeting both SLOs (default "
                         f"{Problem.target:g})")
+    w.add_argument("--criterion", choices=CRITERIA, default=Problem.criterion,
+                   help="both = each request meets both SLOs (default); distserve = P90 TTFT "
+                        "and P90 TPOT checked separately (DistServe's variant)")
     w.add_argument("--rate", type=positive, default=Problem.rate,
                    help=f"traffic to serve, req/s (default {Problem.rate:g})")
     c = p.add_argument_group("cluster")
@@ -175,7 +179,8 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
               engine=tuple(engine_kwargs_from_args(args).items()), lm=args.lm,
               precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
               max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
-              traces_dir=args.traces_dir, macro_size=args.macro_size, horizon=args.horizon)
+              traces_dir=args.traces_dir, macro_size=args.macro_size, horizon=args.horizon,
+              criterion=args.criterion)
     kw.update(over)
     return Problem(**kw)
 
@@ -348,12 +353,17 @@ def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:
     Path(path).write_text("\n".join(head) + "\n" + yaml.safe_dump(spec, sort_keys=False))
 
 
+_CRITERION_TEXT = {"both": "both SLOs per request",
+                   "distserve": "DistServe's criterion: P90 TTFT and P90 TPOT separately"}
+
+
 def plan_markdown(result: Any, top: int = 8) -> str:
     p = result.problem
     lines = [f"## pdserve plan: {p.model} · {p.workload} · {p.rate:g} req/s · "
              f"{p.nodes}x{p.gpus_per_node} GPUs · {p.affinity} node affinity",
              "",
-             f"SLO TTFT {p.slo.ttft:g} s, TPOT {p.slo.tpot:g} s, target {p.target:.0%}; "
+             f"SLO TTFT {p.slo.ttft:g} s, TPOT {p.slo.tpot:g} s, target {p.target:.0%} "
+             f"({_CRITERION_TEXT[p.criterion]}); "
              f"steady-state probes (warm-up {p.horizon / 2:g} request lifetimes, then at least "
              f"{p.num_requests} judged requests over as long); latency source "
              f"{p.profile or p.hardware or 'A100-80GB (analytic)'}; planned in "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import CRITERIA, SLO
 from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.steady import SteadyState
 from pdserve.bench.workloads import Workload, make_workload
@@ -62,8 +62,11 @@ class Problem:
     horizon: float = DEFAULT_STEADY.horizon  # lifetimes a probe's arrivals span (steady())
     macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
     early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
+    criterion: str = "both"  # "distserve": P90 TTFT and P90 TPOT checked separately
 
     def __post_init__(self) -> None:
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
         if self.affinity not in AFFINITIES:
             raise ValueError(f"node affinity must be one of {AFFINITIES}, got {self.affinity!r}")
         for name in ("rate", "precision", "output_scale", "horizon"):

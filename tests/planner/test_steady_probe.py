@@ -55,3 +55,34 @@ def test_the_300_request_probe_passed_the_overloaded_rate(problem):
     old = Problem(**{**problem.__dict__, "num_requests": 300, "horizon": 1e-9})
     assert probe_requests(old, 11.0, "prefill") == 301  # one warm-up request, 300 judged
     assert _probe(old, 11.0, early=False).passed
+
+
+def test_the_distserve_criterion_checks_the_two_percentiles_separately(const_profile):
+    """``criterion="distserve"``: a probe's attainment is min(share meeting TTFT, share
+    meeting TPOT) of its judged requests (pdserve.bench.metrics.attainment), here against a
+    hand count over the same simulation's records."""
+    from pdserve.bench.metrics import meets
+    from pdserve.planner.units import _sim
+    from pdserve.sim.target import build_simulator, to_records, to_sim_requests
+
+    prof = const_profile({1: 60.0}, decode_ms=30.0, decode_per_seq_ms=2.0)
+    p = Problem(model="opt-13b", profile=prof, workload="fixed:input=256,output=16",
+                slo=SLO(0.1, 0.06), nodes=1, gpus_per_node=1, num_requests=100,
+                criterion="distserve")
+    u = Unit("colocated", 1)
+    rate = 4.0
+    reqs = unit_workload(p, u, rate).retimed(rate).requests
+    dep = unit_deployment(p, u)
+    r = run_probe(p, dep, reqs, rate, u.kind)
+    res = build_simulator(_sim(p, dep)).simulator.run(to_sim_requests(reqs, 50272))
+    recs = sorted(to_records(reqs, res), key=lambda x: x.timeline.arrival)
+    judged = recs[probe_warmup(p, rate, u.kind):]
+    flags = [meets(x, p.slo) for x in judged]
+    ttft, tpot = sum(a for a, _ in flags), sum(b for _, b in flags)
+    assert ttft != tpot  # the two criteria differ on this probe
+    assert r.details["criterion"] == "distserve" and r.details["judged"] == len(judged)
+    assert r.attainment == pytest.approx(min(ttft, tpot) / len(judged))
+    both = run_probe(Problem(**{**p.__dict__, "criterion": "both"}), dep, reqs, rate, u.kind,
+                     early=False)
+    assert both.attainment == pytest.approx(sum(a and b for a, b in flags) / len(judged))
+    assert both.attainment < r.attainment
