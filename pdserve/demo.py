@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pdserve.config import BACKENDS, ClusterConfig
-from pdserve.flags import guarded, one_line_errors, positive, positive_int, share
+from pdserve.flags import positive, positive_int, share, subcommand
 
 DEFAULT_SLO_TTFT = 0.25  # seconds; the tiny model prefills ~1k tokens in ~10 ms on one core
 DEFAULT_SLO_TPOT = 0.05  # seconds; one decode step takes a few ms, HTTP streaming adds more
@@ -44,11 +44,12 @@ class Deployment:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand (``args.func(args)`` → exit code)."""
-    p = one_line_errors(subparsers.add_parser(
-        "demo", help="compare colocated and disaggregated serving of a tiny model (~1-2 min)",
+    p = subcommand(
+        subparsers, "demo", run,
+        help="compare colocated and disaggregated serving of a tiny model (~1-2 min)",
         description="Serve the built-in tiny model as colocated (2 instances) and disaggregated "
                     "(1 prefill + 1 decode) deployments over HTTP, replay the same synthetic "
-                    "workload against each and print TTFT, TPOT and SLO attainment."))
+                    "workload against each and print TTFT, TPOT and SLO attainment.")
     p.add_argument("--backend", choices=BACKENDS, default=ClusterConfig.backend,
                    help="instances as Ray actors or threads in this process "
                         "(default: %(default)s)")
@@ -85,7 +86,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--output-json", metavar="FILE", help="also write the summaries as JSON")
-    p.set_defaults(func=guarded("demo", run))
     return p
 
 

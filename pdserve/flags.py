@@ -9,7 +9,8 @@ and one error wrapper.
 - :func:`deployment_from_args`: the file, overlaid with the flags the user gave, through
   :meth:`ClusterConfig.from_dict` — the one construction path of a deployment.
 - :func:`guarded`: runs a subcommand; bad values print ``pdserve CMD: error: ...`` and exit 2,
-  run failures ``pdserve CMD: failed: ...`` and exit 1.
+  run failures ``pdserve CMD: failed: ...`` and exit 1; :func:`subcommand` adds a subcommand
+  that runs so.
 
 Every flag's default is ``None`` (= "not given"), so that a flag overrides the file only when
 the user typed it; the help text shows the effective default.
@@ -146,25 +147,33 @@ def add_engine_flags(parser: argparse.ArgumentParser,
         if name in skip:
             continue
         cls, f = _FIELDS[name]
-        kind, choices = _flag_type(typing.get_type_hints(cls)[name])
-        if name == "seed":
-            kind = int
         default = f.default if f.default is not MISSING else None
         help_ = f.metadata.get("help", name)
         if defaults and name in defaults:
             default = defaults[name]
             help_ = help_.split(" (default")[0]
-        if default is not None and "default:" not in help_:
-            help_ += f" (default: {default})"
-        flag = "--" + name.replace("_", "-")
-        if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_)
-        else:
-            group.add_argument(flag, dest=name, type=kind, default=None,
-                               choices=list(_CHOICES.get(name, choices or [])) or None,
-                               help=help_)
+        _add_field_flag(group, name, typing.get_type_hints(cls)[name], help_, default,
+                        kind=int if name == "seed" else None, choices=_CHOICES.get(name))
     return group
+
+
+def _add_field_flag(group: argparse._ArgumentGroup, key: str, hint: Any, help_: str,
+                    default: Any, *, kind: Any = None,
+                    choices: Iterable[str] | None = None) -> None:
+    """``--KEY`` for a config field: type and choices from its type hint (``kind``/``choices``
+    where given), ``default`` shown in the help (its value stays ``None`` = not given); a
+    boolean is ``--KEY/--no-KEY``."""
+    hint_kind, hint_choices = _flag_type(hint)
+    kind = kind or hint_kind
+    if default is not None and "default:" not in help_:
+        help_ += f" (default: {default})"
+    flag = "--" + key.replace("_", "-")
+    if kind is bool:
+        group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction,
+                           default=None, help=help_)
+    else:
+        group.add_argument(flag, dest=key, type=kind, default=None,
+                           choices=list(choices or hint_choices or []) or None, help=help_)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,16 +253,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
     macro = {f.name: f for f in fields(MacroConfig)}
     for key in _ECO_FIELDS:  # EcoServe's settings under their flat names, from the fields' help
         f = macro[FLAT_KEYS[key][1]]
-        kind, _ = _flag_type(hints[f.name])
-        help_ = f.metadata["help"]
-        if "default:" not in help_:
-            help_ += f" (default: {f.default})"
-        flag = "--" + key.replace("_", "-")
-        if kind is bool:
-            d.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction,
-                           default=None, help=help_)
-        else:
-            d.add_argument(flag, dest=key, type=kind, default=None, help=help_)
+        _add_field_flag(d, key, hints[f.name], f.metadata["help"], f.default)
     if live:
         d.add_argument("--backend", choices=BACKENDS,
                        help=f"instances as Ray actors or threads in this process "
@@ -337,3 +337,13 @@ def guarded(cmd: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[Any]
             return 1
 
     return run
+
+
+def subcommand(subparsers: Any, name: str, fn: Callable[[argparse.Namespace], int], *,
+               help: str, description: str | None = None,
+               cmd: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand parser whose bad flags are one line (:func:`one_line_errors`) and whose
+    ``func`` runs ``fn`` :func:`guarded` as ``pdserve CMD`` (``cmd``, default ``name``)."""
+    p = one_line_errors(subparsers.add_parser(name, help=help, description=description))
+    p.set_defaults(func=guarded(cmd or name, fn))
+    return p

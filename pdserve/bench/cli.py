@@ -36,7 +36,7 @@ from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.targets import Target, make_target, target_names
 from pdserve.bench.workloads import Workload, workload_help
 from pdserve.config import load_data_file
-from pdserve.flags import UsageError, guarded, positive, positive_int
+from pdserve.flags import UsageError, positive, positive_int, subcommand
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -210,28 +210,28 @@ def _add_search(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    b = subparsers.add_parser("bench", help="run a workload at one rate and report latency/SLO",
-                              description="Run a workload against a target at one rate.")
+    b = subcommand(subparsers, "bench", cmd_bench,
+                   help="run a workload at one rate and report latency/SLO",
+                   description="Run a workload against a target at one rate.")
     _add_common(b)
     b.add_argument("--rate", type=positive,
                    help="mean arrival rate, req/s (timestamped traces: default their own)")
-    b.set_defaults(func=guarded("bench", cmd_bench))
 
-    g = subparsers.add_parser("goodput", help="find the highest rate meeting the SLO target",
-                              description="Goodput search by expanding bisection on the rate.")
+    g = subcommand(subparsers, "goodput", cmd_goodput,
+                   help="find the highest rate meeting the SLO target",
+                   description="Goodput search by expanding bisection on the rate.")
     _add_common(g)
     g.add_argument("--rate", type=positive, help="first upper rate to probe (default 1)")
     _add_search(g)
-    g.set_defaults(func=guarded("goodput", cmd_goodput))
 
-    c = subparsers.add_parser("compare", help="goodput of several targets on one workload",
-                              description="Run the same workload against several targets.")
+    c = subcommand(subparsers, "compare", cmd_compare,
+                   help="goodput of several targets on one workload",
+                   description="Run the same workload against several targets.")
     _add_common(c, multi=True)
     c.add_argument("--rate", type=positive, help="first upper rate of each search (default 1)")
     c.add_argument("--rates", type=rate_list, metavar="R1,R2,...",
                    help="probe this grid of rates instead of searching")
     _add_search(c)
-    c.set_defaults(func=guarded("compare", cmd_compare))
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -20,12 +20,11 @@ from pdserve.bench.metrics import CRITERIA
 from pdserve.flags import (
     add_engine_flags,
     engine_kwargs_from_args,
-    guarded,
     link_value,
-    one_line_errors,
     positive,
     positive_int,
     say,
+    subcommand,
 )
 from pdserve.planner.problem import ENGINE_DEFAULTS, Problem
 from pdserve.sim.target import add_latency_source_flags
@@ -34,13 +33,14 @@ _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
 
 
 def register(subparsers: Any) -> None:
-    p = one_line_errors(subparsers.add_parser(
-        "plan", help="search the placement that serves the most requests per GPU",
+    p = subcommand(
+        subparsers, "plan", cmd_plan,
+        help="search the placement that serves the most requests per GPU",
         description="DistServe's placement search (§4): for a model, a latency source, a "
                     "workload, SLOs, a traffic rate and a cluster, simulate every parallelism "
                     "(TP, PP) of each phase and of colocated instances, replicate to the rate "
                     "(Alg. 1, high node affinity) or pack prefill and decode segments of one "
-                    "stage per node (Alg. 2, low affinity), and write the best deployment."))
+                    "stage per node (Alg. 2, low affinity), and write the best deployment.")
     add_problem_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="FILE.yaml",
@@ -54,14 +54,14 @@ def register(subparsers: Any) -> None:
                    help="deployment files (e.g. hand-picked placements) to simulate whole, "
                         "with the chosen placement, by the same rate search and probes "
                         "(workload, seed, requests per probe, precision) and list beside it")
-    p.set_defaults(func=guarded("plan", cmd_plan))
 
-    a = one_line_errors(subparsers.add_parser(
-        "advise", help="where does disaggregation pay? (SLO scale x output/input ratio)",
+    a = subcommand(
+        subparsers, "advise", cmd_advise,
+        help="where does disaggregation pay? (SLO scale x output/input ratio)",
         description="Plan colocated, disaggregated and partial placements over a grid of SLO "
                     "scales and "
                     "output-length scales and report (and plot) the best per-GPU goodput of "
-                    "each strategy at every point."))
+                    "each strategy at every point.")
     add_problem_flags(a)
     a.add_argument("--slo-scales", default="0.5,1,2", metavar="S1,S2,...",
                    help="multiply both SLOs by each (default 0.5,1,2)")
@@ -71,7 +71,6 @@ def register(subparsers: Any) -> None:
     a.add_argument("--output-json", metavar="PATH")
     a.add_argument("--plot", metavar="DIR")
     a.add_argument("--no-progress", action="store_true")
-    a.set_defaults(func=guarded("advise", cmd_advise))
 
 
 def add_problem_flags(p: argparse.ArgumentParser) -> None:

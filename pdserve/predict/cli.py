@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.flags import guarded, one_line_errors, positive_int, say
+from pdserve.flags import one_line_errors, positive_int, say, subcommand
 
 
 def _eval_share(text: str) -> float:
@@ -82,8 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "predictor", help="train and evaluate the output-length predictor (TetriInfer)",
         description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="predictor_command", required=True, metavar="ACTION")
-    t = sub.add_parser("train", help="fit the classifier on logged pairs, save it, report "
-                                     "its held-out accuracy against the baselines")
+    t = subcommand(sub, "train", _train, cmd="predictor train",
+                   help="fit the classifier on logged pairs, save it, report its held-out "
+                        "accuracy against the baselines")
     t.add_argument("--data", required=True, metavar="FILE.jsonl|TRACE",
                    help="logged pairs (pdserve serve --log-length-pairs) or a trace name")
     t.add_argument("--granularity", type=positive_int, default=200, metavar="TOKENS",
@@ -96,13 +97,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="share of pairs held out for evaluation; 0 trains on all "
                         "(default: %(default)s)")
     t.add_argument("--seed", type=int, default=0)
-    one_line_errors(t)
-    t.set_defaults(func=guarded("predictor train", _train))
-    e = sub.add_parser("eval", help="accuracy per bucket and cost of a saved classifier")
+    e = subcommand(sub, "eval", _eval, cmd="predictor eval",
+                   help="accuracy per bucket and cost of a saved classifier")
     e.add_argument("--data", required=True, metavar="FILE.jsonl|TRACE")
     e.add_argument("--model", required=True, metavar="FILE.npz",
                    help="a classifier saved by `pdserve predictor train`")
-    one_line_errors(e)
-    e.set_defaults(func=guarded("predictor eval", _eval))
     one_line_errors(p)
     return p

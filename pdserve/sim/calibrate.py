@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.flags import subcommand
 from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.hardware import DeviceSpec, Efficiency, load_hardware, save_hardware
 from pdserve.sim.latency import FittedProfile
@@ -416,10 +417,9 @@ def _say_serving_path(path: str, sp: dict[str, Any]) -> None:
 
 
 def register(subparsers: Any) -> None:
-    from pdserve.flags import guarded
-
-    p = subparsers.add_parser(
-        "calibrate", help="fit a device's efficiency factors to measurements, write a spec",
+    p = subcommand(
+        subparsers, "calibrate", run,
+        help="fit a device's efficiency factors to measurements, write a spec",
         description=__doc__.split("\n\n")[0])
     p.add_argument("--hardware", required=True,
                    help="base device: catalogue name or hardware file (its peaks are kept)")
@@ -461,4 +461,3 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", help="name of the calibrated device (default: the base's)")
     p.add_argument("--output", "-o", help="write the calibrated spec (.yaml or .json)")
     p.add_argument("--report-json", help="write the fit summary as JSON")
-    p.set_defaults(func=guarded("calibrate", run))

@@ -24,23 +24,18 @@ from pdserve.bench.cli import (
     write_plots,
     write_report,
 )
-from pdserve.flags import (
-    guarded,
-    nonnegative,
-    one_line_errors,
-    positive,
-    positive_int,
-)
+from pdserve.flags import nonnegative, positive, positive_int, subcommand
 from pdserve.sim.target import SimTarget, add_simulation_flags, simulation_from_args
 
 
 def register(subparsers: Any) -> None:
-    s = one_line_errors(subparsers.add_parser(
-        "simulate", help="simulate a workload on a deployment (no GPU needed)",
+    s = subcommand(
+        subparsers, "simulate", cmd_simulate,
+        help="simulate a workload on a deployment (no GPU needed)",
         description="Run a benchmark workload through the discrete-event simulator: the real "
                     "scheduler, block pool, controller and routers on a virtual clock, with a "
                     "fitted profile or an analytic roofline model in place of the GPU. The "
-                    "deployment flags and --config files are `pdserve serve`'s."))
+                    "deployment flags and --config files are `pdserve serve`'s.")
     add_simulation_flags(s)
     add_workload_args(s, max_model_len=False)
     s.add_argument("--rate", type=positive,
@@ -52,13 +47,13 @@ def register(subparsers: Any) -> None:
                         "computed, mean prefill queue and busy share: over the whole run, and "
                         "with SECONDS (>= 1) over windows of that length too (in --output-json; "
                         "with --plot, instances.png)")
-    s.set_defaults(func=guarded("simulate", cmd_simulate))
 
-    p = one_line_errors(subparsers.add_parser(
-        "profile", help="measure the real executor and fit a latency profile",
+    p = subcommand(
+        subparsers, "profile", cmd_profile,
+        help="measure the real executor and fit a latency profile",
         description="Time the model executor on a grid of prefill, decode and mixed batches "
                     "(warm-up, repeats, median) and fit DistServe's step-time forms by relative "
-                    "least squares. The result loads with `pdserve simulate --profile FILE`."))
+                    "least squares. The result loads with `pdserve simulate --profile FILE`.")
     p.add_argument("--model", required=True, metavar="DIR", help="model directory")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -71,7 +66,6 @@ def register(subparsers: Any) -> None:
                         "actor runs; 0 = torch's default)")
     p.add_argument("--max-tokens", type=positive_int,
                    help="largest prefill batch in tokens (default: from the grid)")
-    p.set_defaults(func=guarded("profile", cmd_profile))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
