@@ -40,7 +40,8 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
-        self.executor = ModelExecutor(self.config, tp=tensor_parallel_size)
+        self.executor = ModelExecutor(self.config, tp=tensor_parallel_size,
+                                      pp=pipeline_parallel_size)
         self.engine = Engine(self.config, self.executor, tokenizer=self.tokenizer)
         self._ids = itertools.count()
 

@@ -31,13 +31,14 @@ POLL_S = 1.0
 
 def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
                 num_threads: int | None = None, record_events: bool = False,
-                tp: int = 1) -> InstanceWorker:
+                tp: int = 1, pp: int = 1) -> InstanceWorker:
     """An instance over the real model: loads the weights (and the tokenizer unless given);
-    ``record_events``: report the block pool's KV events (for prefix-aware routers); ``tp``:
-    tensor-parallel ranks (this process is the driver rank and starts the others)."""
+    ``record_events``: report the block pool's KV events (for prefix-aware routers); ``tp``,
+    ``pp``: tensor-parallel ranks per pipeline stage and stages (this process is the driver
+    rank and starts the others)."""
     from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
-    executor = ModelExecutor(config, num_threads=num_threads, tp=tp)
+    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, pp=pp)
     return InstanceWorker(instance_id, config, executor,
                           tokenizer=tokenizer if tokenizer is not None
                           else load_tokenizer(config.model), record_events=record_events)
@@ -311,9 +312,9 @@ class _RayWorker:
     export), before the sans-IO worker sees the command."""
 
     def __init__(self, instance_id: str, config: EngineConfig,
-                 record_events: bool = False, tp: int = 1) -> None:
+                 record_events: bool = False, tp: int = 1, pp: int = 1) -> None:
         self.worker = load_worker(instance_id, config, num_threads=1,
-                                  record_events=record_events, tp=tp)
+                                  record_events=record_events, tp=tp, pp=pp)
         self.loop = StepLoop(self.worker, resolve=_pull)
 
     def info(self) -> tuple[str, int, int]:
@@ -379,26 +380,26 @@ class RayInstance(InstanceClient):
 
     @staticmethod
     def start_actor(instance_id: str, config: EngineConfig, record_events: bool = False,
-                    tp: int = 1) -> Any:
+                    tp: int = 1, pp: int = 1) -> Any:
         """Start the actor (it loads the model in the background); returns its handle. A
-        tensor-parallel instance's actor is its driver rank: it holds ``tp`` CPUs (GPUs) and
-        starts the other ranks as its child processes."""
+        tensor- or pipeline-parallel instance's actor is its driver rank: it holds ``tp * pp``
+        CPUs (GPUs) and starts the other ranks as its child processes."""
         import ray
 
         # max_concurrency=4: the loop's thread steps on its own; the actor's threads serve a
         # report poll, command submissions and KV exports beside it (see InProcessInstance).
         # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), and the actor pins torch to one
         # thread; no runtime_env, so that Ray can reuse its prestarted worker processes.
-        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": tp, "max_concurrency": 4}
+        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": tp * pp, "max_concurrency": 4}
         if config.device.startswith("cuda"):
-            opts["num_gpus"] = tp
+            opts["num_gpus"] = tp * pp
         return ray.remote(_RayWorker).options(**opts).remote(instance_id, config, record_events,
-                                                             tp)
+                                                             tp, pp)
 
     @classmethod
     async def create(cls, instance_id: str, config: EngineConfig,
-                     record_events: bool = False, tp: int = 1) -> RayInstance:
-        actor = cls.start_actor(instance_id, config, record_events, tp)
+                     record_events: bool = False, tp: int = 1, pp: int = 1) -> RayInstance:
+        actor = cls.start_actor(instance_id, config, record_events, tp, pp)
         info = await _await(actor.info.remote())
         return cls(actor, instance_id, info)
 

@@ -595,16 +595,16 @@ async def start_clients(config: ClusterConfig, specs: list[InstanceSpec], tokeni
     events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
     loop = asyncio.get_running_loop()
     if config.backend == "ray":
-        need = {"CPU": float(sum(s.tp for s in specs))}  # one per rank
-        gpus = sum(s.tp for s in specs if s.engine.device.startswith("cuda"))
+        need = {"CPU": float(sum(s.tp * s.pp for s in specs))}  # one per rank
+        gpus = sum(s.tp * s.pp for s in specs if s.engine.device.startswith("cuda"))
         if gpus:
             need["GPU"] = float(gpus)
         await loop.run_in_executor(None, wait_for_resources, need)
         return list(await asyncio.gather(*(
-            RayInstance.create(s.instance_id, s.engine, events[s.instance_id], s.tp)
+            RayInstance.create(s.instance_id, s.engine, events[s.instance_id], s.tp, s.pp)
             for s in specs)))
     workers = [await loop.run_in_executor(None, functools.partial(
         load_worker, s.instance_id, s.engine, tokenizer, record_events=events[s.instance_id],
-        tp=s.tp))
+        tp=s.tp, pp=s.pp))
         for s in specs]
     return [InProcessInstance(w) for w in workers]

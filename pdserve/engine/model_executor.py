@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,9 +31,9 @@ from pdserve.model.layers import (
     prepack_linears,
 )
 from pdserve.model.loader import DTYPES, MODEL_CLASSES, load_model, load_weights, weight_files
-from pdserve.model.parallel import Communicator, TPLayout, master_store
+from pdserve.model.parallel import Communicator, TPLayout, master_store, stage_layers
 from pdserve.model.sampler import Sampler, SampleRow
-from pdserve.model.tp import build_sharded, iter_shard
+from pdserve.model.tp import build_sharded, iter_shard, stage_renamer
 from pdserve.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class ModelExecutor:
     """
 
     def __init__(self, config: EngineConfig, num_threads: int | None = None, tp: int = 1,
-                 rank: int = 0, address: tuple[str, int] | None = None) -> None:
+                 rank: int = 0, address: tuple[str, int] | None = None, pp: int = 1) -> None:
         """``num_threads``: torch's CPU threads for this process, fixed (a Ray instance actor
         uses 1). ``None``: torch's count; with ``PDSERVE_ADAPTIVE_THREADS=1`` on CPU each step
         runs as many threads as there are idle cores instead, up to torch's count at start
@@ -90,12 +91,23 @@ class ModelExecutor:
         ``rank > 0`` and the driver's rendezvous ``address`` serves it in :meth:`serve_ranks`.
         One rank dying fails the next step (the instance is dead). In float32 a TP instance's
         greedy tokens equal TP1's (tests); in bfloat16/float16 the partial products are rounded
-        before they are summed, so a near tie between two logits may break the other way."""
+        before they are summed, so a near tie between two logits may break the other way.
+
+        ``pp > 1``: the layers split into ``pp`` balanced stages, each a TP group of ``tp``
+        ranks (global rank ``stage * tp + r``); each stage loads only its layers' weights (the
+        embedding on the first, the final norm and LM head on the last) and holds only its
+        layers' KV. A step's hidden states go stage to stage point to point, and the last
+        stage sends the sampled rows' logits to the driver (rank 0, on the first stage). One
+        micro-batch is in flight at a time: a step runs through all stages before the next
+        starts (the simulator's k virtual engines keep k in flight)."""
         self.config = config
-        self.tp, self.rank = tp, rank
+        self.tp, self.pp, self.rank = tp, pp, rank
+        self.world = tp * pp
+        self.stage, self.tp_rank = divmod(rank, tp)
+        self.last_stage = self.stage == pp - 1
         self._procs: list[subprocess.Popen] = []
-        if tp > 1 and num_threads is None and config.device == "cpu":
-            num_threads = max(1, (os.cpu_count() or 1) // tp)
+        if self.world > 1 and num_threads is None and config.device == "cpu":
+            num_threads = max(1, (os.cpu_count() or 1) // self.world)
         self.governor: ThreadGovernor | None = None
         if num_threads is not None and config.device == "cpu":
             torch.set_num_threads(num_threads)
@@ -112,10 +124,10 @@ class ModelExecutor:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         # serialises the group's collectives: a KV export (another thread) waits for the step
-        self._group_lock = threading.Lock() if tp > 1 else contextlib.nullcontext()
+        self._group_lock = threading.Lock() if self.world > 1 else contextlib.nullcontext()
         self.loaded_bytes = 0  # checkpoint bytes this rank read
-        if tp == 1:
-            self.comm = Communicator()
+        if self.world == 1:
+            self.comm = self.group = Communicator()
             self.model, self.model_config = load_model(config.model, config.dtype,
                                                        str(self.device))
             self.local_config = self.model_config
@@ -142,25 +154,40 @@ class ModelExecutor:
     def _load_sharded(self, address: tuple[str, int] | None) -> None:
         model_dir = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.layout = TPLayout(self.model_config, self.tp, self.rank)
-        self.local_config = self.layout.local_config()
+        self.layout = TPLayout(self.model_config, self.tp, self.tp_rank)
+        self.stages = stage_layers(self.model_config.num_layers, self.pp)
+        lo, hi = self.stages[self.stage]
+        self.local_config = replace(self.layout.local_config(), num_layers=hi - lo)
         store = None
         if self.rank == 0:
-            store = master_store(self.tp)
-            self._procs = [_start_rank(self.config, self.tp, r, ("127.0.0.1", store.port),
+            store = master_store(self.world)
+            self._procs = [_start_rank(self.config, self.tp, self.pp, r,
+                                       ("127.0.0.1", store.port),
                                        torch.get_num_threads() if self.governor is None
-                                       else 1) for r in range(1, self.tp)]
+                                       else 1) for r in range(1, self.world)]
             weakref.finalize(self, _stop_ranks, self._procs, 0.0)
-        self.comm = Communicator(self.rank, self.tp, store, address, self.config.device)
+        device = self.config.device
+        if self.pp == 1:
+            self.comm = self.group = Communicator(self.rank, self.tp, store, address, device)
+        else:  # the whole instance, and this stage's TP group
+            self.group = Communicator(self.rank, self.world, store, address, device)
+            self.comm = (Communicator(self.tp_rank, self.tp, self.group._store, None, device,
+                                      prefix=f"stage{self.stage}/")
+                         if self.tp > 1 else Communicator())
         cls = MODEL_CLASSES.get(self.model_config.family)
         if cls is None:
             raise ValueError(f"unsupported model family {self.model_config.family!r}")
-        self.model = build_sharded(cls, self.layout, self.comm, self.dtype, str(self.device))
+        layers = (lo, hi) if self.pp > 1 else None
+        self.model = build_sharded(cls, self.layout, self.comm, self.dtype, str(self.device),
+                                   layers)
+        rename = (stage_renamer(cls, self.model_config, (lo, hi), self.model) if self.pp > 1
+                  else None)
         counter = [0]
-        load_weights(self.model, iter_shard(weight_files(model_dir), self.layout, counter))
+        load_weights(self.model, iter_shard(weight_files(model_dir), self.layout, counter,
+                                            rename))
         self.loaded_bytes = counter[0]
-        log.info("rank %d/%d loaded %.1f MiB of weights", self.rank, self.tp,
-                 counter[0] / 2**20)
+        log.info("rank %d/%d (stage %d, layers %d-%d) loaded %.1f MiB of weights", self.rank,
+                 self.world, self.stage, lo, hi - 1, counter[0] / 2**20)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -188,7 +215,7 @@ class ModelExecutor:
         n = kv_cache_blocks(self.local_config, self.config, device_memory_bytes=total,
                             weight_bytes=torch.cuda.memory_allocated(self.device),
                             reserved_bytes=peak)
-        return int(self.comm.broadcast_object(n))
+        return int(self.group.broadcast_object(n))
 
     def _profile_activation_bytes(self) -> int:
         """Peak extra CUDA memory of a forward over a full token budget (weights excluded)."""
@@ -209,7 +236,13 @@ class ModelExecutor:
         with torch.inference_mode():
             meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype,
                                             self.sliding_window)
-            self.model.compute_logits(self.model(meta, kv)).float().softmax(-1)
+            hidden = None
+            if self.stage > 0:  # a stage's activations without its predecessors
+                hidden = torch.zeros(total, self.model_config.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+            out = self.model(meta, kv, hidden) if hidden is not None else self.model(meta, kv)
+            if self.last_stage:
+                self.model.compute_logits(out).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before - kv.numel() * kv.itemsize
         del kv, meta
@@ -230,8 +263,8 @@ class ModelExecutor:
         sampled: list[int] = []
         logprobs = None
         with self._group_lock, torch.inference_mode():
-            if self.tp > 1:
-                self.comm.broadcast_object(("step", step_plan(batch.seqs, self.block_size)))
+            if self.world > 1:
+                self.group.broadcast_object(("step", step_plan(batch.seqs, self.block_size)))
             logits = self._forward(batch.seqs)
             if logits is not None:
                 rows = [self._sample_row(s.request, logits.shape[-1])
@@ -251,22 +284,50 @@ class ModelExecutor:
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype,
                                          self.sliding_window, decode_kernel=self.decode_kernel)
         meta.workspace = self._gather_workspace(meta.max_gather_blocks)
-        hidden = self.model(meta, self.kv_cache)
+        if self.pp == 1:
+            hidden = self.model(meta, self.kv_cache)
+            if not any(s.sample for s in seqs):
+                return None
+            return self.model.compute_logits(hidden)
+        # a pipeline stage: hidden states in from the previous stage, out to the next
+        if self.stage > 0:
+            like = torch.empty(meta.input_ids.shape[0], self.model_config.hidden_size,
+                               dtype=self.dtype, device=self.device)
+            hidden = self.model(meta, self.kv_cache, self.group.recv(like, self.rank - self.tp))
+        else:
+            hidden = self.model(meta, self.kv_cache)
+        if not self.last_stage:
+            self.group.send(hidden, self.rank + self.tp)
         if not any(s.sample for s in seqs):
             return None
-        return self.model.compute_logits(hidden)
+        last = (self.pp - 1) * self.tp  # TP rank 0 of the last stage sends the logits
+        if self.last_stage:
+            logits = self.model.compute_logits(hidden)
+            if self.rank == last:
+                self.group.send(logits, 0)
+            return None
+        if self.rank != 0:
+            return None
+        like = torch.empty(meta.sample_indices.shape[0], self.model_config.vocab_size,
+                           dtype=self.dtype, device=self.device)
+        return self.group.recv(like, last)
 
     # ------------------------------------------------------------------ tensor-parallel group
     def serve_ranks(self) -> None:
         """A rank > 0: follow the driver's steps and KV moves until it stops (or dies)."""
         while True:
-            msg = self.comm.broadcast_object()
+            msg = self.group.broadcast_object()
             kind = msg[0]
             if kind == "step":
                 with torch.inference_mode():
                     self._forward(plan_seqs(msg[1]))
             elif kind == "export":
                 self._export(msg[1])
+            elif kind == "import" and self.pp > 1:
+                like = torch.empty(self.local_config.num_layers, 2,
+                                   self.local_config.num_kv_heads, len(msg[1]),
+                                   *self.kv_cache.shape[4:], dtype=DTYPES[msg[3]])
+                self._import(msg[1], self.group.recv(like, 0, cpu=True))
             elif kind == "import":
                 self._import(msg[1], self.comm.scatter_cpu(None, torch.empty(
                     msg[2], dtype=DTYPES[msg[3]])))
@@ -274,10 +335,10 @@ class ModelExecutor:
                 return
 
     def close(self) -> None:
-        """Stop the other ranks of a group (rank 0; nothing to do for ``tp == 1``)."""
+        """Stop the other ranks of a group (rank 0; nothing to do for one rank)."""
         if self.rank == 0 and self._procs:
             with contextlib.suppress(Exception), self._group_lock:
-                self.comm.broadcast_object(("stop",))
+                self.group.broadcast_object(("stop",))
             _stop_ranks(self._procs)
 
     def _gather_workspace(self, num_blocks: int) -> torch.Tensor:
@@ -321,8 +382,8 @@ class ModelExecutor:
         """``{"kv": CPU tensor [layers, 2, kv_heads, len(block_ids), block_size, head_dim], ...}``
         in the cache's dtype, plus the shape facts :meth:`import_kv` checks."""
         with self._group_lock:
-            if self.tp > 1:
-                self.comm.broadcast_object(("export", block_ids))
+            if self.world > 1:
+                self.group.broadcast_object(("export", block_ids))
             kv = self._export(block_ids)
         c = self.model_config
         return {"kv": kv, "num_blocks": len(block_ids), "num_layers": c.num_layers,
@@ -330,14 +391,25 @@ class ModelExecutor:
                 "head_dim": c.head_dim, "dtype": self.config.dtype}
 
     def _export(self, block_ids: list[int]) -> torch.Tensor | None:
-        """The blocks' KV with every KV head, in head order, on rank 0 (the layout of an
-        unsharded instance, so that instances of any TP degree exchange it); ``None`` on the
-        other ranks."""
+        """The blocks' KV with every layer and KV head, in order, on rank 0 (the layout of an
+        unsharded instance, so that instances of any TP and PP degrees exchange it); ``None``
+        on the other ranks."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         with torch.no_grad():  # not inference_mode: the payload is an ordinary tensor
             kv = self.kv_cache.index_select(3, idx).cpu()
-        if self.tp == 1:
+        if self.world == 1:
             return kv
+        if self.pp > 1:  # every rank sends its (layers, KV heads) piece to rank 0
+            if self.rank != 0:
+                self.group.send(kv, 0, cpu=True)
+                return None
+            stages = []
+            for s, (lo, hi) in enumerate(self.stages):
+                parts = [kv if s == 0 and r == 0 else self.group.recv(
+                    torch.empty(hi - lo, *kv.shape[1:], dtype=kv.dtype), s * self.tp + r,
+                    cpu=True) for r in range(self.tp)]
+                stages.append(torch.cat(parts[:: self.layout.kv_replicas], dim=2))
+            return torch.cat(stages, dim=0)
         parts = self.comm.gather_cpu(kv)
         if parts is None:
             return None
@@ -354,7 +426,15 @@ class ModelExecutor:
             raise ValueError(f"KV payload of shape {tuple(kv.shape)} does not fit "
                              f"{len(block_ids)} blocks of this cache (expected {want})")
         with self._group_lock:
-            if self.tp > 1:  # each rank is sent its own KV heads only
+            if self.pp > 1:  # each rank is sent its own layers' KV heads only
+                dtype = next(k for k, v in DTYPES.items() if v == kv.dtype)
+                self.group.broadcast_object(("import", block_ids, None, dtype))
+                for g in range(1, self.world):
+                    s, r = divmod(g, self.tp)
+                    self.group.send(kv[slice(*self.stages[s]), :,
+                                       slice(*self.layout.kv_head_range(r))], g, cpu=True)
+                kv = kv[slice(*self.stages[0]), :, slice(*self.layout.kv_head_range(0))]
+            elif self.tp > 1:  # each rank is sent its own KV heads only
                 parts = [kv[:, :, slice(*self.layout.kv_head_range(r))]
                          for r in range(self.tp)]
                 dtype = next(k for k, v in DTYPES.items() if v == kv.dtype)
@@ -405,14 +485,14 @@ def plan_seqs(plan: list[tuple[str, int, int, bool, list[int], list[int]]]) -> l
             for rid, start, n, sample, toks, blocks in plan]
 
 
-def _start_rank(config: EngineConfig, tp: int, rank: int, address: tuple[str, int],
+def _start_rank(config: EngineConfig, tp: int, pp: int, rank: int, address: tuple[str, int],
                 num_threads: int) -> subprocess.Popen:
     """Rank ``rank`` of a group as a child process (``python -m`` this module: no re-import of
     the caller's main script), its settings on stdin."""
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.model_executor"],
                             stdin=subprocess.PIPE)
     assert proc.stdin is not None
-    pickle.dump((config, tp, rank, address, num_threads), proc.stdin)
+    pickle.dump((config, tp, pp, rank, address, num_threads), proc.stdin)
     proc.stdin.close()
     return proc
 
@@ -442,12 +522,13 @@ def _exit_with_parent(interval_s: float = 1.0) -> None:
 
 def _rank_main() -> int:
     _exit_with_parent()
-    config, tp, rank, address, num_threads = pickle.load(sys.stdin.buffer)
-    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, rank=rank, address=address)
+    config, tp, pp, rank, address, num_threads = pickle.load(sys.stdin.buffer)
+    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, rank=rank, address=address,
+                             pp=pp)
     try:
         executor.serve_ranks()
     except RuntimeError as e:  # the driver went away: the instance is over
-        log.info("rank %d of %d ends: %s", rank, tp, e)
+        log.info("rank %d of %d ends: %s", rank, tp * pp, e)
         return 1
     return 0
 

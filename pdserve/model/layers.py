@@ -359,7 +359,8 @@ def prepack_linears(model: nn.Module) -> int:
         m.prepack()
     lins = [m for m in lins if m.packed is not None]
     count = len(lins)
-    if hasattr(model, "packed_head") and getattr(model, "lm_head", None) is None:
+    if (hasattr(model, "packed_head") and getattr(model, "lm_head", None) is None
+            and getattr(model, "last_stage", True) and model.embed_tokens is not None):
         model.packed_head = pack_weight(model.embed_tokens.weight)
         count += model.packed_head is not None
     if lins and not _prefill_chosen:

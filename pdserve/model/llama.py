@@ -120,13 +120,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.packed_head: torch.Tensor | None = None  # tied head for CPU (prepack_linears)
+        self.last_stage = True  # False: a pipeline stage before the last (pdserve.model.tp)
 
-    def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``kv_cache``: ``[layers, 2, kv_heads, blocks, block_size, head_dim]``."""
-        x = self.embed_tokens(meta.input_ids)
+    def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv_cache``: ``[layers, 2, kv_heads, blocks, block_size, head_dim]``. ``hidden``:
+        the previous pipeline stage's hidden states (instead of embedding the tokens); a stage
+        before the last returns every token's hidden states."""
+        x = self.embed_tokens(meta.input_ids) if hidden is None else hidden
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i], meta)
+        if not self.last_stage:
+            return x
         return self.norm(x.index_select(0, meta.sample_indices))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

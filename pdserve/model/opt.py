@@ -87,15 +87,23 @@ class OPTForCausalLM(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(wdim, cfg.vocab_size, bias=False))
         self.packed_head: torch.Tensor | None = None  # tied head for CPU (prepack_linears)
+        self.last_stage = True  # False: a pipeline stage before the last (pdserve.model.tp)
 
-    def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``kv_cache``: ``[layers, 2, heads, blocks, block_size, head_dim]``."""
-        x = self.embed_tokens(meta.input_ids)
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(meta.positions + POSITION_OFFSET)
+    def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv_cache``: ``[layers, 2, heads, blocks, block_size, head_dim]``; ``hidden``: as
+        :meth:`pdserve.model.llama.LlamaForCausalLM.forward`."""
+        if hidden is None:
+            x = self.embed_tokens(meta.input_ids)
+            if self.project_in is not None:
+                x = self.project_in(x)
+            x = x + self.embed_positions(meta.positions + POSITION_OFFSET)
+        else:
+            x = hidden
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_cache[i], meta)
+        if not self.last_stage:
+            return x
         x = x.index_select(0, meta.sample_indices)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)

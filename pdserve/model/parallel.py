@@ -9,6 +9,9 @@ Megatron-style sharding, as nano-vllm and mini-sglang do it::
 Query heads split evenly; KV heads split evenly when ``tp`` divides them and are replicated
 when ``tp`` exceeds them (rank ``r`` holds KV head ``r // (tp / kv_heads)``). The vocabulary is
 split in ``ceil(vocab / tp)``-row shards (the last padded); logits are gathered before sampling.
+
+Pipeline parallelism splits the layers into ``pp`` balanced stages (:func:`stage_layers`); a
+stage is a TP group, and global rank ``stage * tp + r`` is TP rank ``r`` of its stage.
 """
 
 from __future__ import annotations
@@ -116,9 +119,6 @@ def check_live_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1,
     if pp > model.num_layers:
         raise ValueError(f"pp={pp} exceeds the {model.num_layers} layers of "
                          f"{model.name or model.family!r}")
-    if pp != 1:
-        raise ValueError(f"pp={pp}: the live engine does not run pipeline parallelism yet; "
-                         f"pipeline stages are simulated only (pdserve simulate / plan)")
     check_tp(model, tp)
     ranks = tp * pp
     if ranks_available is None and device.startswith("cuda"):
@@ -131,6 +131,20 @@ def check_live_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1,
         what = "GPUs" if device.startswith("cuda") else "CPUs"
         raise ValueError(f"tp={tp} x pp={pp} needs {ranks} ranks, more than the "
                          f"{ranks_available} {what} available")
+
+
+def stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """The layer range ``[lo, hi)`` of each of ``pp`` pipeline stages, balanced (the first
+    ``num_layers % pp`` stages hold one layer more)."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pp={pp} must be between 1 and the {num_layers} layers")
+    q, r = divmod(num_layers, pp)
+    out, lo = [], 0
+    for s in range(pp):
+        hi = lo + q + (s < r)
+        out.append((lo, hi))
+        lo = hi
+    return out
 
 
 # A rank waits for the next step for as long as the instance idles. A dead peer shows up at the
@@ -157,7 +171,8 @@ class Communicator:
     no-op."""
 
     def __init__(self, rank: int = 0, world: int = 1, store: Any = None,
-                 address: tuple[str, int] | None = None, device: str = "cpu") -> None:
+                 address: tuple[str, int] | None = None, device: str = "cpu",
+                 prefix: str = "") -> None:
         self.rank, self.world = rank, world
         self.seconds = 0.0  # time spent in all_reduce / all_gather (waits for peers included)
         if world == 1:
@@ -169,11 +184,12 @@ class Communicator:
                 raise ValueError("a rank of a group needs the rendezvous store or its address")
             store = dist.TCPStore(address[0], address[1], world, is_master=False,
                                   timeout=datetime.timedelta(seconds=120))
-        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, world,
-                                         IDLE_TIMEOUT)
+        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "cpu/", store), rank,
+                                         world, IDLE_TIMEOUT)
         self.dev = self.cpu
         if device.startswith("cuda"):
-            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev/", store), rank, world)
+            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "dev/", store), rank,
+                                             world)
         self._store = store
 
     def all_reduce(self, x: Any) -> Any:
@@ -221,6 +237,25 @@ class Communicator:
         inputs = [p.contiguous() for p in parts] if self.rank == 0 and parts else []
         opts = _scatter_options(0)
         self.cpu.scatter([out], [inputs] if self.rank == 0 else [], opts).wait()
+        return out
+
+    def send(self, x: Any, dst: int, cpu: bool = False) -> None:
+        """Send ``x`` to rank ``dst`` (point to point: a pipeline stage's hidden states through
+        the device group, KV through the CPU group when ``cpu``)."""
+        group = self.cpu if cpu else self.dev
+        t = time.perf_counter()
+        group.send([x.contiguous()], dst, 0).wait()
+        self.seconds += time.perf_counter() - t
+
+    def recv(self, like: Any, src: int, cpu: bool = False) -> Any:
+        """A tensor of ``like``'s shape, dtype and device from rank ``src``."""
+        import torch
+
+        out = torch.empty_like(like)
+        group = self.cpu if cpu else self.dev
+        t = time.perf_counter()
+        group.recv([out], src, 0).wait()
+        self.seconds += time.perf_counter() - t
         return out
 
     def broadcast_object(self, obj: Any = None) -> Any:

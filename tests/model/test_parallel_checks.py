@@ -50,18 +50,27 @@ def test_layout_ranges() -> None:
         (2, 1, 16, 8)
 
 
-def test_generate_refuses_pipeline_parallelism(tiny_dirs, capsys) -> None:
+def test_generate_refuses_more_stages_than_layers(tiny_dirs, capsys) -> None:
     assert cli.main(["generate", "--model", tiny_dirs["llama"], "--prompt", "hi",
-                     "--pp", "2"]) == 2
+                     "--pp", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "pp=2" in err and len(err.splitlines()) == 1, err
+    assert "pp=3 exceeds the 2 layers" in err and len(err.splitlines()) == 1, err
 
 
-def test_llm_refuses_expert_and_pipeline_parallelism(tiny_dirs) -> None:
+def test_generate_with_pp2_prints_what_pp1_prints(tiny_dirs, capsys) -> None:
+    argv = ["generate", "--model", tiny_dirs["opt"], "--prompt", "The quick brown fox",
+            "--max-tokens", "12", "--num-kv-blocks", "32", "--max-model-len", "256"]
+    assert cli.main([*argv, "--pp", "1"]) == 0
+    one = capsys.readouterr().out
+    assert cli.main([*argv, "--pp", "2"]) == 0
+    assert capsys.readouterr().out == one and "12 tokens" in one
+
+
+def test_llm_refuses_bad_layouts(tiny_dirs) -> None:
     from pdserve.llm import LLM
 
-    with pytest.raises(ValueError, match="pp=2"):
-        LLM(tiny_dirs["llama"], pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pp=3 exceeds"):
+        LLM(tiny_dirs["llama"], pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="tp=3 does not divide"):
         LLM(tiny_dirs["llama"], tensor_parallel_size=3)
 
@@ -69,10 +78,10 @@ def test_llm_refuses_expert_and_pipeline_parallelism(tiny_dirs) -> None:
 def test_serve_refuses_a_deployment_it_cannot_run(tiny_dirs, tmp_path, capsys) -> None:
     spec = tmp_path / "d.yaml"
     spec.write_text(f"model: {tiny_dirs['llama']}\nbackend: inproc\n"
-                    "roles: [{role: prefill, pp: 2}, {role: decode}]\n")
+                    "roles: [{role: prefill, pp: 3}, {role: decode}]\n")
     assert cli.main(["serve", "--config", str(spec)]) == 2
     err = capsys.readouterr().err
-    assert "prefill instances: pp=2" in err, err
+    assert "prefill instances: pp=3 exceeds the 2 layers" in err, err
 
 
 def test_simulate_still_models_tp_and_pp(tiny_dirs) -> None:

@@ -1,0 +1,129 @@
+"""Pipeline parallelism (gloo on CPU, ranks as processes): the greedy tokens of a PP2 and a
+TP2 x PP2 instance equal TP1's and transformers', each stage reads only its layers' weights
+(plus the embedding on the first stage and the final norm and head on the last), and KV moves
+between PP2 and PP1 instances unchanged (byte for byte), continuing as it would have."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.model_executor import ModelExecutor
+from pdserve.model.parallel import check_live_layout, stage_layers
+from tests.model.helpers import NEW_TOKENS, hf_reference, make_prompts
+from tests.model.test_tensor_parallel import PROMPTS, _continue, _prefill, generate
+
+
+def executor(model_dir: str, tp: int = 1, pp: int = 1, blocks: int = 64) -> ModelExecutor:
+    cfg = EngineConfig(model=model_dir, cache=CacheConfig(num_kv_blocks=blocks))
+    ex = ModelExecutor(cfg, num_threads=1, tp=tp, pp=pp)
+    ex.capture_logits = True
+    return ex
+
+
+def test_stage_layers_balanced() -> None:
+    assert stage_layers(2, 2) == [(0, 1), (1, 2)]
+    assert stage_layers(7, 3) == [(0, 3), (3, 5), (5, 7)]  # hand-worked: 3 + 2 + 2
+    assert stage_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="pp=3"):
+        stage_layers(2, 3)
+
+
+_SLOW = pytest.mark.slow  # 4 rank processes: ~25 s each on a busy 2-core machine
+
+
+@pytest.mark.parametrize(("arch", "tp", "pp"), [
+    ("llama", 1, 2), ("qwen3", 1, 2), ("opt", 1, 2), ("opt", 2, 2),
+    pytest.param("llama", 2, 2, marks=_SLOW), pytest.param("qwen3", 2, 2, marks=_SLOW),
+], ids=["llama-pp2", "qwen3-pp2", "opt-pp2", "opt-tp2xpp2", "llama-tp2xpp2", "qwen3-tp2xpp2"])
+def test_pp_greedy_equals_tp1_and_transformers(tiny_dirs, hf_models, arch, tp, pp) -> None:
+    prompts = make_prompts(PROMPTS)
+    want = generate(executor(tiny_dirs[arch]), prompts)
+    ex = executor(tiny_dirs[arch], tp, pp)
+    try:
+        got = generate(ex, prompts)
+    finally:
+        ex.close()
+    assert got == want  # all 64 tokens of each request
+    ref = hf_reference(hf_models(arch), prompts)
+    assert [t[:NEW_TOKENS] for t in got] == [r.tokens for r in ref]
+    assert ex.local_config.num_layers == ex.model_config.num_layers // pp
+
+
+def _file_bytes(model_dir: str) -> dict[str, int]:
+    """Bytes of each tensor of the checkpoint (float32), read from the file's header."""
+    from safetensors import safe_open
+
+    with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
+        return {n: 4 * math.prod(f.get_slice(n).get_shape())
+                for n in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_each_stage_loads_its_layers(tiny_dirs, arch) -> None:
+    """Stage 0 reads the embedding and layer 0 and nothing else; the rest of the file (layer 1,
+    the final norm, the head, or the embedding again when the head is tied to it, as qwen3's
+    is) is stage 1's."""
+    sizes = _file_bytes(tiny_dirs[arch])
+    layer0 = sum(v for k, v in sizes.items() if ".layers.0." in k)
+    emb = sizes["model.embed_tokens.weight"]
+    ex = executor(tiny_dirs[arch], pp=2)
+    try:
+        assert ex.loaded_bytes == ex.weight_bytes == emb + layer0
+        assert ex.loaded_bytes < 0.75 * sum(sizes.values())
+        assert ex.kv_cache.shape[0] == 1  # one layer's KV
+    finally:
+        ex.close()
+
+
+def test_kv_hand_off_between_pp2_and_pp1(tiny_dirs) -> None:
+    """PP2 -> PP1 and PP1 -> PP2: the KV arrives byte-identical (re-exported from the
+    destination it is the source's payload) and the destination continues the request exactly
+    as the source would have."""
+    model = tiny_dirs["llama"]
+    p1, p2 = make_prompts((45, 70), seed=3)
+    one, two = executor(model, 1, 1, 256), executor(model, 1, 2, 256)
+    try:
+        for src, dst, prompt in ((two, one, p1), (one, two, p2)):
+            hd, req, blocks = _prefill(src, prompt)
+            payload = src.export_kv(blocks)
+            assert payload["kv"].shape[:3] == (2, 2, src.model_config.num_kv_heads)
+            dst_blocks = [b + 20 for b in blocks]
+            dst.import_kv(dst_blocks, payload)
+            assert torch.equal(dst.export_kv(dst_blocks)["kv"], payload["kv"])
+            first = hd.tokens[req.request_id][0]
+            hd.decode_all([req], NEW_TOKENS)
+            assert _continue(dst, prompt, dst_blocks, first) == hd.tokens[req.request_id]
+    finally:
+        two.close()
+
+
+def test_live_checks_keep_refusing_bad_pp(tiny_dirs) -> None:
+    cfg = ModelConfig.from_dir(tiny_dirs["llama"])
+    check_live_layout(cfg, tp=1, pp=2, ranks_available=2)  # runs now
+    with pytest.raises(ValueError, match="pp=3 exceeds the 2 layers"):
+        check_live_layout(cfg, pp=3, ranks_available=8)
+    with pytest.raises(ValueError, match="needs 4 ranks"):
+        check_live_layout(cfg, tp=2, pp=2, ranks_available=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="pipeline parallelism over NCCL needs 2 CUDA devices")
+def test_pp2_over_nccl_equals_tp1_on_cuda(tiny_dirs) -> None:
+    """The same code path on CUDA: NCCL for the hidden states, gloo for plans and KV."""
+    prompts = make_prompts(PROMPTS)
+
+    def on_cuda(pp: int) -> ModelExecutor:
+        cfg = EngineConfig(model=tiny_dirs["llama"], device="cuda",
+                           cache=CacheConfig(num_kv_blocks=64))
+        return ModelExecutor(cfg, pp=pp)
+
+    want = generate(on_cuda(1), prompts)
+    ex = on_cuda(2)
+    try:
+        assert generate(ex, prompts) == want
+    finally:
+        ex.close()
