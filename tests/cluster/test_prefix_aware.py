@@ -128,10 +128,10 @@ def test_decode_load_and_what_a_prefill_costs_the_decoders():
 
 
 def test_a_hot_prefix_is_replicated_once_its_holder_queue_costs_more_than_a_copy():
-    """Only a holds S1. Each hit adds PT(4) = 4 to a's queue; the copy elsewhere costs
-    PT(36) = 36. Requests 1..9 go to a (the 9th at a tie, 32 + 4 = 36, by candidate order);
-    the 10th would wait 36 on a (40 > 36) and goes to b: the prefix is replicated as soon as
-    the load makes it pay, with no window to wait for."""
+    """Only a holds S1. Each hit adds PT(4) = 4 to a's queue; a copy elsewhere costs
+    PT(36) = 36. Requests 1..9 go to a (the 9th at a tie, 32 + 4 = 36: the first tie starts
+    at a); the 10th would wait 36 on a (40 > 36) and goes to b: the prefix is replicated as
+    soon as the load makes it pay, with no window to wait for."""
     r = router()
     cands = views("a", "b", "c")
     r.on_kv_events("a", stored(S1))
@@ -140,13 +140,15 @@ def test_a_hot_prefix_is_replicated_once_its_holder_queue_costs_more_than_a_copy
 
 
 def test_identical_holders_take_turns():
-    """Every instance holds the prefix: the queue alone decides, as least-work-left."""
+    """Every instance holds the prefix: the queue alone decides, and ties take turns after the
+    last tie's winner. a, b, c (ties), d (the only idle one), then all four tie (4 each in
+    front) from after c: d; then a, b tie from the start: a, b; then c is the shortest."""
     r = router()
     cands = views("a", "b", "c", "d")
     for v in cands:
         r.on_kv_events(v.instance_id, stored(S1))
     got = [route(r, f"x{k}", S1 + [k, k, k, k], cands) for k in range(8)]
-    assert got == ["a", "b", "c", "d"] * 2
+    assert got == ["a", "b", "c", "d", "d", "a", "b", "c"]
 
 
 def test_a_prefix_in_flight_counts_as_cached_where_it_is_being_prefilled():
@@ -263,7 +265,11 @@ def test_decisions_match_a_brute_force_of_the_documented_cost():
         finish = min(t for _, t, _ in rows)
         allowed = [k for k, (wt, _, _) in enumerate(rows)
                    if wt <= finish or r._start(r._queues[cands[k].instance_id], wt) <= finish]
-        want = min(allowed, key=lambda k: (round(rows[k][2], 9), k))
+        low = min(round(c, 9) for _, _, c in rows)
+        tied = [k for k, (_, _, c) in enumerate(rows) if round(c, 9) == low]
+        want = next(k % 6 for k in range(r._tie, r._tie + 6) if k % 6 in tied)  # ties: in turn
+        if want not in allowed:  # the guard: the cheapest allowed, in candidate order
+            want = min(allowed, key=lambda k: (round(rows[k][2], 9), k))
         got = r.select(creq(f"r{step}", prompt, out), cands)
         assert got is cands[want], step
         got.queued += 1
