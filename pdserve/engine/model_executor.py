@@ -410,11 +410,11 @@ class ModelExecutor:
                     cpu=True) for r in range(self.tp)]
                 stages.append(torch.cat(parts[:: self.layout.kv_replicas], dim=2))
             return torch.cat(stages, dim=0)
-        parts = self.comm.gather_cpu(kv)
-        if parts is None:
+        gathered = self.comm.gather_cpu(kv)
+        if gathered is None:
             return None
         # one copy of each KV head: the first rank of each replica set
-        return torch.cat(parts[:: self.layout.kv_replicas], dim=2)
+        return torch.cat(gathered[:: self.layout.kv_replicas], dim=2)
 
     def import_kv(self, block_ids: list[int], payload: dict[str, Any]) -> None:
         """Write a payload of :meth:`export_kv` (from any executor of the same model) into
