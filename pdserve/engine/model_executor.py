@@ -126,6 +126,7 @@ class ModelExecutor:
         # serialises the group's collectives: a KV export (another thread) waits for the step
         self._group_lock = threading.Lock() if self.world > 1 else contextlib.nullcontext()
         self.loaded_bytes = 0  # checkpoint bytes this rank read
+        self.rank_bytes = [0]  # on the driver: every rank's loaded_bytes, in rank order
         if self.world == 1:
             self.comm = self.group = Communicator()
             self.model, self.model_config = load_model(config.model, config.dtype,
@@ -133,6 +134,7 @@ class ModelExecutor:
             self.local_config = self.model_config
             self.loaded_bytes = sum(p.numel() * p.element_size()
                                     for p in self.model.parameters())
+            self.rank_bytes = [self.loaded_bytes]
         else:
             self._load_sharded(address)
         if self.device.type == "cpu":
@@ -186,6 +188,8 @@ class ModelExecutor:
         load_weights(self.model, iter_shard(weight_files(model_dir), self.layout, counter,
                                             rename))
         self.loaded_bytes = counter[0]
+        got = self.group.gather_cpu(torch.tensor([counter[0]], dtype=torch.int64))
+        self.rank_bytes = [int(t.item()) for t in got] if got is not None else []
         log.info("rank %d/%d (stage %d, layers %d-%d) loaded %.1f MiB of weights", self.rank,
                  self.world, self.stage, lo, hi - 1, counter[0] / 2**20)
 

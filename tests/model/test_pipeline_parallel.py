@@ -64,15 +64,17 @@ def _file_bytes(model_dir: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_each_stage_loads_its_layers(tiny_dirs, arch) -> None:
-    """Stage 0 reads the embedding and layer 0 and nothing else; the rest of the file (layer 1,
-    the final norm, the head, or the embedding again when the head is tied to it, as qwen3's
-    is) is stage 1's."""
+    """Stage 0 reads the embedding and layer 0 and nothing else; stage 1 reads layer 1, the
+    final norm and the head (the embedding again when the head is tied to it, as qwen3's is),
+    counted from the file's header."""
     sizes = _file_bytes(tiny_dirs[arch])
-    layer0 = sum(v for k, v in sizes.items() if ".layers.0." in k)
+    layer = [sum(v for k, v in sizes.items() if f".layers.{i}." in k) for i in range(2)]
     emb = sizes["model.embed_tokens.weight"]
+    head = sizes.get("lm_head.weight", emb)
     ex = executor(tiny_dirs[arch], pp=2)
     try:
-        assert ex.loaded_bytes == ex.weight_bytes == emb + layer0
+        assert ex.loaded_bytes == ex.weight_bytes == emb + layer[0]
+        assert ex.rank_bytes == [emb + layer[0], layer[1] + sizes["model.norm.weight"] + head]
         assert ex.loaded_bytes < 0.75 * sum(sizes.values())
         assert ex.kv_cache.shape[0] == 1  # one layer's KV
     finally:
