@@ -377,8 +377,9 @@ class UnitCache:
         bound being approximate) — the smaller unit then beats it per GPU and replicates at a
         finer grain. With ``early_stop`` the others' rate searches stop once they cannot beat
         the best of their kind finished so far (:func:`evaluate_unit`'s ``incumbent``; a
-        measured bound, no slack needed). On a pool, which units stop early depends on which
-        finished first; every searched unit's goodput, and so each kind's best, does not."""
+        measured bound, no slack needed). On a pool, units of different kinds run side by side
+        and one unit of a kind at a time, so each unit is pruned or stopped against the same
+        units as in one process: the results do not depend on the workers."""
         units = list(dict.fromkeys(units))
         queues: dict[tuple[str, str], list[tuple[float, Unit]]] = {}
         for u in units:
@@ -399,13 +400,18 @@ class UnitCache:
             return next((r for r in done.get(key, []) if r.unit.num_gpus <= u.num_gpus
                          and r.per_gpu_rps > bound * slack), None)
 
+        busy: set[tuple[str, str]] = set()  # kinds with a unit running
+
         def next_job() -> tuple[Problem, Unit, float] | None:
             nonlocal nxt
-            while any(queues.values()):
+            skipped = 0
+            while any(queues.values()) and skipped < len(turn):
                 key = turn[nxt % len(turn)]
                 nxt += 1
-                if not queues[key]:
+                if not queues[key] or key in busy:
+                    skipped += 1
                     continue
+                skipped = 0
                 bound, u = queues[key].pop(0)
                 d = dominator(key, bound, u)
                 if d is not None:
@@ -425,16 +431,19 @@ class UnitCache:
         if self._pool is None:
             while (job := next_job()) is not None:
                 finish(evaluate_unit(*job))
-        else:
+        else:  # one unit of a kind at a time: each sees the same units before it as in order
             running: set[Future[UnitResult]] = set()
             while True:
                 while len(running) < self.workers and (job := next_job()) is not None:
                     running.add(self._pool.submit(_evaluate, job))
+                    busy.add((job[1].kind, job[1].link))
                 if not running:
                     break
                 fin, running = wait(running, return_when=FIRST_COMPLETED)
                 for f in sorted(fin, key=lambda f: f.result().unit):
-                    finish(f.result())
+                    r = f.result()
+                    busy.discard((r.unit.kind, r.unit.link))
+                    finish(r)
         return [self.results[u] for u in units]
 
     def _store(self, r: UnitResult) -> None:

@@ -87,3 +87,55 @@ def test_bad_input_one_line_and_exit_2(capsys, argv, needle):
     assert main(argv + ["--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pdserve plan: error:") and needle in err[0]
+
+
+def test_a_pool_gives_the_same_plan_as_one_process(const_profile):
+    """Incumbents and dominance come from the units of a kind before it in order, whatever
+    finished first on the pool: rankings, alternatives and every unit's result agree."""
+    from pdserve.planner.search import plan as plan_
+
+    prof = const_profile({1: 60.0, 2: 40.0}, decode_ms=20.0, decode_per_seq_ms=1.0)
+    p = Problem(model="opt-13b", profile=prof, slo=SLO(1.0, 0.2), rate=2.0, nodes=1,
+                gpus_per_node=2, workload="fixed:input=256,output=8", num_requests=40,
+                max_probes=4)
+    one, two = (plan_(p, workers=w).to_dict() for w in (1, 2))
+    for d in (one, two):
+        d.pop("wall_s")
+        for u in d["units"]:
+            u.pop("wall_s")
+    assert one == two
+    assert any(u["stopped"] for u in one["units"])  # incumbents were at work
+
+
+def _slow_first(p, u, incumbent=0.0):
+    """Stand-in unit search: TP1 takes a while and reaches 1.0 req/s per GPU, TP2 0.8; a unit
+    below its incumbent stops."""
+    import time
+
+    from pdserve.planner.units import UnitResult
+
+    g = {1: 1.0, 2: 1.6}[u.tp]
+    if u.tp == 1:
+        time.sleep(0.5)
+    if incumbent > 0 and g / u.num_gpus < incumbent:
+        return UnitResult(u, bound_rps=incumbent * u.num_gpus, stopped="cannot beat")
+    return UnitResult(u, goodput_rps=g, per_gpu_rps=g / u.num_gpus)
+
+
+def test_a_later_unit_of_a_kind_waits_for_the_earlier_ones_on_a_pool(monkeypatch):
+    """TP2 comes after TP1 in its queue: on a pool it starts only once TP1 finished, so it is
+    stopped against TP1 as in one process, although a worker was free earlier."""
+    from types import SimpleNamespace
+
+    import pdserve.planner.units as unit_mod
+
+    monkeypatch.setattr(unit_mod, "evaluate_unit", _slow_first)
+    monkeypatch.setattr(unit_mod, "unit_model",
+                        lambda p, u: SimpleNamespace(capacity_rps=10.0 * u.num_gpus))
+    p = Problem(model="opt-13b", hardware="A100-80GB", gpus_per_node=2)
+    units = [Unit("colocated", 1), Unit("colocated", 2)]
+    got = []
+    for workers in (1, 2):
+        with UnitCache(p, workers=workers) as cache:
+            got.append([(r.goodput_rps, r.stopped) for r in cache.get_bounded(units)])
+    assert got[0] == got[1] == [(1.0, None), (0.0, "cannot beat")]
