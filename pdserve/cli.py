@@ -107,7 +107,8 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
     add_engine_flags(g, exclude=("role", "prefill_token_target", "policy"))
     par = g.add_argument_group("parallelism")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default: 1)")
-    par.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline stages, one micro-batch in flight at a time (default: 1)")
 
     t = subcommand(sub, "make-tiny-model", _make_tiny,
                    help="write a random tiny model in Hugging Face layout",

@@ -192,6 +192,10 @@ class ModelExecutor:
         self.rank_bytes = [int(t.item()) for t in got] if got is not None else []
         log.info("rank %d/%d (stage %d, layers %d-%d) loaded %.1f MiB of weights", self.rank,
                  self.world, self.stage, lo, hi - 1, counter[0] / 2**20)
+        if self.rank == 0 and self.pp > 1:
+            log.warning("pp=%d: the live pipeline runs one micro-batch at a time (it splits the "
+                        "weights and KV over %d stages, not the work; the simulator keeps %d "
+                        "in flight)", self.pp, self.pp, self.pp)
 
     # ------------------------------------------------------------------ memory
     @property
