@@ -63,7 +63,8 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "inproc",
                                    "roles": [{"role": "colocated", "count": 2, "tp": 2}]})
     rt = await build_runtime(cfg)
-    victim = rt.instances["colocated-0"].client.worker.engine.executor  # type: ignore[attr-defined]
+    dead = rt.instances["colocated-0"]  # the supervisor may restart it in place meanwhile
+    victim = dead.client.worker.engine.executor  # type: ignore[attr-defined]
     async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
         on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
                         if q.instance == "colocated-0" and len(q.output_token_ids) >= 2]
@@ -78,7 +79,11 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
         await wait_until(lambda: len(on_0()) >= 1, what="a request decoding on colocated-0")
         victim._procs[0].kill()
         assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == reference
-        assert not rt.instances["colocated-0"].view.alive
+        assert not dead.view.alive
+        back = lambda: rt.instances.get("colocated-0")  # noqa: E731  (absent while restarting)
+        await wait_until(lambda: back() is not None and back().view.alive and rt.restarts,
+                         timeout=60, what="the TP2 instance restarted in place")
+        assert [r.instance_id for r in rt.restarts] == ["colocated-0"]
         await assert_pools_clean(rt)
 
 
