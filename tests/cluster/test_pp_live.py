@@ -70,3 +70,20 @@ async def test_a_dead_stage_kills_its_instance_and_requests_recompute(
         assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == reference
         assert not rt.instances["colocated-0"].view.alive
         await assert_pools_clean(rt)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_ray_prefill_pp2_decode_pp1(model_dir: str, reference: list[str]) -> None:  # noqa: F811
+    """On Ray: the PP2 prefill instance's actor is its driver rank (2 CPUs reserved) and starts
+    the second stage; the decode actor pulls the KV of both stages' layers in one payload."""
+    ray = pytest.importorskip("ray")
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
+                                   "roles": [{"role": "prefill", "pp": 2}, {"role": "decode"}]})
+    try:
+        rt = await build_runtime(cfg)
+        async with serving(rt) as url:
+            assert await complete_all(url, SHORT) == reference
+            await assert_pools_clean(rt)
+    finally:
+        ray.shutdown()
