@@ -129,3 +129,25 @@ def test_pp2_over_nccl_equals_tp1_on_cuda(tiny_dirs) -> None:
         assert generate(ex, prompts) == want
     finally:
         ex.close()
+
+
+def test_uneven_stages_and_kv_across_them(tmp_path) -> None:
+    """3 layers over 3 and over 2 stages (2 + 1): greedy tokens equal PP1's, and KV moves
+    PP3 -> PP2 byte-identical although their stage boundaries differ."""
+    from pdserve.model.tiny import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "llama3"), "llama", num_layers=3)
+    prompts = make_prompts((3, 37))
+    want = generate(executor(model), prompts)
+    three, two = executor(model, pp=3, blocks=256), executor(model, pp=2, blocks=256)
+    try:
+        assert generate(three, prompts) == want
+        hd, req, blocks = _prefill(three, make_prompts((50,), seed=5)[0])
+        payload = three.export_kv(blocks)
+        dst = [b + 40 for b in blocks]
+        two.import_kv(dst, payload)
+        assert two.kv_cache.shape[0] == 2 and three.kv_cache.shape[0] == 1
+        assert torch.equal(two.export_kv(dst)["kv"], payload["kv"])
+    finally:
+        three.close()
+        two.close()
