@@ -77,6 +77,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--per-instance window must be >= 1 second, got {window:g}")
     sim = simulation_from_args(args)
     target = SimTarget(sim, name=f"sim:{sim.deployment.strategy}", progress=not args.no_progress)
+    say(f"latency source: {target.describe['latency_source']}")
     s = settings_from_args(args)
     w = build_workload(target, s, args.rate)
     s.slo = resolve_slo(s, w, args.slo_ttft, args.slo_tpot)

@@ -34,6 +34,7 @@ from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.routing import routers_for
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
 from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
+from pdserve.sim.aic_latency import AicModel
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
 from pdserve.sim.model_catalogue import get_model_config
@@ -42,6 +43,10 @@ from pdserve.sim.simulator import SimInstance, SimRequest, SimResult, Simulator
 DEFAULT_HARDWARE = "A100-80GB"
 DEFAULT_MODEL = "opt-13b"
 PROFILES_ENV = "PDSERVE_PROFILES"
+# aiconfigurator's system -> the catalogue device whose memory sizes the KV pool
+AIC_DEVICES = {"h100_sxm": "H100", "h100_pcie": "H100-PCIe", "h200_sxm": "H200",
+               "b200_sxm": "B200", "a100_sxm": "A100-80GB", "l40s": "L40S",
+               "rtx_pro_6000_server": "RTX-PRO-6000"}
 _SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "data" / "profiles"
 
 
@@ -79,17 +84,27 @@ class SimulationConfig:
     deployment: ClusterConfig
     profile: str | None = None
     hardware: str | None = None
+    aic_system: str | None = None
+    aic_backend: str = "vllm"
     step_overhead_ms: float = 0.0
     seq_overhead_ms: float = 0.0
     request_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.profile is not None and self.hardware is not None:
-            raise ValueError("give either a profile or a hardware spec, not both")
+        if sum(x is not None for x in (self.profile, self.hardware, self.aic_system)) > 1:
+            raise ValueError("give one latency source: a profile, a hardware spec or an aic "
+                             "system")
         if self.profile is not None:
             object.__setattr__(self, "profile", resolve_profile(self.profile))
         if self.hardware is not None:
             get_device(self.hardware)  # a clear error for an unknown name
+        if self.aic_system is not None:
+            from pdserve.sim.aic_latency import BACKENDS, aic_version
+
+            aic_version()  # a clear error (pip install 'pdserve[aic]') when it is absent
+            if self.aic_backend not in BACKENDS:
+                raise ValueError(f"aic backend {self.aic_backend!r} is not one of "
+                                 f"{', '.join(BACKENDS)}")
         for name in ("step_overhead_ms", "seq_overhead_ms", "request_overhead_ms"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
@@ -122,7 +137,12 @@ def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
     from pdserve.sim.analytic import AnalyticModel
 
     base: LatencyModel
-    if sim.profile is not None:
+    if sim.aic_system is not None:
+        if ep > 1:
+            raise ValueError(f"ep={ep}: the aic source has no expert-parallel pricing here; "
+                             f"simulate expert parallelism with --hardware")
+        base = AicModel(model, sim.aic_system, sim.aic_backend, tp, dtype)
+    elif sim.profile is not None:
         if ep > 1:
             raise ValueError(f"ep={ep}: a measured profile has no expert-parallel entries; "
                              f"simulate expert parallelism with --hardware")
@@ -132,7 +152,7 @@ def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
                              f"not tp={tp}")
     else:
         base = AnalyticModel(model, sim.hardware or DEFAULT_HARDWARE, tp, dtype=dtype, ep=ep)
-    latency = base
+    latency: LatencyModel = base
     if pp > 1:
         dev = device_of(sim, base)
         link = dev.intra_link if dev is not None else None
@@ -153,6 +173,11 @@ def device_of(sim: SimulationConfig, base: LatencyModel) -> DeviceSpec | None:
     """The simulated device: ``hardware``, else the profile's, else A100-80GB; ``None`` for a
     CPU profile or a device the catalogue does not know (then pools are sized as on CPU)."""
     name = sim.hardware
+    if name is None and sim.aic_system is not None:
+        name = AIC_DEVICES.get(sim.aic_system)
+        if name is None:  # no catalogue entry to size the KV pool on
+            raise ValueError(f"aic system {sim.aic_system!r} has no pdserve catalogue device "
+                             f"to size KV pools on (known: {', '.join(sorted(AIC_DEVICES))})")
     if name is None and isinstance(base, FittedProfile):
         name = base.hardware or None
     try:
@@ -231,9 +256,16 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
                 "kv_link": {"bandwidth_gb_per_s": intra.bandwidth_gb_per_s,
                             "latency_s": intra.latency_s},
                 "routers": [dep.prefill_router, dep.decode_router],
-                "latency_source": sim.profile or sim.hardware or DEFAULT_HARDWARE,
+                "latency_source": _latency_source(sim, instances[0].latency),
                 "spec": dep.to_dict()}
     return BuiltCluster(simulator, model, max_len, describe)
+
+
+def _latency_source(sim: SimulationConfig, latency: Any) -> str:
+    base = base_model(latency)
+    if isinstance(base, AicModel):
+        return base.source
+    return sim.profile or sim.hardware or DEFAULT_HARDWARE
 
 
 def _describe_latency(m: LatencyModel) -> str:
@@ -244,6 +276,8 @@ def _describe_latency(m: LatencyModel) -> str:
                 f"{1000 * m.per_seq_s:g} ms per sequence")
     if isinstance(m, FittedProfile):
         return f"profile {m.source or m.model} tp={m.tp}"
+    if isinstance(m, AicModel):
+        return m.source
     return repr(m)
 
 
@@ -359,6 +393,13 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
                                     "directory (default: opt-13b)")
     g = p.add_argument_group("simulation (a --config file's `simulation:` section)")
     add_latency_source_flags(g)
+    g.add_argument("--aic-system", metavar="SYSTEM",
+                   help="price steps with aiconfigurator-core's measured kernel database for "
+                        "this system (h100_sxm, h200_sxm, b200_sxm, a100_sxm, l40s, "
+                        "rtx_pro_6000_server, ...; pip install 'pdserve[aic]'); add the "
+                        "serving path with --step-overhead-ms / --seq-overhead-ms")
+    g.add_argument("--aic-backend", choices=("vllm", "sglang", "trtllm"),
+                   help="the engine whose kernels --aic-system prices (default: vllm)")
     g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
                    help="serving-path cost added to every step (see benchmarks/fidelity.py) "
                         "(default: 0)")
@@ -386,12 +427,13 @@ def simulation_from_args(args: argparse.Namespace) -> Any:
     """The simulated deployment: ``--config`` overlaid with the flags."""
     d = deployment_dict(args)
     sim = dict(d.pop("simulation", None) or {})
-    given = {k: getattr(args, k) for k in ("profile", "hardware", "step_overhead_ms",
-                                           "seq_overhead_ms", "request_overhead_ms")
-             if getattr(args, k) is not None}
-    if given.keys() & {"profile", "hardware"}:  # a flag's latency source replaces the file's
+    given = {k: getattr(args, k, None) for k in (
+        "profile", "hardware", "aic_system", "aic_backend", "step_overhead_ms",
+        "seq_overhead_ms", "request_overhead_ms") if getattr(args, k, None) is not None}
+    if given.keys() & {"profile", "hardware", "aic_system"}:  # a flag's source replaces the file's
         sim.pop("profile", None)
         sim.pop("hardware", None)
+        sim.pop("aic_system", None)
     d["simulation"] = {**sim, **given}
     return SimulationConfig.from_dict(d)
 

@@ -1,0 +1,173 @@
+"""Step times from aiconfigurator's measured per-kernel databases (torch-free; optional).
+
+:class:`AicModel` is a :class:`~pdserve.sim.latency.LatencyModel` that prices an engine step
+with NVIDIA aiconfigurator-core's compiled engine (``pip install 'pdserve[aic]'``): the sum of
+the GPU kernels of one forward pass, looked up in the package's databases measured per system
+(``h100_sxm``, ``h200_sxm``, ``b200_sxm``, ``a100_sxm``, ``l40s``, ``rtx_pro_6000_server``, ...)
+and backend (``vllm``, ``sglang``, ``trtllm``) at the instance's tensor parallelism, its
+all-reduces included. A sum of kernels is not a serving step: the host-side work around it is
+added by the same :class:`~pdserve.sim.latency.DriverOverhead` wrapper as for every source
+(``step_overhead_ms`` / ``seq_overhead_ms``), and pipeline stages by
+:class:`~pdserve.sim.latency.PipelineModel`.
+
+How a step maps onto aiconfigurator's calls (its ``AicEngine`` surface):
+
+* prefill only — ``predict_prefill_latency(bs, isl, prefix)`` with ``bs`` the number of
+  chunks, ``isl`` their mean ``start + new`` and ``prefix`` their mean ``start`` (exact for a
+  batch of equal chunks, which is what aiconfigurator's own static estimate prices);
+* decode only — ``decode_step_latency(bs, isl, osl=2)``: one decode step of ``bs`` sequences
+  at the mean context length;
+* mixed — ``mixed_step_latency(ctx_tokens, gen_tokens, isl, osl=2, prefix)`` with the chunks'
+  tokens and means as above (aiconfigurator prices the decode part's attention at the
+  prefill's ``isl``, an approximation of its own that this adapter keeps).
+
+Lengths are bucketed (about 1/32 relative) and results cached: a decode lookup costs ~2 ms.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from pdserve.config import ModelConfig
+from pdserve.sim.latency import Chunks, LatencyModel
+
+PACKAGE = "aiconfigurator-core"
+INSTALL_HINT = "pip install 'pdserve[aic]'"
+BACKENDS = ("vllm", "sglang", "trtllm")
+DTYPES = ("float16", "bfloat16")  # the databases' default (fp16/bf16) GEMM and KV modes
+
+
+class AicUnavailable(ValueError):
+    """aiconfigurator-core is not installed."""
+
+
+def aic_version() -> str:
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise AicUnavailable(f"--aic-system needs the optional package {PACKAGE}: "
+                             f"{INSTALL_HINT}") from None
+
+
+def _package_dir() -> str:
+    import aiconfigurator_core
+
+    return os.path.dirname(aiconfigurator_core.__file__)
+
+
+def systems() -> list[str]:
+    """The systems whose kernel databases the installed package carries."""
+    aic_version()
+    data = os.path.join(_package_dir(), "systems", "data")
+    return sorted(d for d in os.listdir(data) if os.path.isdir(os.path.join(data, d)))
+
+
+def _norm(name: str) -> str:
+    name = name.split("/")[-1].split("--")[-1].lower()
+    return name[len("meta-"):] if name.startswith("meta-") else name
+
+
+def aic_model_id(model: ModelConfig) -> str:
+    """aiconfigurator's id (``org/name`` of a bundled config) of a catalogue model."""
+    d = os.path.join(_package_dir(), "model_configs")
+    ids = {}
+    for f in os.listdir(d):
+        if f.endswith("_config.json") and not f.endswith("_hf_quant_config.json"):
+            hf = f[: -len("_config.json")].replace("--", "/", 1)
+            ids[_norm(hf)] = hf
+    key = _norm(model.name)
+    if key not in ids:
+        raise ValueError(f"model {model.name!r} has no aiconfigurator config (bundled: "
+                         f"{', '.join(sorted(ids))})")
+    return ids[key]
+
+
+def _bucket(x: float) -> int:
+    """``x`` rounded to about 1/32 of its size (16 tokens at least)."""
+    x = max(int(round(x)), 1)
+    step = max(16, 1 << max(int(math.log2(x)) - 5, 0))
+    return max(step, int(round(x / step)) * step) if x >= 16 else x
+
+
+@dataclass(frozen=True, eq=False)
+class AicModel(LatencyModel):
+    """Kernel-database step times for ``model`` on ``system`` / ``backend`` at ``tp``
+    (module docstring). ``source`` names the database: package, version, system, backend."""
+
+    model: ModelConfig
+    system: str
+    backend: str = "vllm"
+    tp: int = 1
+    dtype: str = "float16"
+    engine: Any = field(default=None, repr=False)
+    version: str = field(default="", init=False)
+    _cache: dict[tuple[Any, ...], float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        version = aic_version()
+        if self.backend not in BACKENDS:
+            raise ValueError(f"aic backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: the aic source prices "
+                             f"{' or '.join(DTYPES)} weights and KV")
+        known = systems()
+        if self.system not in known:
+            raise ValueError(f"aic system {self.system!r} is not one of {', '.join(known)}")
+        if self.engine is None:
+            object.__setattr__(self, "engine", _compile(aic_model_id(self.model), self.system,
+                                                        self.backend, self.tp))
+        object.__setattr__(self, "version", version)
+
+    @property
+    def source(self) -> str:
+        return (f"{PACKAGE} {self.version} kernel database {self.system}/{self.backend} "
+                f"({aic_model_id(self.model)}, tp={self.tp})")
+
+    def kernel_ms(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
+        """aiconfigurator's kernel sum for one step, ms (no serving terms)."""
+        n, b = len(prefill_chunks), len(decode_context_lens)
+        if n:
+            tokens = sum(c for _, c in prefill_chunks)
+            isl = _bucket(sum(s + c for s, c in prefill_chunks) / n)
+            prefix = _bucket(sum(s for s, _ in prefill_chunks) / n) if any(
+                s for s, _ in prefill_chunks) else 0
+            prefix = min(prefix, isl - 1)
+            if b:
+                key: tuple[Any, ...] = ("m", _bucket(tokens), b, isl, prefix)
+            else:
+                key = ("p", n, isl, prefix)
+        elif b:
+            key = ("d", b, _bucket(sum(decode_context_lens) / b))
+        else:
+            return 0.0
+        ms = self._cache.get(key)
+        if ms is None:
+            e = self.engine
+            if key[0] == "p":
+                ms = e.predict_prefill_latency(key[1], key[2], key[3])
+            elif key[0] == "d":
+                ms = e.decode_step_latency(key[1], key[2], 2)
+            else:
+                ms = e.mixed_step_latency(key[1], key[2], key[3], 2, key[4])
+            self._cache[key] = ms
+        return float(ms)
+
+    def step_time(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
+        return self.kernel_ms(prefill_chunks, decode_context_lens) / 1000.0
+
+
+@lru_cache(maxsize=32)
+def _compile(model_id: str, system: str, backend: str, tp: int) -> Any:
+    import logging
+
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    # the package logs every fallback table it loads; keep the simulator's output readable
+    logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)
+    return EngineHandle.compile(model_id, system, backend, tp_size=tp)
