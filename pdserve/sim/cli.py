@@ -34,8 +34,9 @@ def register(subparsers: Any) -> None:
         help="simulate a workload on a deployment (no GPU needed)",
         description="Run a benchmark workload through the discrete-event simulator: the real "
                     "scheduler, block pool, controller and routers on a virtual clock, with a "
-                    "fitted profile or an analytic roofline model in place of the GPU. The "
-                    "deployment flags and --config files are `pdserve serve`'s.")
+                    "fitted profile, an analytic roofline model or aiconfigurator's measured "
+                    "kernel database in place of the GPU. The deployment flags and --config "
+                    "files are `pdserve serve`'s.")
     add_simulation_flags(s)
     add_workload_args(s, max_model_len=False)
     s.add_argument("--rate", type=positive,
