@@ -31,7 +31,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from pdserve.config import ModelConfig
@@ -108,6 +108,8 @@ class AicModel(LatencyModel):
     engine: Any = field(default=None, repr=False)
     version: str = field(default="", init=False)
     _cache: dict[tuple[Any, ...], float] = field(default_factory=dict, init=False, repr=False)
+    """Lookups by bucketed shape, shared by every model on the same engine (each simulated
+    run builds its models anew; a goodput search runs many)."""
 
     def __post_init__(self) -> None:
         version = aic_version()
@@ -119,9 +121,10 @@ class AicModel(LatencyModel):
         known = systems()
         if self.system not in known:
             raise ValueError(f"aic system {self.system!r} is not one of {', '.join(known)}")
-        if self.engine is None:
+        if self.engine is None:  # compiled once per process, its lookups shared
             object.__setattr__(self, "engine", _compile(aic_model_id(self.model), self.system,
                                                         self.backend, self.tp))
+            object.__setattr__(self, "_cache", _CACHES.setdefault(id(self.engine), {}))
         object.__setattr__(self, "version", version)
 
     @property
@@ -162,7 +165,11 @@ class AicModel(LatencyModel):
         return self.kernel_ms(prefill_chunks, decode_context_lens) / 1000.0
 
 
-@lru_cache(maxsize=32)
+# lookups by the id of an engine _compile keeps alive (so an id is never reused)
+_CACHES: dict[int, dict[tuple[Any, ...], float]] = {}
+
+
+@cache
 def _compile(model_id: str, system: str, backend: str, tp: int) -> Any:
     import logging
 

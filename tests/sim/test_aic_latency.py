@@ -55,6 +55,9 @@ def test_tensor_parallelism_reaches_the_database(reference: dict) -> None:
     t1 = AicModel(cfg, "h100_sxm", "vllm", 1).prefill_time([4000])
     t2 = AicModel(cfg, "h100_sxm", "vllm", 2).prefill_time([4000])
     assert t2 < 0.75 * t1  # half the GEMM work per GPU, plus its all-reduces
+    # every simulated run builds its models anew: one compiled engine and one lookup cache
+    a, b = AicModel(cfg, "h100_sxm", "vllm", 2), AicModel(cfg, "h100_sxm", "vllm", 2)
+    assert a.engine is b.engine and a._cache is b._cache and len(a._cache) > 0
 
 
 def test_serving_terms_add_exactly_what_they_say(reference: dict) -> None:
