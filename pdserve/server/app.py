@@ -30,6 +30,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__
@@ -240,7 +241,12 @@ class OpenAIServer:
     async def parse(self, raw: Request, model: type[M]) -> M:
         """The request body as ``model``; bodies over ``INLINE_BODY`` bytes are parsed and
         validated on a worker thread (a 7 MiB token list takes a second of CPU)."""
-        data = await raw.body()
+        try:
+            data = await raw.body()
+        except ClientDisconnect:  # gone before its body arrived: nobody reads the answer, but
+            # an exception escaping here is logged as a crash of the ASGI application
+            raise APIError(400, "the client closed the connection before its body arrived"
+                           ) from None
         if not data.strip():
             raise APIError(400, "request body is required")
         if len(data) <= INLINE_BODY:

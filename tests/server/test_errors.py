@@ -194,3 +194,28 @@ async def test_runtime_validating_lazily(client: httpx.AsyncClient,
     assert json.loads(r.content.split(b"\n\n")[0][6:])["error"]["code"] == 429
     runtime.max_waiting = None
     assert (await client.post(COMPL, json={"prompt": "abc"})).status_code == 200
+
+
+@pytest.mark.parametrize("path", [COMPL, CHAT])
+async def test_a_client_gone_before_its_body_is_answered_not_a_crash(path: str) -> None:
+    """A client that disconnects before its body arrives (a soak's cancelled requests do) is
+    answered like any bad input; the ASGI application does not raise (uvicorn logged each one
+    as 'Exception in ASGI application' with a traceback)."""
+    app = build_app(FakeRuntime(), "m")
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "root_path": "", "query_string": b"", "server": ("test", 80),
+             "client": ("127.0.0.1", 1), "headers": [(b"content-type", b"application/json"),
+                                                     (b"content-length", b"100")]}
+    await app(scope, receive, send)  # raised ClientDisconnect before the fix
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert "closed the connection" in body["error"]["message"]
