@@ -278,7 +278,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = deployment_file(result)
     if args.out:
         write_yaml(args.out, spec, result)
-        say(f"wrote {args.out}; run it with `pdserve serve --config {args.out}` or "
+        say(f"wrote {args.out}; run it with `{serve_command(result, args.out)}` or "
             f"`{simulate_command(result, args.out)}`")
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -327,6 +327,14 @@ def against_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def serve_command(result: Any, path: str) -> str:
+    """The ``pdserve serve`` command line for the written deployment: a catalogue model
+    (shapes only) needs ``--model DIR`` with its weights, which overrides the file's model."""
+    q = shlex.quote
+    model = "" if Path(result.problem.model).is_dir() else " --model CHECKPOINT_DIR"
+    return f"pdserve serve --config {q(str(path))}{model}"
+
+
 def simulate_command(result: Any, path: str) -> str:
     """The ``pdserve simulate`` command line that replays the planned workload, rate and SLO
     on the written deployment (the file holds the deployment and its latency source; the
@@ -347,6 +355,7 @@ def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:
             f"# predicted goodput {best.goodput_rps:.3f} req/s on {best.num_gpus} GPUs = "
             f"{best.per_gpu_rps:.3f} req/s per GPU ({how})",
             "# node layout:"] + [f"#   {line}" for line in best.layout]
+    head.append(f"# serve it live: {serve_command(result, path)}")
     head.append(f"# simulate what was planned: {simulate_command(result, path)}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(head) + "\n" + yaml.safe_dump(spec, sort_keys=False))

@@ -104,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     from pdserve.checkpoints import resolve_model
     from pdserve.config import ModelConfig
 
+    _refuse_catalogue_name(config.model)
     path = resolve_model(config.model)  # a .gguf file or a built-in name → an HF directory
     if path != config.model:
         if not args.served_model_name:
@@ -119,6 +120,21 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
                         if s.engine.step_log}):
         check_log_path(path, "step log")  # a step must never fail on its log
     return config
+
+
+def _refuse_catalogue_name(model: str) -> None:
+    """A spec written by ``pdserve plan`` names a simulator catalogue model (``opt-13b``):
+    shapes, no weights. Say how to serve it rather than that it does not exist."""
+    from pathlib import Path
+
+    from pdserve.checkpoints import BUILTIN_MODELS
+    from pdserve.sim.model_catalogue import canonical_model_name
+
+    if Path(model).exists() or model in BUILTIN_MODELS or not canonical_model_name(model):
+        return
+    raise ValueError(f"model {model!r} is a simulator catalogue entry (shapes, no weights): "
+                     "give --model DIR, a checkpoint of it, to serve this deployment live "
+                     "(--model overrides the spec's model)")
 
 
 async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000,
