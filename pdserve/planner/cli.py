@@ -170,7 +170,11 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
             return v
         return get_link(v)  # a catalogue link is a Link
 
-    kw = dict(model=name, profile=args.profile, hardware=args.hardware, workload=args.workload,
+    if args.aic_backend is not None and args.aic_system is None:
+        raise ValueError(f"--aic-backend {args.aic_backend}: give --aic-system too")
+    aic = {"aic_system": args.aic_system, "aic_backend": args.aic_backend or "vllm"}
+    kw = dict(model=name, profile=args.profile, hardware=args.hardware, **aic,
+              workload=args.workload,
               num_requests=args.num_requests, seed=args.seed, slo=slo, target=args.attainment,
               rate=args.rate, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
               gpu_memory_gib=args.gpu_memory_gib, intra_node_link=link(args.intra_node_link),
@@ -300,7 +304,7 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
     from pdserve.planner.placements import measure_whole
 
     p = result.problem
-    mine = {"profile": p.profile} if p.profile else {"hardware": p.hardware or "A100-80GB"}
+    mine = p.simulation()
     deps: list[tuple[str, dict[str, Any]]] = [(f"chosen: {result.best.name}",
                                                result.best.deployment)]
     for f in files:
@@ -308,7 +312,9 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
         if not isinstance(d, dict):
             raise ValueError(f"--against {f}: expected a deployment mapping")
         sim = d.pop("simulation", None) or {}
-        theirs = {k: sim[k] for k in ("profile", "hardware") if sim.get(k)}
+        theirs = {k: sim[k] for k in ("profile", "hardware", "aic_system") if sim.get(k)}
+        if "aic_system" in theirs:
+            theirs["aic_backend"] = sim.get("aic_backend") or "vllm"
         if theirs and theirs != mine:
             raise ValueError(f"--against {f}: latency source {theirs} is not the plan's {mine}")
         ClusterConfig.from_dict(d)  # validates
@@ -374,7 +380,7 @@ def plan_markdown(result: Any, top: int = 8) -> str:
              f"({_CRITERION_TEXT[p.criterion]}); "
              f"steady-state probes (warm-up {p.horizon / 2:g} request lifetimes, then at least "
              f"{p.num_requests} judged requests over as long); latency source "
-             f"{p.profile or p.hardware or 'A100-80GB (analytic)'}; planned in "
+             f"{p.latency_source()}; planned in "
              f"{result.wall_s:.1f} s",
              "",
              "| rank | placement | algorithm | GPUs | goodput (req/s) | per GPU | output tok/s "

@@ -37,6 +37,8 @@ class Problem:
     model: str = "opt-13b"
     profile: str | None = None
     hardware: str | None = None
+    aic_system: str | None = None  # aiconfigurator-core's kernel database (pdserve.sim.aic_latency)
+    aic_backend: str = "vllm"
     workload: str = "distserve-chatbot"
     num_requests: int = 300  # judged requests per probe, at least (steady())
     seed: int = 0
@@ -80,10 +82,43 @@ class Problem:
         if not 0 < self.target <= 1:
             raise ValueError(f"attainment target must be in (0, 1], got {self.target!r}")
         object.__setattr__(self, "engine", tuple(sorted(dict(self.engine).items())))
+        if sum(x is not None for x in (self.profile, self.hardware, self.aic_system)) > 1:
+            raise ValueError("give one latency source: a profile, a hardware spec or an aic "
+                             "system")
+        if self.aic_system is not None:
+            from pdserve.sim.aic_latency import BACKENDS, aic_version
+
+            aic_version()  # a clear error (pip install 'pdserve[aic]') when it is absent
+            if self.aic_backend not in BACKENDS:
+                raise ValueError(f"aic backend {self.aic_backend!r} is not one of "
+                                 f"{', '.join(BACKENDS)}")
 
     def steady(self) -> SteadyState:
         """The steady-state rule of every probe (:mod:`pdserve.bench.steady`)."""
         return SteadyState(self.horizon, self.num_requests)
+
+    def simulation(self) -> dict[str, Any]:
+        """The ``simulation:`` section naming the latency source (``SimulationConfig`` names)."""
+        if self.profile is not None:
+            return {"profile": self.profile}
+        if self.aic_system is not None:
+            return {"aic_system": self.aic_system, "aic_backend": self.aic_backend}
+        return {"hardware": self.hardware or "A100-80GB"}
+
+    def sim_settings(self) -> dict[str, Any]:
+        """The latency source as ``SimulationConfig`` keywords (``None`` = its default)."""
+        return {"profile": self.profile, "hardware": self.hardware,
+                "aic_system": self.aic_system, "aic_backend": self.aic_backend}
+
+    def latency_source(self) -> str:
+        """What prices the planner's steps, in words (the plan's ``latency source``)."""
+        if self.aic_system is not None:
+            from pdserve.sim.aic_latency import PACKAGE, aic_version
+
+            return (f"{PACKAGE} {aic_version()} kernel database "
+                    f"{self.aic_system}/{self.aic_backend} (kernel sums; the planner adds no "
+                    f"serving-path terms)")
+        return self.profile or self.hardware or "A100-80GB (analytic)"
 
     @property
     def num_gpus(self) -> int:
@@ -114,7 +149,7 @@ class Problem:
 def device_memory_gib(p: Problem) -> float:
     from pdserve.sim.target import SimulationConfig, base_model, device_of, step_model
 
-    sim = SimulationConfig(ClusterConfig(model=p.model), profile=p.profile, hardware=p.hardware)
+    sim = SimulationConfig(ClusterConfig(model=p.model), **p.sim_settings())
     tp = available_tps(p, get_model_config(p.model))[0]
     dev = device_of(sim, base_model(step_model(sim, model_config(p.model), tp, 1, "float16")))
     if dev is None:

@@ -289,7 +289,6 @@ def deployment_file(plan_: Plan, placement: Placement | None = None) -> dict[str
     pl = placement or plan_.best
     p = plan_.problem
     d = ClusterConfig.from_dict(pl.deployment).to_dict()
-    d["simulation"] = {"profile": p.profile} if p.profile else {"hardware": p.hardware
-                                                                 or "A100-80GB"}
+    d["simulation"] = p.simulation()
     return d
 

@@ -99,7 +99,7 @@ class UnitResult:
 def _sim(p: Problem, dep: dict[str, Any]) -> Any:
     from pdserve.sim.target import SimulationConfig
 
-    return SimulationConfig(ClusterConfig.from_dict(dep), profile=p.profile, hardware=p.hardware)
+    return SimulationConfig(ClusterConfig.from_dict(dep), **p.sim_settings())
 
 
 def link_dict(link: Link | None) -> dict[str, Any] | None:

@@ -393,13 +393,6 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
                                     "directory (default: opt-13b)")
     g = p.add_argument_group("simulation (a --config file's `simulation:` section)")
     add_latency_source_flags(g)
-    g.add_argument("--aic-system", metavar="SYSTEM",
-                   help="price steps with aiconfigurator-core's measured kernel database for "
-                        "this system (h100_sxm, h200_sxm, b200_sxm, a100_sxm, l40s, "
-                        "rtx_pro_6000_server, ...; pip install 'pdserve[aic]'); add the "
-                        "serving path with --step-overhead-ms / --seq-overhead-ms")
-    g.add_argument("--aic-backend", choices=("vllm", "sglang", "trtllm"),
-                   help="the engine whose kernels --aic-system prices (default: vllm)")
     g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
                    help="serving-path cost added to every step (see benchmarks/fidelity.py) "
                         "(default: 0)")
@@ -411,7 +404,8 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_latency_source_flags(g: Any) -> None:
-    """``--profile FILE|NAME`` or ``--hardware NAME|FILE`` (one of them): what prices a step."""
+    """``--profile FILE|NAME``, ``--hardware NAME|FILE`` or ``--aic-system SYSTEM`` (one of
+    them, ``--aic-backend`` with the last): what prices a step."""
     src = g.add_mutually_exclusive_group()
     src.add_argument("--profile", metavar="FILE|NAME",
                      help="fitted profile: ours (pdserve profile) or DistServe's JSON; a path or "
@@ -421,6 +415,13 @@ def add_latency_source_flags(g: Any) -> None:
                      help="analytic roofline on this device: a catalogue name (A100-80GB, H100, "
                           "L40S, ...) or a hardware spec file (pdserve calibrate writes one) "
                           "(default: A100-80GB when no --profile)")
+    g.add_argument("--aic-system", metavar="SYSTEM",
+                   help="price steps with aiconfigurator-core's measured kernel database for "
+                        "this system (h100_sxm, h200_sxm, b200_sxm, a100_sxm, l40s, "
+                        "rtx_pro_6000_server, ...; pip install 'pdserve[aic]'); simulate "
+                        "adds the serving path with --step-overhead-ms / --seq-overhead-ms")
+    g.add_argument("--aic-backend", choices=("vllm", "sglang", "trtllm"),
+                   help="the engine whose kernels --aic-system prices (default: vllm)")
 
 
 def simulation_from_args(args: argparse.Namespace) -> Any:
