@@ -1,6 +1,8 @@
 """Structured output cannot be weaponised: output constraints compile in worker processes with
-a time limit, so a pathological expression (``[ab]*a[ab]{18}``: its automaton takes minutes)
-neither blocks the trivial one beside it nor outlives its client."""
+a time limit, so a pathological expression neither blocks the trivial one beside it nor outlives
+its client. ``[ab]*a[ab]{n}`` determinises to 2**n states: n = 18 compiles in ~7 s on a quiet
+2-core machine (so a fast one can beat a 4 s limit), each +2 multiplies that by ~5; n = 24 takes
+~15 minutes, far past any limit a test sets."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pdserve.server import build_app
 from tests.server.fakes import FakeRuntime
 
 COMPL = "/v1/completions"
-EVIL = "[ab]*a[ab]{18}"
+EVIL = "[ab]*a[ab]{24}"
 
 
 def _body(regex: str) -> dict[str, Any]:
