@@ -13,6 +13,11 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from pdserve.flags import add_engine_flags, engine_kwargs_from_args, one_line_errors, subcommand
+from pdserve.llm import LLM
+from pdserve.request import SamplingParams
+from pdserve.tokenizer import apply_chat_template
+
 # Modules that add their own subcommands (serve; simulate/profile; bench/goodput/compare; demo;
 # plan; predictor).
 # pdserve.sim.target registers the `sim` benchmark target.
@@ -29,13 +34,9 @@ _SUBCOMMAND_MODULES = (
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve.flags import engine_kwargs_from_args
-    from pdserve.llm import LLM
-    from pdserve.request import SamplingParams
-
     model = args.model
     if model is None:
-        from pdserve.model.tiny import default_model_dir
+        from pdserve.model.tiny import default_model_dir  # lazy: torch
 
         model = default_model_dir()
         print(f"(no --model: using the built-in random tiny llama at {model})", file=sys.stderr)
@@ -49,7 +50,6 @@ def _generate(args: argparse.Namespace) -> int:
               **engine_kwargs_from_args(args))
     prompts: list = args.prompt
     if args.chat:  # each prompt is one user turn, rendered with the model's chat template
-        from pdserve.tokenizer import apply_chat_template
 
         prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": p}])
                    for p in args.prompt]
@@ -66,7 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from pdserve.model.tiny import make_tiny_model
+    from pdserve.model.tiny import make_tiny_model  # lazy: torch
 
     path = make_tiny_model(
         args.dir, args.arch, args.seed, vocab_size=args.vocab_size,
@@ -80,8 +80,6 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _register_builtin(sub: argparse._SubParsersAction) -> None:
-    from pdserve.flags import add_engine_flags, subcommand
-
     g = subcommand(sub, "generate", _generate, help="offline generation for one or more prompts",
                    description="Generate text with a local model (offline, one instance).")
     g.add_argument("--model", help="model directory, .gguf file or built-in name "
@@ -145,7 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_line_everywhere(parser: argparse.ArgumentParser) -> None:
     """Every (sub)command's bad flag is one line and exit 2 (no usage block)."""
-    from pdserve.flags import one_line_errors
 
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

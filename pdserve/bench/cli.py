@@ -37,6 +37,7 @@ from pdserve.bench.targets import Target, make_target, target_names
 from pdserve.bench.workloads import Workload, workload_help
 from pdserve.config import load_data_file
 from pdserve.flags import UsageError, positive, positive_int, subcommand
+from pdserve.tokenizer import load_tokenizer
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -238,8 +239,6 @@ def register(subparsers: Any) -> None:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     tok = None
     if args.tokenizer:
-        from pdserve.tokenizer import load_tokenizer
-
         hf = load_tokenizer(args.tokenizer)
         tok = lambda text: hf.encode(text)
     vocab = args.vocab_size or (len(hf) if args.tokenizer else None)

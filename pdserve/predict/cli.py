@@ -20,6 +20,9 @@ import argparse
 from pathlib import Path
 
 from pdserve.flags import one_line_errors, positive_int, say, subcommand
+from pdserve.predict import SoftmaxClassifier
+from pdserve.predict.data import fit_predictor, load_pairs
+from pdserve.predict.train import accuracy_table, evaluate, split
 
 
 def _eval_share(text: str) -> float:
@@ -33,9 +36,6 @@ def _eval_share(text: str) -> float:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pdserve.predict.data import fit_predictor, load_pairs
-    from pdserve.predict.train import accuracy_table, evaluate, split
-
     if not args.output.endswith(".npz"):
         raise ValueError(f"--output must name a .npz file, got {args.output!r}")
     pairs = load_pairs(args.data)
@@ -64,10 +64,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from pdserve.predict import SoftmaxClassifier
-    from pdserve.predict.data import load_pairs
-    from pdserve.predict.train import accuracy_table, evaluate
-
     clf = SoftmaxClassifier.load(args.model)
     pairs = load_pairs(args.data)
     if not len(pairs):

@@ -15,9 +15,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdserve.config import ClusterConfig
+from pdserve.checkpoints import BUILTIN_MODELS, resolve_model
+from pdserve.cluster.runtime import build_runtime
+from pdserve.config import ClusterConfig, ModelConfig
+from pdserve.engine.logfile import check_log_path
 from pdserve.flags import (
     add_deployment_flags,
     deployment_from_args,
@@ -27,12 +30,11 @@ from pdserve.flags import (
     positive_int,
 )
 from pdserve.planner.replan import add_replan_flags, replanner_from_args
+from pdserve.predict.data import PairLog
 from pdserve.server.compile_pool import DEFAULT_TIMEOUT_S, DEFAULT_WORKERS
 from pdserve.server.errors import DEFAULT_MAX_REQUEST_BYTES
 from pdserve.server.http import DEFAULT_HEADER_TIMEOUT_S, timed_h11
-
-if TYPE_CHECKING:
-    from pdserve.predict.data import PairLog
+from pdserve.sim.model_catalogue import canonical_model_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -92,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.demo and args.model:
         raise ValueError("give either --model or --demo, not both")
     if args.demo:
-        from pdserve.model.tiny import default_model_dir
+        from pdserve.model.tiny import default_model_dir  # lazy: torch
 
         args.model = default_model_dir()
     config = deployment_from_args(args)
@@ -100,9 +102,6 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         raise ValueError("give --model DIR (or --demo for a tiny random model, or a --config "
                          "file with a model)")
     from dataclasses import replace
-
-    from pdserve.checkpoints import resolve_model
-    from pdserve.config import ModelConfig
 
     _refuse_catalogue_name(config.model)
     path = resolve_model(config.model)  # a .gguf file or a built-in name → an HF directory
@@ -114,7 +113,6 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     # resolve the engine against the model now: a bad max_model_len fails before any load
     max_len = ModelConfig.from_dir(config.model).max_position_embeddings
     config.engine_config(model_max_len=max_len)
-    from pdserve.engine.logfile import check_log_path
 
     for path in sorted({s.engine.step_log for s in config.instance_specs(max_len)
                         if s.engine.step_log}):
@@ -126,9 +124,6 @@ def _refuse_catalogue_name(model: str) -> None:
     """A spec written by ``pdserve plan`` names a simulator catalogue model (``opt-13b``):
     shapes, no weights. Say how to serve it rather than that it does not exist."""
     from pathlib import Path
-
-    from pdserve.checkpoints import BUILTIN_MODELS
-    from pdserve.sim.model_catalogue import canonical_model_name
 
     if Path(model).exists() or model in BUILTIN_MODELS or not canonical_model_name(model):
         return
@@ -153,8 +148,7 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     that has not sent its request headers within ``header_timeout`` seconds is closed."""
     import uvicorn
 
-    from pdserve.cluster.runtime import build_runtime
-    from pdserve.server.app import build_app, default_served_model_name
+    from pdserve.server.app import build_app, default_served_model_name  # lazy: fastapi
 
     n = sum(r.count for r in config.roles)
     where = (f"Ray at {config.ray_address}" if config.ray_address else "a local Ray instance") \
@@ -263,8 +257,6 @@ def _serve(args: argparse.Namespace) -> int:
     replan = replanner_from_args(args, config)  # bad replanning settings fail before the load
     pair_log = None
     if args.log_length_pairs:
-        from pdserve.predict.data import PairLog
-
         pair_log = PairLog(args.log_length_pairs)  # a bad path fails before the model loads
     try:
         with contextlib.suppress(KeyboardInterrupt):

@@ -8,6 +8,8 @@ import os
 import tempfile
 from collections.abc import Sequence
 
+from pdserve.checkpoints import resolve_model
+
 BUSY_CODE = "while 1: pass"  # ``python -c BUSY_CODE``: one core's worth of competing work
 
 # the random llama of benchmarks/offline_throughput.py (its flags' defaults)
@@ -41,8 +43,6 @@ def resolve_models(names: Sequence[str], seed: int = 0) -> dict[str, str]:
         if name == "llama56m":
             paths[name] = bench_llama_dir(seed, **LLAMA56M)
         elif name == "smollm2":
-            from pdserve.checkpoints import resolve_model
-
             paths[name] = resolve_model("smollm2-135m-instruct")
         else:
             paths[name] = name  # a Hugging Face directory

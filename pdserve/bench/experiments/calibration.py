@@ -33,8 +33,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from pdserve.config import ModelConfig
 from pdserve.sim.calibrate import calibrate, drop_unphysical, error_stats, relative_errors
-from pdserve.sim.hardware import Efficiency, get_device, load_hardware, save_hardware
+from pdserve.sim.hardware import (
+    Efficiency,
+    device_for_cuda_name,
+    get_device,
+    load_hardware,
+    save_hardware,
+)
 from pdserve.sim.measurements import (
     Measurement,
     from_distserve_json,
@@ -42,7 +49,9 @@ from pdserve.sim.measurements import (
     from_vidur_allreduce,
     from_vidur_mlp,
     load_samples,
+    save_samples,
 )
+from pdserve.sim.profiler import FULL_GRID, ProfileGrid, measure_samples
 
 PROFILES = str(Path(__file__).resolve().parents[4] / "shared" / "profiles")  # ../shared
 LOO_MAX = 450  # leave-one-out refits once per sample: skipped above this many
@@ -116,9 +125,6 @@ def measure_grids(model_dir: str, out_dir: str, prefix: str, device: str, dtype:
     """Time ``model_dir`` on ``device`` on two different grids — the profiler's (fit) and
     :data:`HELD_GRID_ARGS` (held out) — and write ``{prefix}_fit.json`` and
     ``{prefix}_heldout.json`` (``pdserve-step-samples``) into ``out_dir``."""
-    from pdserve.config import ModelConfig
-    from pdserve.sim.measurements import save_samples
-    from pdserve.sim.profiler import FULL_GRID, ProfileGrid, measure_samples
 
     held = ProfileGrid(**HELD_GRID_ARGS)
     os.makedirs(out_dir, exist_ok=True)
@@ -144,7 +150,7 @@ def measure_grids(model_dir: str, out_dir: str, prefix: str, device: str, dtype:
 
 def measure_cpu(args: argparse.Namespace) -> None:
     """Measure the tiny model on this machine twice, on two different grids."""
-    from pdserve.model.tiny import make_tiny_model
+    from pdserve.model.tiny import make_tiny_model  # lazy: torch
 
     d = make_tiny_model(args.cpu_model, "llama", hidden_size=384, num_layers=6, num_heads=6,
                         num_kv_heads=2, vocab_size=4096, intermediate_size=1024)
@@ -154,7 +160,6 @@ def measure_cpu(args: argparse.Namespace) -> None:
 
 def gpu_catalogue_name(cuda_name: str) -> str:
     """The hardware catalogue's name for a CUDA device name (``torch.cuda.get_device_name``)."""
-    from pdserve.sim.hardware import device_for_cuda_name
 
     name = device_for_cuda_name(cuda_name)
     if name is None:
@@ -167,7 +172,7 @@ def measure_gpu(args: argparse.Namespace) -> None:
     """Measure a ~1.4B random Llama in float16 on this machine's first GPU, on both grids."""
     import torch
 
-    from pdserve.model.tiny import make_tiny_model
+    from pdserve.model.tiny import make_tiny_model  # lazy: torch
 
     if not torch.cuda.is_available():
         raise SystemExit("--measure-gpu needs CUDA")

@@ -62,6 +62,12 @@ from pdserve.bench.metrics import (
     tightest_slo_scale,
 )
 from pdserve.bench.presets import DISTSERVE_MAX_LEN, distserve_filter
+from pdserve.bench.report import (
+    plot_attainment_vs_rate,
+    plot_attainment_vs_scale,
+    plot_breakdown,
+    write_json,
+)
 from pdserve.bench.traces import load_trace
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, ModelConfig, kv_cache_blocks
@@ -358,8 +364,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary = seed_summary(reports)
     print_seed_summary(summary)
     if args.output_json:
-        from pdserve.bench.report import write_json
-
         write_json(args.output_json, {"seeds": seeds, "summary": summary,
                                       "reports": {str(k): v for k, v in reports.items()}})
         print(f"wrote {args.output_json}", file=sys.stderr)
@@ -447,8 +451,6 @@ def run_seed(args: argparse.Namespace, show: bool = True,
     if show:
         print_report(report)
     if args.output_json:
-        from pdserve.bench.report import write_json
-
         write_json(args.output_json, report)
         print(f"wrote {args.output_json}", file=sys.stderr)
     if args.plot:
@@ -548,12 +550,6 @@ def print_report(rep: dict[str, Any]) -> None:
 
 def make_plots(out: str, rep: dict[str, Any], placements: dict[str, Placement], runner: Runner,
                breakdown: dict[str, Any]) -> None:
-    from pdserve.bench.report import (
-        plot_attainment_vs_rate,
-        plot_attainment_vs_scale,
-        plot_breakdown,
-    )
-
     d = Path(out)
     gpus = {n: p.num_gpus for n, p in placements.items()}
     for crit in CRITERIA:

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     model = args.model
     if model is None:
-        from pdserve.model.tiny import make_tiny_model
+        from pdserve.model.tiny import make_tiny_model  # lazy: torch
 
         model = make_tiny_model(tempfile.mkdtemp(prefix="pdserve-soak-") + "/llama")
     results = asyncio.run(run_strategies(

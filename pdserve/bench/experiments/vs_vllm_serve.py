@@ -60,6 +60,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.experiments.bench_models import BUSY_CODE, resolve_models
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.report import figure, save_figure, write_json
+from pdserve.bench.runner import Settings, build_workload, run_workload
+from pdserve.bench.targets import HttpTarget
+from pdserve.config import ModelConfig
+
 SYSTEMS = ("pdserve", "pdserve-inproc", "vllm")
 CONDITIONS = ("quiet", "busy", "busy2")
 BUSY_PROCESSES = {"quiet": 0, "busy": 1, "busy2": 2}  # busy2: one busy loop per core here
@@ -346,8 +353,6 @@ class BenchPlan:
 
 
 def bench_settings(args: argparse.Namespace, vocab_size: int) -> Any:
-    from pdserve.bench.runner import Settings
-
     return Settings(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
                     vocab_size=vocab_size, max_model_len=args.max_model_len, prompt_mode="ids")
 
@@ -355,7 +360,6 @@ def bench_settings(args: argparse.Namespace, vocab_size: int) -> Any:
 def workload(target: Any, plan: BenchPlan, index: int, rate: float) -> Any:
     """The ``index``-th run's requests at ``rate``, seed ``seed + index``: the same prompts for
     every system, none served twice by one server (so prefix caching never hits)."""
-    from pdserve.bench.runner import build_workload
 
     s = plan.settings
     return build_workload(target, replace(s, seed=s.seed + index), rate)
@@ -363,7 +367,6 @@ def workload(target: Any, plan: BenchPlan, index: int, rate: float) -> Any:
 
 def warm_up(target: Any, plan: BenchPlan) -> None:
     """Requests of another seed, first one by one, then together (not measured)."""
-    from pdserve.bench.runner import build_workload
 
     n = plan.warmup_requests
     if n < 1:
@@ -421,8 +424,6 @@ def bench_server(server: ServerProcess, plan: BenchPlan, step_log: str | None,
                  busy_cmd: list[str]) -> list[dict[str, Any]]:
     """Warm up, then every condition (``busy``: ``busy_cmd`` runs beside the server) and every
     rate; one result per (condition, rate): summary, records, engine steps, load, server CPU."""
-    from pdserve.bench.runner import run_workload
-    from pdserve.bench.targets import HttpTarget
 
     target = HttpTarget(server.url, timeout=request_timeout, name=server.system,
                         progress=False)
@@ -612,8 +613,6 @@ def plot(records: dict[tuple[str, str, float, str], list[Any]], path: str) -> No
     of all repeats together)."""
     import numpy as np
 
-    from pdserve.bench.report import figure, save_figure
-
     cols = sorted({(c, r) for (_, c, r, _) in records},
                   key=lambda cr: (CONDITIONS.index(cr[0]), cr[1]))
     models = list(dict.fromkeys(m for (m, _, _, _) in records))
@@ -647,7 +646,6 @@ def plot(records: dict[tuple[str, str, float, str], list[Any]], path: str) -> No
 # ---------------------------------------------------------------------------- driver
 def combine(args: argparse.Namespace) -> int:
     """``--combine``: the report of several earlier runs' JSON files together."""
-    from pdserve.bench.metrics import RequestRecord
 
     rows: list[dict[str, Any]] = []
     saved: list[dict[str, Any]] = []
@@ -691,9 +689,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from pdserve.bench.experiments.bench_models import BUSY_CODE, resolve_models
-    from pdserve.config import ModelConfig
-
     systems = [s for s in args.systems if s != "vllm" or args.vllm_python]
     if "vllm" in args.systems and not args.vllm_python:
         print("note: no --vllm-python, vLLM skipped", file=sys.stderr)
@@ -759,7 +754,6 @@ def write_report(args: argparse.Namespace, argv: Sequence[str] | None,
                  t_start: float) -> dict[str, Any]:
     """Aggregate and (with ``--output-json``) write everything so far; called after every
     server, so that an interrupted run keeps what it measured."""
-    from pdserve.bench.report import write_json
 
     agg = aggregate(rows)
     if args.output_json:
