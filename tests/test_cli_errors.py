@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
+from pdserve.flags import output_dir, output_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,3 +88,36 @@ def test_warnings_are_one_plain_line(tmp_path: Path) -> None:
     notes = [ln for ln in lines if "bundled" in ln]
     assert notes and all(ln.startswith("pdserve: warning: trace folder not found") for ln in notes)
     assert "UserWarning" not in r.stderr and "load_trace(" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["simulate", "--rate", "1", "--output-json", "/proc/no-such/x.json"],
+     "--output-json: cannot write '/proc/no-such/x.json'"),
+    (["bench", "--target", "sim", "--rate", "1", "--plot", "/etc/hostname"],
+     "--plot: expected a folder, got '/etc/hostname'"),
+    (["profile", "--model", "m", "--out", "/proc/no-such/p.json"],
+     "--out: cannot write '/proc/no-such/p.json'"),
+])
+def test_an_output_that_cannot_be_written_fails_before_the_work(
+        capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert says in one_error_line(capsys)
+
+
+def test_an_output_folder_is_made_when_the_flag_is_read(tmp_path: Path) -> None:
+    assert output_file(str(tmp_path / "a" / "b.json")) == str(tmp_path / "a" / "b.json")
+    assert (tmp_path / "a").is_dir() and not (tmp_path / "a" / "b.json").exists()
+    assert output_dir(str(tmp_path / "c" / "d")) and (tmp_path / "c" / "d").is_dir()
+
+
+@pytest.mark.parametrize(("text", "says"), [("root:x:0:0\n", "is not a JSON profile"),
+                                            ("[1, 2]", "a JSON object was expected")])
+def test_a_profile_that_is_not_one_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                            text: str, says: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    assert main(["simulate", "--rate", "1", "--num-requests", "5", "--profile", str(bad)]) == 2
+    line = one_error_line(capsys)
+    assert repr(str(bad)) in line and says in line

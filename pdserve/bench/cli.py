@@ -36,7 +36,7 @@ from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.targets import Target, make_target, target_names
 from pdserve.bench.workloads import Workload, workload_help
 from pdserve.config import load_data_file
-from pdserve.flags import UsageError, positive, positive_int, subcommand
+from pdserve.flags import UsageError, output_dir, output_file, positive, positive_int, subcommand
 from pdserve.tokenizer import load_tokenizer
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -146,9 +146,11 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
 def add_output_args(p: argparse.ArgumentParser) -> None:
     """The output flags (shared with ``pdserve simulate``)."""
     o = p.add_argument_group("output")
-    o.add_argument("--output-json", metavar="PATH")
-    o.add_argument("--output-md", metavar="PATH", help="write the markdown report here too")
-    o.add_argument("--plot", metavar="DIR", help="write PNG plots into this folder")
+    o.add_argument("--output-json", type=output_file, metavar="PATH")
+    o.add_argument("--output-md", type=output_file, metavar="PATH",
+                   help="write the markdown report here too")
+    o.add_argument("--plot", type=output_dir, metavar="DIR",
+                   help="write PNG plots into this folder")
     o.add_argument("--save-records", action="store_true",
                    help="include every request's timeline in the JSON")
     o.add_argument("--no-progress", action="store_true")

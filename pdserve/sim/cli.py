@@ -24,7 +24,7 @@ from pdserve.bench.cli import (
     write_plots,
     write_report,
 )
-from pdserve.flags import nonnegative, positive, positive_int, subcommand
+from pdserve.flags import nonnegative, output_file, positive, positive_int, subcommand
 from pdserve.sim.target import SimTarget, add_simulation_flags, simulation_from_args
 
 
@@ -59,7 +59,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="default: float32 on CPU, float16 on CUDA")
-    p.add_argument("--out", required=True, metavar="FILE", help="profile JSON to write")
+    p.add_argument("--out", required=True, type=output_file, metavar="FILE",
+                   help="profile JSON to write")
     p.add_argument("--quick", action="store_true", help="small grid (seconds; for tests)")
     p.add_argument("--repeats", type=positive_int, help="timed runs per shape (median)")
     p.add_argument("--threads", type=int, default=1,

@@ -143,8 +143,7 @@ class FittedProfile(LatencyModel):
                             tp: int, hardware: str = "A100-80GB") -> FittedProfile:
         """Load one ``(model, tp)`` entry of a ``simdistserve`` profile file, unchanged but for
         ms → s. ``model`` is a key (``facebook/opt-13b``), a catalogue name or a ModelConfig."""
-        with open(path) as f:
-            data = json.load(f)
+        data = _read_json(path)
         key = match_model_key(data, model)
         entry = data[key].get(str(tp))
         if entry is None:
@@ -187,14 +186,25 @@ class FittedProfile(LatencyModel):
     def load(cls, path: str | os.PathLike[str], model: str | ModelConfig | None = None,
              tp: int | None = None) -> FittedProfile:
         """Our format, or (given ``model`` and ``tp``) a DistServe profile file."""
-        with open(path) as f:
-            d = json.load(f)
+        d = _read_json(path)
         if d.get("format") == PROFILE_FORMAT:
             return cls.from_dict(d)
         if model is None or tp is None:
             raise ValueError(f"{os.fspath(path)!r} looks like a DistServe profile: pass model "
                              "and tp to pick an entry")
         return cls.from_distserve_json(path, model, tp)
+
+
+def _read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A profile file's JSON object; ``ValueError`` naming the file when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{os.fspath(path)!r} is not a JSON profile ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{os.fspath(path)!r} is not a profile: a JSON object was expected")
+    return d
 
 
 def _coeffs(xs: Sequence[float], scale: float) -> Coeffs:
