@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -114,9 +115,17 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     max_len = ModelConfig.from_dir(config.model).max_position_embeddings
     config.engine_config(model_max_len=max_len)
 
-    for path in sorted({s.engine.step_log for s in config.instance_specs(max_len)
-                        if s.engine.step_log}):
+    specs = config.instance_specs(max_len)
+    for path in sorted({s.engine.step_log for s in specs if s.engine.step_log}):
         check_log_path(path, "step log")  # a step must never fail on its log
+    simulated = ([f"inter_node_link={config.inter_node_link}"] if config.inter_node_link else [])
+    if len({s.node for s in specs}) > 1:
+        simulated.append(f"gpus_per_node={config.gpus_per_node} (instances on "
+                         f"{len({s.node for s in specs})} nodes)")
+    if simulated:
+        warnings.warn(f"{' and '.join(simulated)} in the spec are simulated only: live, Ray "
+                      f"places the instances and KV moves between them at the transport's "
+                      f"speed (kv_link alone is emulated)", stacklevel=2)
     return config
 
 

@@ -6,6 +6,7 @@ with its TP layout, and answers exactly as TP1 does."""
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,4 +97,22 @@ def test_a_planned_catalogue_model_asks_for_its_checkpoint(tmp_path: Path) -> No
         f.read_text()
     with pytest.raises(ValueError, match=r"'opt-13b' is a simulator catalogue entry .* "
                                          r"give --model DIR"):
+        config_from_args(serve_args("--config", str(f), "--backend", "inproc"))
+
+
+def test_settings_a_live_run_cannot_honour_are_said(tmp_path: Path, model_dir: str) -> None:
+    """``inter_node_link`` and a multi-node ``gpus_per_node`` layout price the simulation; live,
+    Ray places the instances: serving such a file says so (one warning), a one-node file does
+    not."""
+    spec = {"model": model_dir, "strategy": "disaggregated", "num_prefill": 2, "num_decode": 1,
+            "gpus_per_node": 2, "prefill_tp": 2, "inter_node_link": "eth-25g"}
+    f = tmp_path / "two-nodes.yaml"
+    f.write_text(yaml.safe_dump(spec))
+    with pytest.warns(UserWarning, match=r"inter_node_link=.* and gpus_per_node=2 \(instances "
+                                         r"on 3 nodes\) in the spec are simulated only"):
+        config_from_args(serve_args("--config", str(f), "--backend", "inproc"))
+    one = {"model": model_dir, "strategy": "colocated", "num_instances": 2, "gpus_per_node": 4}
+    f.write_text(yaml.safe_dump(one))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         config_from_args(serve_args("--config", str(f), "--backend", "inproc"))
