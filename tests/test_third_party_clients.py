@@ -60,6 +60,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the first run installs guidellm into its venv (minutes)
 def test_guidellm_against_the_demo_server(tmp_path: Path) -> None:
     from pdserve.model.tiny import default_model_dir
 
