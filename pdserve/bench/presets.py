@@ -174,8 +174,9 @@ def _distserve_chatbot(n: int, rng: np.random.Generator, p: dict[str, float],
     t = load_trace("sharegpt", d)
     keep = np.flatnonzero(distserve_filter(t.input_lens, t.output_lens))
     if n > len(keep):
-        warnings.warn(f"only {len(keep)} ShareGPT rows pass DistServe's filters for {n} "
-                      "requests: every row is used once before any twice (the full ShareGPT "
+        # one text per table, so that a process says it once, not once per probe
+        warnings.warn(f"only {len(keep)} ShareGPT rows pass DistServe's filters: past that many "
+                      "requests every row is used once before any twice (the full ShareGPT "
                       "length table in the traces folder has more)", stacklevel=2)
         rows = keep[_cycle(len(keep), n, rng)]
     else:
