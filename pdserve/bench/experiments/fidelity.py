@@ -507,10 +507,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     layouts = {name: deployment(name) for name in strategies}
     profiles: dict[int, str] = {}  # TP degree -> fitted profile (--latency profile)
-    if args.profile and not calibrated:
-        from pdserve.sim.latency import FittedProfile
+    if args.profile and not calibrated:  # ours records its tp (a DistServe file counts as TP1)
+        from pdserve.sim.target import resolve_profile
 
-        profiles[FittedProfile.load(args.profile).tp] = args.profile
+        path = resolve_profile(args.profile)
+        profiles[int(json.loads(Path(path).read_text()).get("tp", 1))] = path
     for name, (_, tp) in layouts.items():
         if calibrated and tp > 1:
             raise SystemExit(f"{name}: --latency calibrated fits a TP-1 roofline to the step "
