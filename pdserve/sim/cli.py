@@ -68,6 +68,10 @@ def register(subparsers: Any) -> None:
                         "actor runs; 0 = torch's default)")
     p.add_argument("--max-tokens", type=positive_int,
                    help="largest prefill batch in tokens (default: from the grid)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="measure a tensor-parallel instance of this many ranks (gloo on CPU, "
+                        "NCCL on CUDA; --threads per rank); the profile is for tp=N "
+                        "instances only")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -121,16 +125,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.sim.profiler import profile_executor, saturation_chunk_size
+    from pdserve.sim.profiler import profile_instance, saturation_chunk_size
 
-    prof = profile_executor(args.model, device=args.device, dtype=args.dtype, quick=args.quick,
-                            repeats=args.repeats, max_tokens=args.max_tokens,
-                            log=say, progress=not args.quick, threads=args.threads or None)
-    prof.save(args.out)
-    print(f"wrote {args.out}")
+    measured = profile_instance(args.model, device=args.device, dtype=args.dtype,
+                                quick=args.quick, repeats=args.repeats,
+                                max_tokens=args.max_tokens, log=say, progress=not args.quick,
+                                threads=args.threads or None, tp=args.tp)
+    measured.save(args.out)
+    prof = measured.profile
+    print(f"wrote {args.out} (tp={prof.tp})")
     print(f"{'part':<14}{'samples':>8}{'max err':>10}{'mean err':>10}")
     for part, e in prof.fit_error.items():
         print(f"{part:<14}{e['n']:>8}{e['max_rel']:>10.1%}{e['mean_rel']:>10.1%}")
+    if prof.tp > 1:
+        print("collectives (rank 0's all-reduce/all-gather, waits included): " + ", ".join(
+            f"{kind} {c['mean']:.0%} of a step (max {c['max']:.0%})"
+            for kind, c in measured.collectives.items()))
     chunk, curve = saturation_chunk_size(prof, args.max_tokens or 4096)
     print(f"ChunkSize (TetriInfer 3.3.3, --prefill-chunk-size): {chunk} tokens, where prefill "
           f"throughput reaches 90% of its peak ("

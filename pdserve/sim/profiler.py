@@ -13,11 +13,18 @@ of step are measured:
 
 Prefill and decode samples fit DistServe's forms (:func:`~pdserve.sim.latency.fit_profile`,
 relative least squares); mixed samples check the mixed-step rule and are reported as ``mixed``.
+
+``tp`` > 1 measures a tensor-parallel instance: the sharded executor (rank 0 here, the other
+ranks as processes, gloo on CPU, NCCL on CUDA), so the fitted times are those of real sharded
+steps, collectives included. The profile carries its ``tp`` (``pdserve simulate`` uses it for
+instances of that degree only) and, per kind of step, the share of the step rank 0 spent in
+all-reduce / all-gather, waits for the other ranks included (``collectives`` in the file).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,9 +70,9 @@ QUICK_GRID = ProfileGrid(
 
 
 def profiling_engine(model_dir: str, device: str, dtype: str, num_blocks: int, block_size: int,
-            max_len: int):
+            max_len: int, tp: int = 1):
     """An engine on the real executor, as the profiler times it: no prefix caching, a fixed
-    torch thread count on CPU."""
+    torch thread count on CPU (each rank's, for ``tp`` > 1; close the executor after)."""
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.engine.model_executor import ModelExecutor
@@ -77,7 +84,7 @@ def profiling_engine(model_dir: str, device: str, dtype: str, num_blocks: int, b
 
     # a fixed thread count: the executor's load-adaptive one would change it between samples
     fixed = torch.get_num_threads() if device == "cpu" else None
-    return Engine(cfg, ModelExecutor(cfg, num_threads=fixed))
+    return Engine(cfg, ModelExecutor(cfg, num_threads=fixed, tp=tp))
 
 
 def measure(engine, sample: ProfileSample, repeats: int, stat: str = "median") -> float:
@@ -85,6 +92,13 @@ def measure(engine, sample: ProfileSample, repeats: int, stat: str = "median") -
     ``sample``'s shape (after one warm-up) on ``engine``'s executor, with block tables from its
     own pool. The minimum is the better estimate of the device's own time on a machine shared
     with other work."""
+    return measure_split(engine, sample, repeats, stat)[0]
+
+
+def measure_split(engine, sample: ProfileSample, repeats: int, stat: str = "median",
+                  ) -> tuple[float, float]:
+    """:func:`measure`'s seconds and the median share of a run rank 0 spent in collectives
+    (0 for one rank)."""
     from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
     from pdserve.request import Request, SamplingParams
 
@@ -117,13 +131,20 @@ def measure(engine, sample: ProfileSample, repeats: int, stat: str = "median") -
         seqs.append(ScheduledSeq(r, c - 1, 1, True))
     batch = ScheduledBatch(0, seqs)
     ex = engine.executor
+    comm = getattr(ex, "comm", None)  # the TP group's communicator (seconds in collectives)
+    times, shares = [], []
     try:
         ex.execute(batch)  # warm-up (allocator, kernels, caches)
-        times = [ex.execute(batch).elapsed for _ in range(repeats)]
+        for _ in range(repeats):
+            c0 = comm.seconds if comm is not None else 0.0
+            t = ex.execute(batch).elapsed
+            times.append(t)
+            shares.append((comm.seconds - c0) / t if comm is not None and t > 0 else 0.0)
     finally:
         for r in reqs:
             kv.free(r)
-    return min(times) if stat == "min" else statistics.median(times)
+    return (min(times) if stat == "min" else statistics.median(times),
+            statistics.median(shares))
 
 
 def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = None,
@@ -131,63 +152,101 @@ def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = Non
                     block_size: int = 16, log: Callable[[str], None] | None = None,
                     progress: bool = True, threads: int | None = 1,
                     stat: str = "median",
-                    shapes: Sequence[ProfileSample] | None = None) -> list[ProfileSample]:
+                    shapes: Sequence[ProfileSample] | None = None,
+                    tp: int = 1) -> list[ProfileSample]:
     """Time every shape of ``grid`` (or the given ``shapes``, in their order) on
-    ``model_dir``'s real executor; the raw samples (what ``pdserve calibrate`` fits efficiency
-    factors to).
+    ``model_dir``'s real executor (``tp`` ranks); the raw samples (what ``pdserve calibrate``
+    fits efficiency factors to).
 
-    ``threads``: torch CPU threads while measuring (default 1, as each Ray instance actor runs;
-    ``None`` keeps torch's setting)."""
+    ``threads``: torch CPU threads while measuring, per rank (default 1, as each Ray instance
+    actor runs; ``None`` keeps torch's setting)."""
+    return [s for s, _ in _measure_all(model_dir, device, dtype, grid, repeats, block_size,
+                                       log, progress, threads, stat, shapes, tp)]
+
+
+def _measure_all(model_dir: str, device: str, dtype: str | None, grid: ProfileGrid,
+                 repeats: int | None, block_size: int, log: Callable[[str], None] | None,
+                 progress: bool, threads: int | None, stat: str,
+                 shapes: Sequence[ProfileSample] | None, tp: int,
+                 ) -> list[tuple[ProfileSample, float]]:
+    """:func:`measure_samples`, each sample with its collective share."""
     import torch
 
     from pdserve.config import ModelConfig
-
-    if threads is not None and device == "cpu":
-        torch.set_num_threads(threads)
+    from pdserve.model.parallel import check_live_layout
 
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
-    dtype = dtype or ("float32" if device == "cpu" else "float16")
     model = ModelConfig.from_dir(model_dir)
+    check_live_layout(model, tp, device=device)  # before anything loads
+    if threads is not None and device == "cpu":
+        torch.set_num_threads(threads)
+    dtype = dtype or ("float32" if device == "cpu" else "float16")
     max_len = min(model.max_position_embeddings, 4096)
     shapes = list(shapes) if shapes is not None else grid.shapes(max_len)
     need = max(sum(cdiv(s + n, block_size) for s, n in sh.prefill_chunks)
                + sum(cdiv(c, block_size) for c in sh.decode_context_lens) for sh in shapes)
-    engine = profiling_engine(model_dir, device, dtype, need + 1, block_size, max_len)
+    engine = profiling_engine(model_dir, device, dtype, need + 1, block_size, max_len, tp)
     reps = repeats or grid.repeats
     say = log or (lambda m: None)
-    say(f"profiling {model_dir} on {device} ({dtype}): {len(shapes)} shapes x {reps} repeats")
+    say(f"profiling {model_dir} on {device} ({dtype}{f', tp={tp}' if tp > 1 else ''}): "
+        f"{len(shapes)} shapes x {reps} repeats")
     samples = []
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     bar = Progress(TextColumn("profiling"), BarColumn(), MofNCompleteColumn(),
                    console=Console(stderr=True), disable=not progress, transient=True)
-    with bar:
-        task = bar.add_task("", total=len(shapes))
-        for sh in shapes:
-            t = measure(engine, sh, reps, stat)
-            samples.append(ProfileSample(sh.prefill_chunks, sh.decode_context_lens, t))
-            bar.update(task, advance=1)
+    try:
+        with bar:
+            task = bar.add_task("", total=len(shapes))
+            for sh in shapes:
+                t, share = measure_split(engine, sh, reps, stat)
+                samples.append((ProfileSample(sh.prefill_chunks, sh.decode_context_lens, t),
+                                share))
+                bar.update(task, advance=1)
+    finally:
+        engine.executor.close()  # the other ranks of a TP instance
     return samples
 
 
-def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = None,
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """A fitted profile and what the fit does not keep: per kind of step (prefill, decode,
+    mixed), the share of a step rank 0 spent in collectives (``{"n", "mean", "max"}``; 0 for
+    ``tp`` = 1). Saved as the profile's JSON plus a ``collectives`` entry, which
+    :meth:`FittedProfile.load` ignores."""
+
+    profile: FittedProfile
+    collectives: dict[str, dict[str, float]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.profile.to_dict(), "collectives": self.collectives}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+
+def profile_instance(model_dir: str, device: str = "cpu", dtype: str | None = None,
                      quick: bool = False, repeats: int | None = None,
                      max_tokens: int | None = None, block_size: int = 16,
                      decode_threshold: int | None = None,
                      log: Callable[[str], None] | None = None,
-                     progress: bool = True, threads: int | None = 1) -> FittedProfile:
-    """Measure ``model_dir`` on ``device`` over the quick or full grid and fit a profile
-    (see :func:`measure_samples`)."""
-    grid = QUICK_GRID if quick else FULL_GRID
+                     progress: bool = True, threads: int | None = 1, tp: int = 1,
+                     grid: ProfileGrid | None = None) -> MeasuredProfile:
+    """Measure ``model_dir`` on ``device`` as an instance of ``tp`` ranks over the quick or
+    full grid (or ``grid``) and fit a profile at that ``tp`` (see :func:`measure_samples`)."""
+    grid = grid or (QUICK_GRID if quick else FULL_GRID)
     if max_tokens is not None:
         grid = ProfileGrid(grid.prefill_lens, grid.prefill_batches, grid.decode_batches,
                            grid.decode_ctx, grid.mixed, max_tokens, grid.repeats)
-    samples = measure_samples(model_dir, device, dtype, grid, repeats, block_size, log,
-                              progress, threads)
+    measured = _measure_all(model_dir, device, dtype, grid, repeats, block_size, log,
+                            progress, threads, "median", None, tp)
+    samples = [s for s, _ in measured]
     max_batch = max(len(s.decode_context_lens) for s in samples)
     threshold = decode_threshold or max(max_batch + 1, 2)  # one decode form unless asked
     if device == "cpu":
@@ -201,10 +260,30 @@ def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = No
         hw = device_for_cuda_name(cuda_name) or cuda_name  # a catalogue name when there is one
     from pdserve.config import ModelConfig
 
-    return fit_profile(samples, threshold, model=ModelConfig.from_dir(model_dir).name,
-                       hardware=hw, tp=1, dtype=dtype or ("float32" if device == "cpu"
-                                                          else "float16"),
-                       source=f"pdserve profile {'--quick ' if quick else ''}{model_dir}")
+    flags = ("--quick " if quick else "") + (f"--tp {tp} " if tp > 1 else "")
+    prof = fit_profile(samples, threshold, model=ModelConfig.from_dir(model_dir).name,
+                       hardware=hw, tp=tp, dtype=dtype or ("float32" if device == "cpu"
+                                                           else "float16"),
+                       source=f"pdserve profile {flags}{model_dir}")
+    collectives = {}
+    for kind in ("prefill", "decode", "mixed"):
+        shares = [share for s, share in measured if s.kind == kind]
+        if shares:
+            collectives[kind] = {"n": len(shares), "mean": sum(shares) / len(shares),
+                                 "max": max(shares)}
+    return MeasuredProfile(prof, collectives)
+
+
+def profile_executor(model_dir: str, device: str = "cpu", dtype: str | None = None,
+                     quick: bool = False, repeats: int | None = None,
+                     max_tokens: int | None = None, block_size: int = 16,
+                     decode_threshold: int | None = None,
+                     log: Callable[[str], None] | None = None,
+                     progress: bool = True, threads: int | None = 1,
+                     tp: int = 1) -> FittedProfile:
+    """:func:`profile_instance`'s fitted profile."""
+    return profile_instance(model_dir, device, dtype, quick, repeats, max_tokens, block_size,
+                            decode_threshold, log, progress, threads, tp).profile
 
 
 def saturation_chunk_size(latency: Any, max_tokens: int = 4096, share: float = 0.9,

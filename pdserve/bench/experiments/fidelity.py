@@ -2,16 +2,19 @@
 fitted on this machine, for the same workload at several rates (DESIGN.md "Simulator";
 DistServe Table 2 does the same for its simulator).
 
-For each strategy (colocated: 1 instance; disaggregated: 1 prefill + 1 decode) the script starts
-``pdserve serve`` with explicit engine settings (Ray actors, one torch thread each), replays the
-workload over HTTP at every rate, and runs the same requests through ``--target sim`` with the
-same engine settings and the fitted profile. Per rate it reports SLO attainment of both (and the
-difference in points) and the relative error of mean and P90 TTFT and TPOT.
+For each deployment (colocated: 1 instance; disaggregated: 1 prefill + 1 decode; a ``-tpN``
+suffix makes every instance tensor-parallel over N ranks, e.g. ``colocated-tp2``) the script
+starts ``pdserve serve`` with explicit engine settings (Ray actors, one torch thread per rank),
+replays the workload over HTTP at every rate, and runs the same requests through ``--target sim``
+with the same engine settings and the profile fitted at the deployment's TP degree (``pdserve
+profile --tp N``: the sharded executor's own steps). Per rate it reports SLO attainment of both
+(and the difference in points) and the relative error of mean and P90 TTFT and TPOT.
 
     python benchmarks/fidelity.py --output-json out/fidelity.json --plot out/fidelity
 
-Steps: (1) make the tiny model (unless ``--model``), (2) ``pdserve profile`` it (unless
-``--profile``), (3) per strategy: serve, warm up, replay each rate live and in simulation.
+Steps: (1) make the tiny model (unless ``--model``), (2) ``pdserve profile`` it at each
+deployment's TP degree (unless ``--profile`` is of that degree), (3) per deployment: serve, warm
+up, replay each rate live and in simulation.
 Run it on a quiet machine: the live side measures wall-clock time.
 """
 
@@ -61,10 +64,10 @@ def make_model(path: Path, seed: int) -> str:
     return str(path)
 
 
-def make_profile(model: str, out: Path, quick: bool) -> str:
+def make_profile(model: str, out: Path, quick: bool, tp: int = 1) -> str:
     if not out.exists():
         cmd = [sys.executable, "-m", "pdserve.cli", "profile", "--model", model, "--out",
-               str(out), "--threads", "1"] + (["--quick"] if quick else [])
+               str(out), "--threads", "1", "--tp", str(tp)] + (["--quick"] if quick else [])
         con.print(f"[bold]profiling[/] {' '.join(cmd[2:])}")
         subprocess.run(cmd, check=True)
     return str(out)
@@ -168,12 +171,26 @@ def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
             "request": request_overhead(lone_records)}
 
 
-def latency_of(setup: SimulationConfig, model: str, dtype: str = "float32") -> Any:
-    """The simulator's executor-only step-time model of a TP-1 instance of ``setup``."""
+def latency_of(setup: SimulationConfig, model: str, dtype: str = "float32", tp: int = 1) -> Any:
+    """The simulator's executor-only step-time model of a TP-``tp`` instance of ``setup``."""
     from pdserve.sim.target import step_model
 
     return step_model(replace(setup, step_overhead_ms=0.0, seq_overhead_ms=0.0),
-                      ModelConfig.from_dir(model), 1, 1, dtype)
+                      ModelConfig.from_dir(model), tp, 1, dtype)
+
+
+def deployment(name: str) -> tuple[dict[str, Any], int]:
+    """A deployment's spec entries and TP degree from its name: ``colocated``, ``disaggregated``,
+    ``partial``, each optionally with ``-tpN`` (every instance N ranks; one profile prices one
+    degree)."""
+    from pdserve.config import STRATEGIES
+
+    strategy, sep, tp = name.partition("-tp")
+    if strategy not in STRATEGIES or (sep and not (tp.isdigit() and int(tp) >= 1)):
+        raise SystemExit(f"unknown deployment {name!r}: one of {', '.join(STRATEGIES)}, "
+                         f"optionally with -tpN (e.g. colocated-tp2)")
+    n = int(tp or 1)
+    return ({"strategy": strategy, "tp": n} if n > 1 else {"strategy": strategy}), n
 
 
 def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], model: str,
@@ -377,7 +394,8 @@ def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for (strategy, rows), color in zip(results.items(), ("tab:blue", "tab:orange")):
+    for (strategy, rows), color in zip(results.items(), ("tab:blue", "tab:orange",
+                                                         "tab:green", "tab:red", "tab:purple")):
         rates = [r["rate"] for r in rows]
         for ax, key, scale, label in ((axes[0], "attainment", 100, "SLO attainment (%)"),
                                       (axes[1], "ttft_mean", 1000, "mean TTFT (ms)"),
@@ -420,9 +438,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1,
                     help="live runs per rate (the same requests); rows report the mean and "
                          "each error's range")
-    ap.add_argument("--profile", help="fitted profile (default: profile the model now)")
+    ap.add_argument("--profile", help="fitted profile for the deployments of its TP degree "
+                                      "(default, and for the others: profile the model now)")
     ap.add_argument("--quick-profile", action="store_true")
-    ap.add_argument("--strategies", default="colocated,disaggregated")
+    ap.add_argument("--strategies", default="colocated,disaggregated",
+                    help="comma-separated deployments: colocated, disaggregated, partial, each "
+                         "optionally -tpN (colocated-tp2: one instance of two TP ranks)")
     ap.add_argument("--backend", default="ray", choices=("ray", "inproc"),
                     help="ray (default): one actor and one torch thread per instance, as the "
                          "profile is measured; inproc instances share the server process and "
@@ -482,10 +503,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device is None:
             raise SystemExit(f"no catalogue device for {torch.cuda.get_device_name(0)!r}: "
                              f"pass --hardware")
-    profile = None if calibrated else (
-        args.profile or make_profile(model, work / "profile.json", args.quick_profile))
     rates = [float(x) for x in args.rates.split(",")]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    layouts = {name: deployment(name) for name in strategies}
+    profiles: dict[int, str] = {}  # TP degree -> fitted profile (--latency profile)
+    if args.profile and not calibrated:  # ours records its tp (a DistServe file counts as TP1)
+        from pdserve.sim.target import resolve_profile
+
+        path = resolve_profile(args.profile)
+        profiles[int(json.loads(Path(path).read_text()).get("tp", 1))] = path
+    for name, (_, tp) in layouts.items():
+        if calibrated and tp > 1:
+            raise SystemExit(f"{name}: --latency calibrated fits a TP-1 roofline to the step "
+                             f"log; a TP deployment needs --latency profile")
+        if not calibrated and tp not in profiles:
+            profiles[tp] = make_profile(model, work / ("profile.json" if tp == 1 else
+                                                       f"profile-tp{tp}.json"),
+                                        args.quick_profile, tp)
     engine = {"device": args.device, "dtype": dtype, "block_size": args.block_size,
               "num_kv_blocks": args.num_kv_blocks,
               "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -508,7 +542,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fits: dict[str, dict[str, Any]] = {}
     for strategy in strategies:
         # one deployment spec, served live and simulated
-        spec = ClusterConfig.from_dict({"model": model, "engine": engine, "strategy": strategy,
+        entries, tp = layouts[strategy]
+        profile = profiles.get(tp)
+        spec = ClusterConfig.from_dict({"model": model, "engine": engine, **entries,
                                         "backend": args.backend})
         step_log = work / f"steps-{strategy}.jsonl"
         live_spec = spec
@@ -539,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         raise SystemExit("--overhead steplog needs --latency calibrated")
                     cal = overhead_from_step_log(Path(fits[strategy]["step_log"]))
                 else:
-                    cal = calibrate_overhead(live, s, latency_of(setup, model, dtype))
+                    cal = calibrate_overhead(live, s, latency_of(setup, model, dtype, tp))
                 cal["method"] = how
                 overheads[strategy] = cal
                 con.print(f"  serving overhead: {1000 * cal['step_s']:.2f} ms per step + "
@@ -557,7 +593,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             request_overheads[strategy] = req
             con.print(f"  front end: {req['median_ms']:.2f} ms per request ({req})")
             setup = replace(setup, request_overhead_ms=max(req["median_ms"], 0.0))
-            if strategy != "colocated":  # the live hand-off as the simulated KV link
+            if not strategy.startswith("colocated"):  # the live hand-off as the KV link
                 link = handoff_link(
                     cal_records if calibrated else _probe(live, s, 4, 4000),
                     ModelConfig.from_dir(model).kv_bytes_per_token(dtype))
@@ -611,7 +647,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     md = markdown(results)
     print(md)
     rep = {"command": "python benchmarks/fidelity.py " + " ".join(argv or sys.argv[1:]),
-           "model": model, "profile": profile, "engine": engine, "backend": args.backend,
+           "model": model, "profiles": {str(k): v for k, v in profiles.items()},
+           "engine": engine, "backend": args.backend,
            "workload": {"name": args.workload, "num_requests": args.num_requests,
                         "length_scale": args.length_scale, "seed": args.seed},
            "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, "rates": rates,

@@ -1,0 +1,107 @@
+"""``pdserve profile --tp 2`` times the sharded executor (two gloo ranks) and writes a profile
+for tp=2 instances with the share of each step spent in collectives; ``pdserve simulate`` uses it
+for tp=2 instances and refuses it, in one line, for any other degree. The reference for the
+collectives is the TP1 profile of the same grid, which has none."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pdserve.cli import main
+from pdserve.sim import profiler
+from pdserve.sim.latency import FittedProfile
+
+# 3 prefill, 3 decode and 1 mixed shape, one timed run each
+TINY_GRID = profiler.ProfileGrid(prefill_lens=(16, 32, 64), prefill_batches=(1,),
+                                 decode_batches=(1, 2, 4), decode_ctx=(32,),
+                                 mixed=((0, 16, 2, 32),), max_prefill_tokens=64, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from pdserve.model.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def live_children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+
+
+LEFT_OVER: set[int] = set()  # processes the profile run started and did not stop
+
+
+@pytest.fixture(scope="module")
+def tp2_profile(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("profile") / "tp2.json"
+    before = live_children()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(profiler, "QUICK_GRID", TINY_GRID)
+        assert main(["profile", "--model", model_dir, "--tp", "2", "--quick",
+                     "--out", str(out)]) == 0
+    LEFT_OVER.update(live_children() - before)
+    return out
+
+
+def test_profile_tp2_carries_its_tp_and_collectives(model_dir: str, tp2_profile: Path) -> None:
+    data = json.loads(tp2_profile.read_text())
+    assert data["tp"] == 2 and "--tp 2" in data["source"]
+    assert {k: c["n"] for k, c in data["collectives"].items()} == {
+        "prefill": 3, "decode": 3, "mixed": 1}
+    assert all(0 < c["mean"] <= c["max"] < 1 for c in data["collectives"].values())
+    prof = FittedProfile.load(tp2_profile)  # the extra entry does not get in the way
+    assert prof.tp == 2 and prof.fit_error["prefill"]["n"] == 3
+    assert not LEFT_OVER  # the other rank stopped
+
+    tp1 = profiler.profile_instance(model_dir, grid=TINY_GRID, progress=False)
+    assert tp1.profile.tp == 1
+    assert all(c["max"] == 0 for c in tp1.collectives.values())
+
+
+def test_simulate_uses_the_tp2_profile_for_tp2_instances(model_dir: str, tp2_profile: Path,
+                                                         tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    common = ["simulate", "--profile", str(tp2_profile), "--model", model_dir,
+              "--workload", "fixed:input=32,output=4", "--num-requests", "6", "--rate", "4",
+              "--no-progress"]
+    assert main([*common, "--strategy", "disaggregated", "--prefill-tp", "2", "--decode-tp",
+                 "2", "--output-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    roles = data["deployment"]["roles"]
+    assert roles["prefill"]["tp"] == roles["decode"]["tp"] == 2
+    assert all("tp=2" in r["latency_model"] for r in roles.values())
+    assert data["num_gpus"] == 4 and data["summary"]["num_ok"] == 6
+
+
+def test_simulate_refuses_the_profile_at_another_tp(model_dir: str, tp2_profile: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    rc = main(["simulate", "--profile", str(tp2_profile), "--model", model_dir,
+               "--strategy", "disaggregated", "--prefill-tp", "2", "--workload",
+               "fixed:input=32,output=4", "--num-requests", "2", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1] == (f"pdserve simulate: error: profile {str(tp2_profile)!r} was measured at "
+                       f"tp=2, not tp=1")
+
+
+@pytest.mark.parametrize("tp,cpus,says", [
+    ("3", None, "tp=3"),  # 4 heads, 2 KV heads: 3 divides neither
+    ("4", 2, "tp=4 x pp=1 needs 4 ranks, more than the 2 CPUs available"),
+])
+def test_profile_refuses_a_tp_it_cannot_run(model_dir: str, tmp_path: Path, tp: str,
+                                            cpus: int | None, says: str,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture) -> None:
+    if cpus is not None:
+        monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    rc = main(["profile", "--model", model_dir, "--tp", tp, "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("pdserve profile: error: ") and says in err[0]
+    assert not (tmp_path / "p.json").exists()
