@@ -19,6 +19,7 @@ the user typed it; the help text shows the effective default.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import sys
@@ -373,7 +374,10 @@ def subcommand(subparsers: Any, name: str, fn: Callable[[argparse.Namespace], in
                help: str, description: str | None = None,
                cmd: str | None = None) -> argparse.ArgumentParser:
     """A subcommand parser whose bad flags are one line (:func:`one_line_errors`) and whose
-    ``func`` runs ``fn`` :func:`guarded` as ``pdserve CMD`` (``cmd``, default ``name``)."""
+    ``func`` runs ``fn`` :func:`guarded` as ``pdserve CMD`` (``cmd``, default ``name``).
+    ``description`` (``--help``'s paragraph) defaults to ``fn``'s docstring."""
+    if description is None and fn.__doc__:
+        description = " ".join(inspect.getdoc(fn).split())  # type: ignore[union-attr]
     p = one_line_errors(subparsers.add_parser(name, help=help, description=description))
     p.set_defaults(func=guarded(cmd or name, fn))
     return p

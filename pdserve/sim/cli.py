@@ -29,14 +29,8 @@ from pdserve.sim.target import SimTarget, add_simulation_flags, simulation_from_
 
 
 def register(subparsers: Any) -> None:
-    s = subcommand(
-        subparsers, "simulate", cmd_simulate,
-        help="simulate a workload on a deployment (no GPU needed)",
-        description="Run a benchmark workload through the discrete-event simulator: the real "
-                    "scheduler, block pool, controller and routers on a virtual clock, with a "
-                    "fitted profile, an analytic roofline model or aiconfigurator's measured "
-                    "kernel database in place of the GPU. The deployment flags and --config "
-                    "files are `pdserve serve`'s.")
+    s = subcommand(subparsers, "simulate", cmd_simulate,
+                   help="simulate a workload on a deployment (no GPU needed)")
     add_simulation_flags(s)
     add_workload_args(s, max_model_len=False)
     s.add_argument("--rate", type=positive,
@@ -49,12 +43,8 @@ def register(subparsers: Any) -> None:
                         "with SECONDS (>= 1) over windows of that length too (in --output-json; "
                         "with --plot, instances.png)")
 
-    p = subcommand(
-        subparsers, "profile", cmd_profile,
-        help="measure the real executor and fit a latency profile",
-        description="Time the model executor on a grid of prefill, decode and mixed batches "
-                    "(warm-up, repeats, median) and fit DistServe's step-time forms by relative "
-                    "least squares. The result loads with `pdserve simulate --profile FILE`.")
+    p = subcommand(subparsers, "profile", cmd_profile,
+                   help="measure the real executor and fit a latency profile")
     p.add_argument("--model", required=True, metavar="DIR", help="model directory")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -75,6 +65,10 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run a benchmark workload through the discrete-event simulator: the real scheduler, block
+    pool, controller and routers on a virtual clock, with a fitted profile, an analytic roofline
+    model or aiconfigurator's measured kernel database in place of the GPU. The deployment flags
+    and --config files are `pdserve serve`'s."""
     from pdserve.bench import report
     from pdserve.bench.runner import build_workload, resolve_slo, run_workload
 
@@ -125,6 +119,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """Time the model executor on a grid of prefill, decode and mixed batches (warm-up, repeats,
+    median) and fit DistServe's step-time forms by relative least squares. The result loads with
+    `pdserve simulate --profile FILE`."""
     from pdserve.sim.profiler import profile_instance, saturation_chunk_size
 
     measured = profile_instance(args.model, device=args.device, dtype=args.dtype,
