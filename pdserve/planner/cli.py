@@ -26,8 +26,8 @@ from pdserve.flags import (
     say,
     subcommand,
 )
-from pdserve.planner.problem import ENGINE_DEFAULTS, Problem
-from pdserve.sim.target import add_latency_source_flags
+from pdserve.planner.problem import ENGINE_DEFAULTS, SERVING_PATH, Problem
+from pdserve.sim.target import add_latency_source_flags, add_serving_path_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
 
@@ -53,7 +53,8 @@ def register(subparsers: Any) -> None:
     o.add_argument("--against", nargs="+", metavar="FILE.yaml",
                    help="deployment files (e.g. hand-picked placements) to simulate whole, "
                         "with the chosen placement, by the same rate search and probes "
-                        "(workload, seed, requests per probe, precision) and list beside it")
+                        "(workload, seed, requests per probe, precision, serving path) and "
+                        "list beside it")
 
     a = subcommand(
         subparsers, "advise", cmd_advise,
@@ -79,6 +80,7 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help=f"catalogue model or a directory with config.json (default "
                         f"{Problem.model})")
     add_latency_source_flags(m)
+    add_serving_path_flags(m)
     w = p.add_argument_group("workload and SLO")
     w.add_argument("--workload", default=Problem.workload, metavar="NAME[:k=v]|FILE.jsonl",
                    help=f"any bench workload or trace file (default {Problem.workload})")
@@ -183,7 +185,8 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
               precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
               max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
               traces_dir=args.traces_dir, macro_size=args.macro_size, horizon=args.horizon,
-              criterion=args.criterion)
+              criterion=args.criterion,
+              **{k: getattr(args, k) or 0.0 for k in SERVING_PATH})
     kw.update(over)
     return Problem(**kw)
 
@@ -298,13 +301,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str, Any]]:
     """The chosen placement and each deployment file simulated whole with the plan's probes
-    (:func:`pdserve.planner.search.measure_whole`). A file whose ``simulation:`` latency
-    source differs from the plan's is refused: the comparison would not be like for like."""
+    (:func:`pdserve.planner.search.measure_whole`), on the plan's latency source and serving
+    path. A file whose ``simulation:`` section names another latency source or other
+    serving-path terms is refused: the comparison would not be like for like."""
     from pdserve.config import ClusterConfig, load_data_file
     from pdserve.planner.placements import measure_whole
 
     p = result.problem
-    mine = p.simulation()
+    mine = p.source()
     deps: list[tuple[str, dict[str, Any]]] = [(f"chosen: {result.best.name}",
                                                result.best.deployment)]
     for f in files:
@@ -317,6 +321,10 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
             theirs["aic_backend"] = sim.get("aic_backend") or "vllm"
         if theirs and theirs != mine:
             raise ValueError(f"--against {f}: latency source {theirs} is not the plan's {mine}")
+        for k in SERVING_PATH:
+            if sim.get(k) is not None and sim[k] != getattr(p, k):
+                raise ValueError(f"--against {f}: {k} {sim[k]!r} is not the plan's "
+                                 f"{getattr(p, k):g} (--{k.replace('_', '-')})")
         ClusterConfig.from_dict(d)  # validates
         deps.append((Path(f).stem, d))
     return measure_whole(p, deps, result.best.per_gpu_rps, workers)
