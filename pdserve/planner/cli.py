@@ -42,6 +42,10 @@ def register(subparsers: Any) -> None:
                     "(Alg. 1, high node affinity) or pack prefill and decode segments of one "
                     "stage per node (Alg. 2, low affinity), and write the best deployment.")
     add_problem_flags(p)
+    p.add_argument("--min-gpus", action="store_true",
+                   help="with --rate: choose the placement on the fewest GPUs that serves the "
+                        "rate (its goodput, simulated whole where it was, at least the rate) "
+                        "instead of the most goodput per GPU")
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="FILE.yaml",
                    help="write the chosen deployment here (ClusterConfig + simulation section; "
@@ -102,8 +106,10 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--criterion", choices=CRITERIA, default=Problem.criterion,
                    help="both = each request meets both SLOs (default); distserve = P90 TTFT "
                         "and P90 TPOT checked separately (DistServe's variant)")
-    w.add_argument("--rate", type=positive, default=Problem.rate,
-                   help=f"traffic to serve, req/s (default {Problem.rate:g})")
+    w.add_argument("--rate", type=positive,
+                   help="traffic to serve, req/s: each placement is replicated to it (default: "
+                        "none, each placement sized to the cluster and the most goodput per "
+                        "GPU chosen, as aiconfigurator's default mode)")
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=positive_int, default=Problem.nodes)
     c.add_argument("--gpus-per-node", type=positive_int, default=Problem.gpus_per_node)
@@ -174,6 +180,9 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
 
     if args.aic_backend is not None and args.aic_system is None:
         raise ValueError(f"--aic-backend {args.aic_backend}: give --aic-system too")
+    min_gpus = getattr(args, "min_gpus", False)  # (plan's; advise compares per GPU)
+    if min_gpus and args.rate is None:
+        raise ValueError("--min-gpus: give --rate, the traffic to serve on the fewest GPUs")
     aic = {"aic_system": args.aic_system, "aic_backend": args.aic_backend or "vllm"}
     kw = dict(model=name, profile=args.profile, hardware=args.hardware, **aic,
               workload=args.workload,
@@ -185,7 +194,7 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
               precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
               max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
               traces_dir=args.traces_dir, macro_size=args.macro_size, horizon=args.horizon,
-              criterion=args.criterion,
+              criterion=args.criterion, min_gpus=min_gpus,
               **{k: getattr(args, k) or 0.0 for k in SERVING_PATH})
     kw.update(over)
     return Problem(**kw)
@@ -352,11 +361,13 @@ def serve_command(result: Any, path: str) -> str:
 def simulate_command(result: Any, path: str) -> str:
     """The ``pdserve simulate`` command line that replays the planned workload, rate and SLO
     on the written deployment (the file holds the deployment and its latency source; the
-    workload is the command's, as for ``serve``)."""
+    workload is the command's, as for ``serve``). Without a planned rate, the rate is the
+    chosen placement's goodput."""
     p = result.problem
     q = shlex.quote
+    rate = p.rate if p.rate is not None else result.best.goodput_rps
     return (f"pdserve simulate --config {q(str(path))} --workload {q(p.workload)} "
-            f"--rate {p.rate:g} --num-requests {p.num_requests} --seed {p.seed} "
+            f"--rate {rate:.4g} --num-requests {p.num_requests} --seed {p.seed} "
             f"--slo-ttft {p.slo.ttft:g} --slo-tpot {p.slo.tpot:g}")
 
 
@@ -381,8 +392,11 @@ _CRITERION_TEXT = {"both": "both SLOs per request",
 
 def plan_markdown(result: Any, top: int = 8) -> str:
     p = result.problem
-    lines = [f"## pdserve plan: {p.model} · {p.workload} · {p.rate:g} req/s · "
+    rate = "no rate" if p.rate is None else f"{p.rate:g} req/s"
+    lines = [f"## pdserve plan: {p.model} · {p.workload} · {rate} · "
              f"{p.nodes}x{p.gpus_per_node} GPUs · {p.affinity} node affinity",
+             "",
+             f"Objective: {p.objective()}.",
              "",
              f"SLO TTFT {p.slo.ttft:g} s, TPOT {p.slo.tpot:g} s, target {p.target:.0%} "
              f"({_CRITERION_TEXT[p.criterion]}); "
@@ -444,9 +458,10 @@ def plot_plan(result: Any, folder: Path, top: int) -> list[Path]:
     colors = [palette[x.strategy] for x in pls]
     ax.barh([x.name for x in pls][::-1], [x.per_gpu_rps for x in pls][::-1], color=colors[::-1])
     ax.set_xlabel("per-GPU goodput (req/s)")
+    rate = result.problem.rate
     ax.set_title(f"{result.problem.model} · {result.problem.workload} · "
-                 f"{result.problem.rate:g} req/s\n(blue colocated, orange disaggregated, "
-                 "green partial)")
+                 f"{'no rate' if rate is None else f'{rate:g} req/s'}\n"
+                 "(blue colocated, orange disaggregated, green partial)")
     fig.tight_layout()
     path = folder / "placements.png"
     fig.savefig(path, dpi=120)

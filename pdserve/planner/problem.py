@@ -29,7 +29,10 @@ DEFAULT_LM = 512  # DistServe §3.1: 512 tokens saturate an A100 for a 13B model
 @dataclass(frozen=True)
 class Problem:
     """What the planner is asked (DistServe §4: model, workload, SLOs, attainment target,
-    traffic rate, cluster). ``engine``: engine settings every instance shares (``EngineConfig``
+    traffic rate, cluster). ``rate``: the traffic to serve, each placement replicated to it;
+    ``None``: each sized to the cluster (aiconfigurator's default mode, the most goodput per
+    GPU); ``min_gpus``: rank by the fewest GPUs serving ``rate``, not by goodput per GPU.
+    ``engine``: engine settings every instance shares (``EngineConfig``
     names); ``gpu_memory_gib`` overrides the device's memory (through the share of it the KV
     pool may use, so the one KV formula stays in charge); links ``None`` = the device's
     intra-node link and, across nodes, InfiniBand HDR (high affinity) or 25 Gb/s Ethernet
@@ -45,7 +48,7 @@ class Problem:
     seed: int = 0
     slo: SLO = SLO(0.25, 0.1)
     target: float = 0.9
-    rate: float = 1.0
+    rate: float | None = 1.0
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float | None = None
@@ -70,13 +73,18 @@ class Problem:
     step_overhead_ms: float = 0.0
     seq_overhead_ms: float = 0.0
     request_overhead_ms: float = 0.0
+    min_gpus: bool = False  # rank by the fewest GPUs that serve the rate (needs a rate)
 
     def __post_init__(self) -> None:
         if self.criterion not in CRITERIA:
             raise ValueError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
         if self.affinity not in AFFINITIES:
             raise ValueError(f"node affinity must be one of {AFFINITIES}, got {self.affinity!r}")
+        if self.min_gpus and self.rate is None:
+            raise ValueError("the fewest GPUs (min_gpus) needs a rate to serve")
         for name in ("rate", "precision", "output_scale", "horizon"):
+            if name == "rate" and self.rate is None:
+                continue
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("nodes", "gpus_per_node", "num_requests", "max_probes", "lm", "top_k",
@@ -101,6 +109,14 @@ class Problem:
             if self.aic_backend not in BACKENDS:
                 raise ValueError(f"aic backend {self.aic_backend!r} is not one of "
                                  f"{', '.join(BACKENDS)}")
+
+    def objective(self) -> str:
+        """What the plan maximises, in words."""
+        if self.rate is None:
+            return "the most goodput per GPU on the cluster (no rate given)"
+        if self.min_gpus:
+            return f"the fewest GPUs serving {self.rate:g} req/s"
+        return f"the most goodput per GPU serving {self.rate:g} req/s"
 
     def steady(self) -> SteadyState:
         """The steady-state rule of every probe (:mod:`pdserve.bench.steady`)."""
