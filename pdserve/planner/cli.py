@@ -50,8 +50,12 @@ def register(subparsers: Any) -> None:
     o.add_argument("--out", metavar="FILE.yaml",
                    help="write the chosen deployment here (ClusterConfig + simulation section; "
                         "runs with `pdserve serve|simulate --config`)")
-    o.add_argument("--output-json", metavar="PATH", help="the whole plan as JSON")
-    o.add_argument("--plot", metavar="DIR", help="write per-GPU goodput plots into this folder")
+    o.add_argument("--output-json", metavar="PATH",
+                   help="the whole plan as JSON (with the Pareto points of --plot)")
+    o.add_argument("--plot", metavar="DIR",
+                   help="write plots into this folder: per-GPU goodput of the placements and "
+                        "their Pareto front, tokens/s/GPU against tokens/s/user (each "
+                        "placement simulated whole, simulated once more at its goodput)")
     o.add_argument("--top", type=positive_int, default=8, help="alternatives shown (default 8)")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--against", nargs="+", metavar="FILE.yaml",
@@ -292,6 +296,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         against = compare_whole(result, args.against, args.workers or 1)
         print("\n" + against_markdown(against))
     spec = deployment_file(result)
+    points = None
+    if args.plot or args.output_json:
+        from pdserve.planner.pareto import pareto_points
+
+        points = pareto_points(result, args.workers or 1)
     if args.out:
         write_yaml(args.out, spec, result)
         say(f"wrote {args.out}; run it with `{serve_command(result, args.out)}` or "
@@ -299,11 +308,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps({**result.to_dict(), "deployment": spec,
-                                                      "against": against},
+                                                      "against": against, "pareto": points},
                                                      indent=2, default=str) + "\n")
         say(f"wrote {args.output_json}")
     if args.plot:
-        for path in plot_plan(result, Path(args.plot), args.top):
+        from pdserve.planner.pareto import plot_pareto
+
+        assert points is not None
+        for path in [*plot_plan(result, Path(args.plot), args.top),
+                     plot_pareto(result, points, Path(args.plot))]:
             say(f"wrote {path}")
     return 0
 
