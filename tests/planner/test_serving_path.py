@@ -7,6 +7,7 @@ synthetic profile whose steps take constant times (DistServe's JSON format)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,44 @@ def test_a_negative_overhead_is_one_line_and_exit_2(cmd: str, flag: str,
 def test_a_problem_refuses_a_negative_overhead() -> None:
     with pytest.raises(ValueError, match="seq_overhead_ms must be a number >= 0"):
         Problem(seq_overhead_ms=-0.1)
+
+
+def test_the_kernel_sums_get_the_serving_path_too() -> None:
+    """``--aic-system``: a decode step of 8 sequences is aiconfigurator's kernel sum + 1.5 ms
+    + 8 x 0.09 ms, and the output says both."""
+    pytest.importorskip("aiconfigurator_core", reason="optional package (pdserve[aic])",
+                        exc_type=ImportError)
+    from pdserve.sim.aic_latency import AicModel
+    from pdserve.sim.model_catalogue import get_model_config
+
+    p = Problem(model="llama-3.1-8b", aic_system="h100_sxm", workload="fixed:input=512,output=16",
+                slo=SLO(1.0, 0.05), nodes=1, gpus_per_node=1, num_requests=20,
+                step_overhead_ms=1.5, seq_overhead_ms=0.09)
+    kernels = AicModel(get_model_config("llama-3.1-8b"), "h100_sxm", "vllm", 1)
+    lat = unit_model(p, Unit("colocated", 1)).latency
+    ctx = [1024] * 8
+    assert lat.decode_time(ctx) == pytest.approx(kernels.decode_time(ctx) + 0.0015 + 8 * 0.00009)
+    assert p.latency_source().endswith("h100_sxm/vllm (kernel sums) + serving path 1.5 ms per "
+                                       "step + 0.09 ms per sequence in a step")
+    assert p.simulation() == {"aic_system": "h100_sxm", "aic_backend": "vllm",
+                              "step_overhead_ms": 1.5, "seq_overhead_ms": 0.09}
+
+
+def test_a_plan_without_a_rate_replays_at_its_goodput(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The written plan's simulate command, without a planned rate, replays the chosen
+    placement's goodput (with the serving path from the file)."""
+    prof = _profile(tmp_path / "p.json", {1: (60.0, 5.0)})
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--profile", prof, "--model", "opt-13b", "--gpus-per-node", "1",
+                 "--strategies", "colocated", "--workload", "fixed:input=256,output=4",
+                 "--slo-ttft", "1", "--slo-tpot", "0.1", "--num-requests", "20",
+                 "--max-probes", "3", "--workers", "1", "--no-progress",
+                 "--seq-overhead-ms", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    goodput = re.search(r"^# predicted goodput ([\d.]+) req/s", text, re.M)
+    replay = re.search(r"^# simulate what was planned: .* --rate ([\d.]+) ", text, re.M)
+    assert goodput and replay and float(replay.group(1)) == pytest.approx(
+        float(goodput.group(1)), rel=1e-3)
+    assert yaml.safe_load(text)["simulation"]["seq_overhead_ms"] == 1.0
+    capsys.readouterr()
