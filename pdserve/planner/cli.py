@@ -45,7 +45,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--min-gpus", action="store_true",
                    help="with --rate: choose the placement on the fewest GPUs that serves the "
                         "rate (its goodput, simulated whole where it was, at least the rate) "
-                        "instead of the most goodput per GPU")
+                        "instead of the most goodput per GPU; every unit is then searched in "
+                        "full, as with --exhaustive")
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="FILE.yaml",
                    help="write the chosen deployment here (ClusterConfig + simulation section; "
