@@ -124,6 +124,13 @@ def test_a_step_overhead_moves_the_choice_and_travels_in_the_plan_file(
                       vocab_size=50272)
     rec = simulate(sim, w.requests, vocab_size=50272)[0][0]
     assert (rec.ttft, rec.tpot) == pytest.approx((0.150, 0.095))
+    # and `pdserve simulate --config plan.yaml` on its own command line
+    js = tmp_path / "sim.json"
+    assert main(["simulate", "--config", str(out), "--workload", "fixed:input=256,output=8",
+                 "--num-requests", "1", "--rate", "0.1", "--no-progress", "--output-json",
+                 str(js)]) == 0
+    summary = json.loads(js.read_text())["summary"]
+    assert (summary["ttft"]["mean"], summary["tpot"]["mean"]) == pytest.approx((0.150, 0.095))
 
 
 def test_against_a_file_with_other_serving_path_terms_is_refused(tmp_path: Path) -> None:
