@@ -100,7 +100,7 @@ def advise(base: Problem, slo_scales: Sequence[float], output_scales: Sequence[f
 def advise_markdown(base: Problem, grid: Sequence[AdvicePoint]) -> str:
     lines = [f"## pdserve advise: {base.model} · {base.workload} · SLO TTFT {base.slo.ttft:g} s "
              f"/ TPOT {base.slo.tpot:g} s (x scale) · {base.nodes}x{base.gpus_per_node} GPUs",
-             "", f"latency source {base.latency_source()}",
+             "", f"latency source {base.latency_source()}; {base.objective()}",
              "", "| output scale | SLO scale | best colocated (per GPU) | best disaggregated "
              "(per GPU) | best partial (per GPU) | disagg / colo | winner |",
              "|---|---|---|---|---|---|---|"]

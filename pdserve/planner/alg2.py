@@ -124,7 +124,10 @@ def alg2_search(p: Problem, cache: Any, results: list[UnitResult], tps: Sequence
 
 def alg2_placement(p: Problem, g: NodeGroup, goodput: float, simulated: bool,
                    estimate: float) -> Placement:
-    k = math.ceil(p.rate / goodput - 1e-9) if goodput > 0 else 0
+    if p.rate is None:  # no rate: as many node groups as the cluster holds
+        k = p.nodes // g.pp if goodput > 0 else 0
+    else:
+        k = math.ceil(p.rate / goodput - 1e-9) if goodput > 0 else 0
     roles = {"strategy": "disaggregated", "num_prefill": k * g.n_p, "num_decode": k * g.n_d,
              "prefill_tp": g.tp_p, "prefill_pp": g.pp, "decode_tp": g.tp_d, "decode_pp": g.pp,
              "prefill_token_target": p.lm}

@@ -26,8 +26,8 @@ from pdserve.flags import (
     say,
     subcommand,
 )
-from pdserve.planner.problem import ENGINE_DEFAULTS, Problem
-from pdserve.sim.target import add_latency_source_flags
+from pdserve.planner.problem import ENGINE_DEFAULTS, SERVING_PATH, Problem
+from pdserve.sim.target import add_latency_source_flags, add_serving_path_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
 
@@ -42,18 +42,28 @@ def register(subparsers: Any) -> None:
                     "(Alg. 1, high node affinity) or pack prefill and decode segments of one "
                     "stage per node (Alg. 2, low affinity), and write the best deployment.")
     add_problem_flags(p)
+    p.add_argument("--min-gpus", action="store_true",
+                   help="with --rate: choose the placement on the fewest GPUs that serves the "
+                        "rate (its goodput, simulated whole where it was, at least the rate) "
+                        "instead of the most goodput per GPU; every unit is then searched in "
+                        "full, as with --exhaustive")
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="FILE.yaml",
                    help="write the chosen deployment here (ClusterConfig + simulation section; "
                         "runs with `pdserve serve|simulate --config`)")
-    o.add_argument("--output-json", metavar="PATH", help="the whole plan as JSON")
-    o.add_argument("--plot", metavar="DIR", help="write per-GPU goodput plots into this folder")
+    o.add_argument("--output-json", metavar="PATH",
+                   help="the whole plan as JSON (with the Pareto points of --plot)")
+    o.add_argument("--plot", metavar="DIR",
+                   help="write plots into this folder: per-GPU goodput of the placements and "
+                        "their Pareto front, tokens/s/GPU against tokens/s/user (each "
+                        "placement simulated whole, simulated once more at its goodput)")
     o.add_argument("--top", type=positive_int, default=8, help="alternatives shown (default 8)")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--against", nargs="+", metavar="FILE.yaml",
                    help="deployment files (e.g. hand-picked placements) to simulate whole, "
                         "with the chosen placement, by the same rate search and probes "
-                        "(workload, seed, requests per probe, precision) and list beside it")
+                        "(workload, seed, requests per probe, precision, serving path) and "
+                        "list beside it")
 
     a = subcommand(
         subparsers, "advise", cmd_advise,
@@ -79,6 +89,7 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help=f"catalogue model or a directory with config.json (default "
                         f"{Problem.model})")
     add_latency_source_flags(m)
+    add_serving_path_flags(m)
     w = p.add_argument_group("workload and SLO")
     w.add_argument("--workload", default=Problem.workload, metavar="NAME[:k=v]|FILE.jsonl",
                    help=f"any bench workload or trace file (default {Problem.workload})")
@@ -100,8 +111,10 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--criterion", choices=CRITERIA, default=Problem.criterion,
                    help="both = each request meets both SLOs (default); distserve = P90 TTFT "
                         "and P90 TPOT checked separately (DistServe's variant)")
-    w.add_argument("--rate", type=positive, default=Problem.rate,
-                   help=f"traffic to serve, req/s (default {Problem.rate:g})")
+    w.add_argument("--rate", type=positive,
+                   help="traffic to serve, req/s: each placement is replicated to it (default: "
+                        "none, each placement sized to the cluster and the most goodput per "
+                        "GPU chosen, as aiconfigurator's default mode)")
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=positive_int, default=Problem.nodes)
     c.add_argument("--gpus-per-node", type=positive_int, default=Problem.gpus_per_node)
@@ -172,6 +185,9 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
 
     if args.aic_backend is not None and args.aic_system is None:
         raise ValueError(f"--aic-backend {args.aic_backend}: give --aic-system too")
+    min_gpus = getattr(args, "min_gpus", False)  # (plan's; advise compares per GPU)
+    if min_gpus and args.rate is None:
+        raise ValueError("--min-gpus: give --rate, the traffic to serve on the fewest GPUs")
     aic = {"aic_system": args.aic_system, "aic_backend": args.aic_backend or "vllm"}
     kw = dict(model=name, profile=args.profile, hardware=args.hardware, **aic,
               workload=args.workload,
@@ -183,7 +199,8 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
               precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
               max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
               traces_dir=args.traces_dir, macro_size=args.macro_size, horizon=args.horizon,
-              criterion=args.criterion)
+              criterion=args.criterion, min_gpus=min_gpus,
+              **{k: getattr(args, k) or 0.0 for k in SERVING_PATH})
     kw.update(over)
     return Problem(**kw)
 
@@ -280,6 +297,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         against = compare_whole(result, args.against, args.workers or 1)
         print("\n" + against_markdown(against))
     spec = deployment_file(result)
+    points = None
+    if args.plot or args.output_json:
+        from pdserve.planner.pareto import pareto_points
+
+        points = pareto_points(result, args.workers or 1)
     if args.out:
         write_yaml(args.out, spec, result)
         say(f"wrote {args.out}; run it with `{serve_command(result, args.out)}` or "
@@ -287,24 +309,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps({**result.to_dict(), "deployment": spec,
-                                                      "against": against},
+                                                      "against": against, "pareto": points},
                                                      indent=2, default=str) + "\n")
         say(f"wrote {args.output_json}")
     if args.plot:
-        for path in plot_plan(result, Path(args.plot), args.top):
+        from pdserve.planner.pareto import plot_pareto
+
+        assert points is not None
+        for path in [*plot_plan(result, Path(args.plot), args.top),
+                     plot_pareto(result, points, Path(args.plot))]:
             say(f"wrote {path}")
     return 0
 
 
 def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str, Any]]:
     """The chosen placement and each deployment file simulated whole with the plan's probes
-    (:func:`pdserve.planner.search.measure_whole`). A file whose ``simulation:`` latency
-    source differs from the plan's is refused: the comparison would not be like for like."""
+    (:func:`pdserve.planner.search.measure_whole`), on the plan's latency source and serving
+    path. A file whose ``simulation:`` section names another latency source or other
+    serving-path terms is refused: the comparison would not be like for like."""
     from pdserve.config import ClusterConfig, load_data_file
     from pdserve.planner.placements import measure_whole
 
     p = result.problem
-    mine = p.simulation()
+    mine = p.source()
     deps: list[tuple[str, dict[str, Any]]] = [(f"chosen: {result.best.name}",
                                                result.best.deployment)]
     for f in files:
@@ -317,6 +344,10 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
             theirs["aic_backend"] = sim.get("aic_backend") or "vllm"
         if theirs and theirs != mine:
             raise ValueError(f"--against {f}: latency source {theirs} is not the plan's {mine}")
+        for k in SERVING_PATH:
+            if sim.get(k) is not None and sim[k] != getattr(p, k):
+                raise ValueError(f"--against {f}: {k} {sim[k]!r} is not the plan's "
+                                 f"{getattr(p, k):g} (--{k.replace('_', '-')})")
         ClusterConfig.from_dict(d)  # validates
         deps.append((Path(f).stem, d))
     return measure_whole(p, deps, result.best.per_gpu_rps, workers)
@@ -344,11 +375,13 @@ def serve_command(result: Any, path: str) -> str:
 def simulate_command(result: Any, path: str) -> str:
     """The ``pdserve simulate`` command line that replays the planned workload, rate and SLO
     on the written deployment (the file holds the deployment and its latency source; the
-    workload is the command's, as for ``serve``)."""
+    workload is the command's, as for ``serve``). Without a planned rate, the rate is the
+    chosen placement's goodput."""
     p = result.problem
     q = shlex.quote
+    rate = p.rate if p.rate is not None else result.best.goodput_rps
     return (f"pdserve simulate --config {q(str(path))} --workload {q(p.workload)} "
-            f"--rate {p.rate:g} --num-requests {p.num_requests} --seed {p.seed} "
+            f"--rate {rate:.4g} --num-requests {p.num_requests} --seed {p.seed} "
             f"--slo-ttft {p.slo.ttft:g} --slo-tpot {p.slo.tpot:g}")
 
 
@@ -373,8 +406,11 @@ _CRITERION_TEXT = {"both": "both SLOs per request",
 
 def plan_markdown(result: Any, top: int = 8) -> str:
     p = result.problem
-    lines = [f"## pdserve plan: {p.model} · {p.workload} · {p.rate:g} req/s · "
+    rate = "no rate" if p.rate is None else f"{p.rate:g} req/s"
+    lines = [f"## pdserve plan: {p.model} · {p.workload} · {rate} · "
              f"{p.nodes}x{p.gpus_per_node} GPUs · {p.affinity} node affinity",
+             "",
+             f"Objective: {p.objective()}.",
              "",
              f"SLO TTFT {p.slo.ttft:g} s, TPOT {p.slo.tpot:g} s, target {p.target:.0%} "
              f"({_CRITERION_TEXT[p.criterion]}); "
@@ -436,9 +472,10 @@ def plot_plan(result: Any, folder: Path, top: int) -> list[Path]:
     colors = [palette[x.strategy] for x in pls]
     ax.barh([x.name for x in pls][::-1], [x.per_gpu_rps for x in pls][::-1], color=colors[::-1])
     ax.set_xlabel("per-GPU goodput (req/s)")
+    rate = result.problem.rate
     ax.set_title(f"{result.problem.model} · {result.problem.workload} · "
-                 f"{result.problem.rate:g} req/s\n(blue colocated, orange disaggregated, "
-                 "green partial)")
+                 f"{'no rate' if rate is None else f'{rate:g} req/s'}\n"
+                 "(blue colocated, orange disaggregated, green partial)")
     fig.tight_layout()
     path = folder / "placements.png"
     fig.savefig(path, dpi=120)

@@ -19,9 +19,11 @@ whatever the rest of the run does, so the simulation can stop there with the sam
 
 * when it has finished: its record is final (same ``ok`` and ``meets`` as the full run's
   record, :func:`pdserve.sim.target.to_records`);
-* for the TTFT (``prefill`` and ``both`` probes), once ``now - arrival > TTFT SLO`` with no token
-  yet: every later token is stamped at a virtual time ``>= now`` (events run in time order), so
-  its TTFT will exceed the SLO.
+* for the TTFT (``prefill`` and ``both`` probes), once ``now + d - arrival > TTFT SLO`` with no
+  token yet: every later token is stamped at a virtual time ``>= now`` (events run in time
+  order), so its TTFT will exceed the SLO. ``d`` is the front end's cost per request
+  (``request_overhead_ms``), which the client sees on every token
+  (:func:`pdserve.sim.target.to_records`).
 
 The attainment a stopped probe reports is the bound it stopped on (an upper bound for a fail, a
 lower bound for a pass), marked ``early`` in the probe's details; its ``confidence`` is that of
@@ -31,6 +33,7 @@ the attainment of the requests decided so far (:attr:`AttainmentWatch.confidence
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pdserve.bench.metrics import SLO, RequestRecord, meets
@@ -52,13 +55,16 @@ def max_misses(n: int, target: float) -> int:
 
 class AttainmentWatch:
     """``stop`` callback for :meth:`Simulator.run` (module docstring). ``kind``: which SLO a
-    request must meet, ``prefill`` (TTFT), ``decode`` (TPOT) or ``both``."""
+    request must meet, ``prefill`` (TTFT), ``decode`` (TPOT) or ``both``;
+    ``request_overhead_s``: the front end's cost per request, added to every token's time as
+    the client's record has it."""
 
     def __init__(self, sim: Simulator, requests: Sequence[SimRequest], slo: SLO, kind: str,
-                 target: float, warmup: int = 0) -> None:
+                 target: float, warmup: int = 0, request_overhead_s: float = 0.0) -> None:
         if kind not in ("prefill", "decode", "both"):
             raise ValueError(f"kind must be prefill, decode or both, got {kind!r}")
         self.sim, self.slo, self.kind, self.target = sim, slo, kind, target
+        self.delay = request_overhead_s
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)  # = event order
         every = [requests[i] for i in order]
         self.order = every[SteadyState.first_judged(len(every), warmup):]  # the judged ones
@@ -100,14 +106,14 @@ class AttainmentWatch:
                 if rid in self.judged:
                     self._count(ok)
         if self.kind != "decode":
-            limit = self.slo.ttft
+            limit, d = self.slo.ttft, self.delay
             order, ptr = self.every, self.ttft_ptr
-            while ptr < len(order) and now - order[ptr].arrival > limit:
+            while ptr < len(order) and (now + d) - order[ptr].arrival > limit:
                 rid = order[ptr].request_id
                 ptr += 1
                 if rid in self.undecided:
                     tl = hist[rid].timeline
-                    if not tl.token_times or tl.token_times[0] - tl.arrival > limit:
+                    if not tl.token_times or (tl.token_times[0] + d) - tl.arrival > limit:
                         del self.undecided[rid]
                         self.all_misses += 1
                         if rid in self.judged:
@@ -131,8 +137,12 @@ class AttainmentWatch:
     def _meets(self, rid: str, creq: Any) -> bool:
         err = self.sim._errors.get(rid)
         ok = err is None and creq.finish_reason in ("length", "stop")
+        tl = creq.timeline
+        if self.delay:  # the client's timeline (as pdserve.sim.target.to_records makes it)
+            tl = replace(tl, token_times=[t + self.delay for t in tl.token_times],
+                         finish=None if tl.finish is None else tl.finish + self.delay)
         rec = RequestRecord(rid, len(creq.prompt_token_ids), len(creq.output_token_ids),
-                            creq.timeline, ok, err)
+                            tl, ok, err)
         t_ok, p_ok = meets(rec, self.slo)
         return t_ok if self.kind == "prefill" else p_ok if self.kind == "decode" else \
             t_ok and p_ok

@@ -16,8 +16,45 @@ from typing import Any
 from pdserve.bench.goodput import AttainmentResult, search_goodput
 from pdserve.config import ClusterConfig
 from pdserve.planner.problem import Problem, base_workload
-from pdserve.planner.units import UnitCache, UnitResult, link_dict, probe_requests, run_probe
+from pdserve.planner.units import (
+    Unit,
+    UnitCache,
+    UnitResult,
+    link_dict,
+    probe_requests,
+    run_probe,
+)
 from pdserve.sim.simulator import gc_paused
+
+
+def instances(p: Problem, u: Unit, goodput: float) -> int:
+    """How many of colocated or partial unit ``u`` a placement has: ``n = ⌈R / g⌉`` to serve
+    ``p.rate``; without a rate, as many as the cluster's nodes hold (every unit of a kind has
+    the same goodput per GPU, so the whole cluster gives the most goodput at it)."""
+    if p.rate is not None:
+        return math.ceil(p.rate / goodput - 1e-9)
+    return p.nodes * (p.gpus_per_node // (u.tp * u.pp)) // u.size
+
+
+def pair_instances(p: Problem, pu: Unit, du: Unit, goodput_prefill: float,
+                   goodput_decode: float) -> tuple[int, int] | None:
+    """Prefill and decode instances of an Alg. 1 pair: :func:`replicate` to serve ``p.rate``;
+    without a rate, the counts ``(n, m)`` whose placement fits the cluster's nodes with the
+    most goodput per GPU, ``min(n·g_p, m·g_d) / GPUs`` (ties: the most goodput, then the
+    fewest GPUs); ``None`` when none fits."""
+    if p.rate is not None:
+        return replicate(p.rate, goodput_prefill, goodput_decode)
+    best, key = None, (0.0, 0.0)
+    gp, gd = pu.num_gpus, du.num_gpus
+    for n in range(1, p.num_gpus // gp + 1):
+        for m in range(1, (p.num_gpus - n * gp) // gd + 1):
+            cap = min(n * goodput_prefill, m * goodput_decode)
+            k = (round(cap / (n * gp + m * gd), 9), cap)
+            if k > key and node_layout([("prefill", n, pu.tp, pu.pp),
+                                        ("decode", m, du.tp, du.pp)],
+                                       p.gpus_per_node)[1] <= p.nodes:
+                best, key = (n, m), k
+    return best
 
 
 def replicate(rate: float, goodput_prefill: float, goodput_decode: float) -> tuple[int, int]:
@@ -93,7 +130,9 @@ def replica_placements(p: Problem, results: Iterable[UnitResult]) -> list[Placem
         if r.goodput_rps <= 0:
             continue
         u = r.unit
-        n = math.ceil(p.rate / r.goodput_rps - 1e-9)
+        n = instances(p, u, r.goodput_rps)
+        if n < 1:
+            continue
         if u.kind == "colocated":
             layout, used = node_layout([("colocated", n, u.tp, u.pp)], p.gpus_per_node)
             dep = placement_deployment(p, {"strategy": "colocated", "num_instances": n,
@@ -115,15 +154,19 @@ def replica_placements(p: Problem, results: Iterable[UnitResult]) -> list[Placem
 
 def alg1_placements(p: Problem, prefill: Sequence[UnitResult], decode: Sequence[UnitResult]
                     ) -> list[Placement]:
-    """Every (prefill, decode) pair replicated to the rate (Algorithm 1; the best pair is the
-    pair of per-phase bests)."""
+    """Every (prefill, decode) pair replicated to the rate, or sized to the cluster without
+    one (:func:`pair_instances`; Algorithm 1; the best pair is the pair of per-phase
+    bests)."""
     out = []
     for a in prefill:
         for b in decode:
             if a.goodput_rps <= 0 or b.goodput_rps <= 0:
                 continue
-            n, m = replicate(p.rate, a.goodput_rps, b.goodput_rps)
             pu, du = a.unit, b.unit
+            nm = pair_instances(p, pu, du, a.goodput_rps, b.goodput_rps)
+            if nm is None:
+                continue
+            n, m = nm
             layout, used = node_layout([("prefill", n, pu.tp, pu.pp), ("decode", m, du.tp, du.pp)],
                                        p.gpus_per_node)
             dep = placement_deployment(p, {"strategy": "disaggregated", "num_prefill": n,
@@ -161,6 +204,16 @@ def replicas(p: Problem, r: UnitResult) -> list[tuple[int, float]]:
 def pair_ceiling(p: Problem, a: UnitResult, b: UnitResult) -> float:
     """The highest per-GPU goodput an Alg. 1 pair of ``a`` (prefill) and ``b`` (decode) can
     have given what is known of them (exact for searched units, bounds for stopped ones)."""
+    if p.rate is None:  # the best counts' goodput per GPU grows with each phase's goodput
+        top = [r.goodput_rps if r.goodput_rps > 0 else
+               (r.bound_rps or 0.0) if r.stopped else 0.0 for r in (a, b)]
+        if min(top) <= 0:
+            return 0.0
+        nm = pair_instances(p, a.unit, b.unit, *top)
+        if nm is None:
+            return 0.0
+        n, m = nm
+        return min(n * top[0], m * top[1]) / (n * a.unit.num_gpus + m * b.unit.num_gpus)
     best = 0.0
     for n, cap_p in replicas(p, a):
         for m, cap_d in replicas(p, b):

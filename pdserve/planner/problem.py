@@ -21,6 +21,7 @@ AFFINITIES = ("high", "low")
 # engine settings every planned instance gets unless the problem says otherwise (a plan prices
 # the serving dtype; prefix reuse depends on a workload's shared prefixes, which plans ignore)
 ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float16", "enable_prefix_caching": False}
+SERVING_PATH = ("step_overhead_ms", "seq_overhead_ms", "request_overhead_ms")
 DEFAULT_LM = 512  # DistServe §3.1: 512 tokens saturate an A100 for a 13B model
 
 
@@ -28,7 +29,10 @@ DEFAULT_LM = 512  # DistServe §3.1: 512 tokens saturate an A100 for a 13B model
 @dataclass(frozen=True)
 class Problem:
     """What the planner is asked (DistServe §4: model, workload, SLOs, attainment target,
-    traffic rate, cluster). ``engine``: engine settings every instance shares (``EngineConfig``
+    traffic rate, cluster). ``rate``: the traffic to serve, each placement replicated to it;
+    ``None``: each sized to the cluster (aiconfigurator's default mode, the most goodput per
+    GPU); ``min_gpus``: rank by the fewest GPUs serving ``rate``, not by goodput per GPU.
+    ``engine``: engine settings every instance shares (``EngineConfig``
     names); ``gpu_memory_gib`` overrides the device's memory (through the share of it the KV
     pool may use, so the one KV formula stays in charge); links ``None`` = the device's
     intra-node link and, across nodes, InfiniBand HDR (high affinity) or 25 Gb/s Ethernet
@@ -44,7 +48,7 @@ class Problem:
     seed: int = 0
     slo: SLO = SLO(0.25, 0.1)
     target: float = 0.9
-    rate: float = 1.0
+    rate: float | None = 1.0
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float | None = None
@@ -65,13 +69,22 @@ class Problem:
     macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
     early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
     criterion: str = "both"  # "distserve": P90 TTFT and P90 TPOT checked separately
+    # the serving path (SimulationConfig names): per step, per sequence in a step, per request
+    step_overhead_ms: float = 0.0
+    seq_overhead_ms: float = 0.0
+    request_overhead_ms: float = 0.0
+    min_gpus: bool = False  # rank by the fewest GPUs that serve the rate (needs a rate)
 
     def __post_init__(self) -> None:
         if self.criterion not in CRITERIA:
             raise ValueError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
         if self.affinity not in AFFINITIES:
             raise ValueError(f"node affinity must be one of {AFFINITIES}, got {self.affinity!r}")
+        if self.min_gpus and self.rate is None:
+            raise ValueError("the fewest GPUs (min_gpus) needs a rate to serve")
         for name in ("rate", "precision", "output_scale", "horizon"):
+            if name == "rate" and self.rate is None:
+                continue
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("nodes", "gpus_per_node", "num_requests", "max_probes", "lm", "top_k",
@@ -81,6 +94,10 @@ class Problem:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not 0 < self.target <= 1:
             raise ValueError(f"attainment target must be in (0, 1], got {self.target!r}")
+        for name in SERVING_PATH:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         object.__setattr__(self, "engine", tuple(sorted(dict(self.engine).items())))
         if sum(x is not None for x in (self.profile, self.hardware, self.aic_system)) > 1:
             raise ValueError("give one latency source: a profile, a hardware spec or an aic "
@@ -93,32 +110,60 @@ class Problem:
                 raise ValueError(f"aic backend {self.aic_backend!r} is not one of "
                                  f"{', '.join(BACKENDS)}")
 
+    def objective(self) -> str:
+        """What the plan maximises, in words."""
+        if self.rate is None:
+            return "the most goodput per GPU on the cluster (no rate given)"
+        if self.min_gpus:
+            return f"the fewest GPUs serving {self.rate:g} req/s"
+        return f"the most goodput per GPU serving {self.rate:g} req/s"
+
     def steady(self) -> SteadyState:
         """The steady-state rule of every probe (:mod:`pdserve.bench.steady`)."""
         return SteadyState(self.horizon, self.num_requests)
 
-    def simulation(self) -> dict[str, Any]:
-        """The ``simulation:`` section naming the latency source (``SimulationConfig`` names)."""
+    def source(self) -> dict[str, Any]:
+        """The latency source alone, as ``simulation:`` keys (``SimulationConfig`` names)."""
         if self.profile is not None:
             return {"profile": self.profile}
         if self.aic_system is not None:
             return {"aic_system": self.aic_system, "aic_backend": self.aic_backend}
         return {"hardware": self.hardware or "A100-80GB"}
 
+    def serving_path(self) -> dict[str, float]:
+        """The serving-path terms that are set (``SimulationConfig`` names, milliseconds)."""
+        return {k: getattr(self, k) for k in SERVING_PATH if getattr(self, k) > 0}
+
+    def simulation(self) -> dict[str, Any]:
+        """The ``simulation:`` section: the latency source and the serving-path terms set, so
+        that ``pdserve simulate --config`` prices steps as the planner did."""
+        return {**self.source(), **self.serving_path()}
+
     def sim_settings(self) -> dict[str, Any]:
-        """The latency source as ``SimulationConfig`` keywords (``None`` = its default)."""
+        """The latency source and serving path as ``SimulationConfig`` keywords (``None`` =
+        its default): what every probe of the planner simulates."""
         return {"profile": self.profile, "hardware": self.hardware,
-                "aic_system": self.aic_system, "aic_backend": self.aic_backend}
+                "aic_system": self.aic_system, "aic_backend": self.aic_backend,
+                **{k: getattr(self, k) for k in SERVING_PATH}}
 
     def latency_source(self) -> str:
-        """What prices the planner's steps, in words (the plan's ``latency source``)."""
+        """What prices the planner's steps, in words (the plan's ``latency source``), with the
+        serving-path terms added to it."""
         if self.aic_system is not None:
             from pdserve.sim.aic_latency import PACKAGE, aic_version
 
-            return (f"{PACKAGE} {aic_version()} kernel database "
-                    f"{self.aic_system}/{self.aic_backend} (kernel sums; the planner adds no "
-                    f"serving-path terms)")
-        return self.profile or self.hardware or "A100-80GB (analytic)"
+            src = (f"{PACKAGE} {aic_version()} kernel database "
+                   f"{self.aic_system}/{self.aic_backend} (kernel sums)")
+        else:
+            src = self.profile or self.hardware or "A100-80GB (analytic)"
+        terms = [f"{self.step_overhead_ms:g} ms per step" if self.step_overhead_ms else "",
+                 f"{self.seq_overhead_ms:g} ms per sequence in a step"
+                 if self.seq_overhead_ms else "",
+                 f"{self.request_overhead_ms:g} ms per request" if self.request_overhead_ms
+                 else ""]
+        terms = [t for t in terms if t]
+        return f"{src} + serving path {' + '.join(terms)}" if terms else \
+            f"{src}, no serving-path terms"
 
     @property
     def num_gpus(self) -> int:

@@ -75,6 +75,8 @@ class Plan:
             if not any(r.goodput_rps > 0 for r in rs if r.unit.kind == kind):
                 return (f"no {kind} unit reaches a goodput (each misses the SLO at every rate "
                         "probed, or was pruned)")
+        if self.problem.rate is None:
+            return f"no placement of it fits the cluster's {self.problem.num_gpus} GPUs"
         return (f"its placements need more GPUs than the cluster's {self.problem.num_gpus} "
                 f"at {self.problem.rate:g} req/s")
 
@@ -101,9 +103,25 @@ class Plan:
                 "notes": self.notes}
 
 
-def _rank(pls: Iterable[Placement], simulated_first: bool = False) -> list[Placement]:
+def serves(p: Problem, pl: Placement) -> bool:
+    """Whether ``pl``'s goodput (simulated whole where it was, else estimated from units)
+    reaches the rate to serve (always, without a rate)."""
+    return p.rate is None or pl.goodput_rps >= p.rate * (1 - 1e-9)
+
+
+def _primary(p: Problem, pl: Placement) -> tuple[Any, ...]:
+    """The objective, lower is better: the most goodput per GPU, or (``min_gpus``) the
+    fewest GPUs among the placements that serve the rate."""
+    if p.min_gpus:
+        return (not serves(p, pl), pl.num_gpus)
+    return (-round(pl.per_gpu_rps, 9),)
+
+
+def _rank(p: Problem, pls: Iterable[Placement], simulated_first: bool = False
+          ) -> list[Placement]:
     return sorted(pls, key=lambda x: (not x.fits, simulated_first and not x.simulated,
-                                      -round(x.per_gpu_rps, 9), x.num_gpus, x.name))
+                                      *_primary(p, x), -round(x.per_gpu_rps, 9), x.num_gpus,
+                                      x.name))
 
 
 def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> None:
@@ -145,9 +163,13 @@ def _simulate_best(p: Problem, cache: UnitCache, ranked: Sequence[Sequence[Place
         _simulate_whole(p, cache, [pl for b in batch for pl in b])
         for i, q in enumerate(queues):
             upto[i] += len(batch[i])
-            best = max((pl.per_gpu_rps for pl in q[:upto[i]]), default=0.0)
-            batch[i] = list(itertools.takewhile(lambda pl, b=best: pl.per_gpu_rps > b,
-                                                q[upto[i]:upto[i] + p.top_k]))
+            if p.min_gpus:  # the next ones on fewer GPUs than the fewest serving whole
+                best: Any = min((_primary(p, pl) for pl in q[:upto[i]]), default=(True, 0))
+                ahead: Any = lambda pl, b=best: _primary(p, pl) < b  # noqa: E731
+            else:
+                top = max((pl.per_gpu_rps for pl in q[:upto[i]]), default=0.0)
+                ahead = lambda pl, b=top: pl.per_gpu_rps > b  # noqa: E731
+            batch[i] = list(itertools.takewhile(ahead, q[upto[i]:upto[i] + p.top_k]))
 
 
 def _one_unit(pl: Placement) -> bool:
@@ -203,13 +225,18 @@ def plan(p: Problem, workers: int | None = None,
     every unit to convergence (full per-phase rankings); ``early_stop=False`` keeps the
     dominance pruning only (the search before early stops existed)."""
     t0 = time.perf_counter()
+    notes: list[str] = []
+    if p.min_gpus and prune:  # a unit dominated per GPU can still give the fewest GPUs
+        prune = False
+        notes.append("--min-gpus: every unit searched in full (the pruning and early stops "
+                     "compare goodput per GPU, which does not bound a GPU count)")
     workers = workers or min(2, os.cpu_count() or 1)
     tps = available_tps(p, model_config(p.model))
     base_workload(p)  # a bad workload fails here, before any pool starts
-    notes: list[str] = []
     units = candidate_units(p, strategies)
     ceiling, how = rate_ceiling(p, units)
-    if ceiling > 0 and p.rate > CEILING_SLACK * ceiling:  # (none fits: said below, per unit)
+    # (none fits: said below, per unit)
+    if p.rate is not None and ceiling > 0 and p.rate > CEILING_SLACK * ceiling:
         raise ValueError(f"{p.rate:g} req/s is beyond what {p.nodes}x{p.gpus_per_node} GPUs can "
                          f"serve of {p.model} on this workload: at most ~{ceiling:.3g} req/s "
                          f"by the units' capacity bounds ({how}); nothing was simulated")
@@ -222,8 +249,10 @@ def plan(p: Problem, workers: int | None = None,
         results = cache.get_bounded(units, early_stop=early_stop) if prune else cache.get(units)
         by_unit = {r.unit: r for r in results}
         placements: list[Placement] = []
-        colo = _rank(replica_placements(p, [r for r in results if r.unit.kind == "colocated"]))
-        part = _rank(replica_placements(p, [r for r in results if r.unit.kind == "partial"]))
+        colo = _rank(p, replica_placements(p, [r for r in results
+                                                 if r.unit.kind == "colocated"]))
+        part = _rank(p, replica_placements(p, [r for r in results
+                                                 if r.unit.kind == "partial"]))
         if p.joint:
             _simulate_best(p, cache, [colo, part])
         placements += colo + part
@@ -233,7 +262,7 @@ def plan(p: Problem, workers: int | None = None,
                 by_unit = {r.unit: r for r in results}
             pre = [r for r in results if r.unit.kind == "prefill"]
             dec = [r for r in results if r.unit.kind == "decode"]
-            pairs = _rank(alg1_placements(p, pre, dec))
+            pairs = _rank(p, alg1_placements(p, pre, dec))
             if p.joint:
                 _simulate_best(p, cache, [pairs])
             placements += pairs
@@ -255,7 +284,7 @@ def plan(p: Problem, workers: int | None = None,
                     placements.append(alg2_placement(p, g, est[g], False, est[g]))
             notes.append(f"Alg. 2: {len(groups)} node configurations, {len(top)} simulated "
                          "whole, the rest estimated from phase units")
-    ranked_all = _rank(placements, simulated_first=p.joint)
+    ranked_all = _rank(p, placements, simulated_first=p.joint)
     if not ranked_all:
         pruned = "; ".join(f"{r.unit.label}: {r.pruned}" for r in results if r.pruned)[:600]
         raise ValueError(f"no placement of {p.model} meets TTFT {p.slo.ttft:g} s / TPOT "
@@ -264,10 +293,14 @@ def plan(p: Problem, workers: int | None = None,
     fitting = [x for x in ranked_all if x.fits]
     if not fitting:
         fewest = min(ranked_all, key=lambda x: (x.num_gpus, -x.per_gpu_rps, x.name))
+        what = "hold any placement" if p.rate is None else f"serve {p.rate:g} req/s"
         raise ValueError(f"the cluster ({p.nodes} node(s) x {p.gpus_per_node} GPUs) is too small "
-                         f"to serve {p.rate:g} req/s of {p.model}: the placement needing the "
+                         f"to {what} of {p.model}: the placement needing the "
                          f"fewest GPUs, {fewest.name}, needs {fewest.num_gpus}")
     best = fitting[0]
+    if p.min_gpus and not serves(p, best):
+        notes.append(f"no placement's goodput reaches {p.rate:g} req/s when simulated whole: "
+                     f"the chosen one, {best.name}, serves {best.goodput_rps:.3f}")
     colo = next((x for x in fitting if x.strategy == "colocated"), None)
     dis = next((x for x in fitting if x.strategy == "disaggregated"), None)
     part = next((x for x in fitting if x.strategy == "partial"), None)

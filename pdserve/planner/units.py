@@ -45,6 +45,7 @@ from pdserve.planner.problem import (
     base_workload,
     model_config,
 )
+from pdserve.sim.latency import DriverOverhead
 from pdserve.sim.simulator import gc_paused
 
 
@@ -201,16 +202,23 @@ def unit_model(p: Problem, u: Unit) -> UnitModel:
     block = dict(p.engine).get("block_size", 16)
     kv_tokens = info["num_kv_blocks"] * block // u.pp
     latency = step_model(_sim(p, dep), model, u.tp, u.pp, "float16")
-    base = getattr(latency, "base", latency)
+    over = latency if isinstance(latency, DriverOverhead) else None
+    base = over.base if over is not None else latency
+    base = getattr(base, "base", base)  # a pipeline's whole-model step (pp batches in flight)
+
+    def busy(t: float, seqs: int) -> float:  # a step of ``seqs`` sequences, serving path added
+        return t + (over.overhead_s + over.per_seq_s * seqs if over is not None else 0.0)
+
     w = base_workload(p)
     prompts = [r.prompt_len for r in w.requests]
     outputs = [r.output_len for r in w.requests]
     mp, mo = sum(prompts) / len(prompts), sum(outputs) / len(outputs)
     per_batch = max(1, int(p.lm // max(mp, 1)))
-    cap_p = u.pp * per_batch / max(base.prefill_time([int(mp)] * per_batch), 1e-9)
+    cap_p = u.pp * per_batch / max(busy(base.prefill_time([int(mp)] * per_batch), per_batch),
+                                   1e-9)
     ctx = int(mp + mo / 2)
     seqs = max(1, min(dict(p.engine).get("max_num_seqs", 256) // 1, kv_tokens // max(ctx, 1)))
-    cap_d = u.pp * seqs / max(base.decode_time([ctx] * seqs), 1e-9) / max(mo, 1)
+    cap_d = u.pp * seqs / max(busy(base.decode_time([ctx] * seqs), seqs), 1e-9) / max(mo, 1)
     # colocated and temporal instances run both phases in series, a macro instance u.size times
     cap = cap_p if u.kind == "prefill" else cap_d if u.kind == "decode" else \
         u.size / (1 / cap_p + 1 / cap_d)
@@ -219,8 +227,9 @@ def unit_model(p: Problem, u: Unit) -> UnitModel:
         raise ValueError(f"{u.label}: KV cache holds {kv_tokens} tokens, fewer than the longest "
                          f"request ({longest})")
     ok = 0
+    front = p.request_overhead_ms / 1000  # the front end's cost is on every TTFT (to_records)
     for a, b in zip(prompts, outputs):
-        ttft = latency.prefill_time([a])
+        ttft = latency.prefill_time([a]) + front
         tpot = latency.decode_time([a + 1]) if b > 1 else 0.0
         ok += (ttft <= p.slo.ttft if u.kind == "prefill" else tpot <= p.slo.tpot
                if u.kind == "decode" else ttft <= p.slo.ttft and tpot <= p.slo.tpot)
@@ -257,7 +266,7 @@ def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate:
     if early and not distserve:  # (the watch decides per request: the "both" criterion)
         watch = AttainmentWatch(built.simulator, sreqs, p.slo,
                                 kind if kind in ("prefill", "decode") else "both", p.target,
-                                warm)
+                                warm, p.request_overhead_ms / 1000)
     result = built.simulator.run(sreqs, None, watch)
     details: dict[str, Any] = {"num_requests": len(sreqs)}
     if result.stopped:
@@ -265,7 +274,7 @@ def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate:
         details.update(early="pass" if watch.verdict else "fail", stopped_at_s=watch.at,
                        judged=watch.n, confidence=watch.confidence)
         return AttainmentResult(rate, watch.attainment_bound, watch.verdict, details)
-    records = to_records(requests, result)
+    records = to_records(requests, result, p.request_overhead_ms / 1000)
     if distserve:  # P90 TTFT and P90 TPOT separately, on the judged requests and the whole run
         recs = sorted(records, key=lambda r: r.timeline.arrival or 0.0)
         judged = recs[SteadyState.first_judged(len(recs), warm):]

@@ -393,9 +393,16 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
                                     "directory (default: opt-13b)")
     g = p.add_argument_group("simulation (a --config file's `simulation:` section)")
     add_latency_source_flags(g)
+    add_serving_path_flags(g)
+
+
+def add_serving_path_flags(g: Any) -> None:
+    """``--step-overhead-ms``, ``--seq-overhead-ms``, ``--request-overhead-ms``: the serving
+    path's costs that a latency source leaves out (``SimulationConfig`` names; unset = the
+    ``--config`` file's, else 0). ``simulate``, ``plan`` and ``advise`` share them."""
     g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
-                   help="serving-path cost added to every step (see benchmarks/fidelity.py) "
-                        "(default: 0)")
+                   help="serving-path cost added to every step (see benchmarks/fidelity.py; "
+                        "pdserve calibrate measures it) (default: 0)")
     g.add_argument("--seq-overhead-ms", type=nonnegative, metavar="MS",
                    help="serving-path cost per sequence in a step (default: 0)")
     g.add_argument("--request-overhead-ms", type=nonnegative, metavar="MS",
@@ -418,8 +425,9 @@ def add_latency_source_flags(g: Any) -> None:
     g.add_argument("--aic-system", metavar="SYSTEM",
                    help="price steps with aiconfigurator-core's measured kernel database for "
                         "this system (h100_sxm, h200_sxm, b200_sxm, a100_sxm, l40s, "
-                        "rtx_pro_6000_server, ...; pip install 'pdserve[aic]'); simulate "
-                        "adds the serving path with --step-overhead-ms / --seq-overhead-ms")
+                        "rtx_pro_6000_server, ...; pip install 'pdserve[aic]'): kernel "
+                        "sums; add the serving path with --step-overhead-ms / "
+                        "--seq-overhead-ms")
     g.add_argument("--aic-backend", choices=("vllm", "sglang", "trtllm"),
                    help="the engine whose kernels --aic-system prices (default: vllm)")
 
