@@ -21,6 +21,8 @@ from pdserve.flags import (
     add_engine_flags,
     engine_kwargs_from_args,
     link_value,
+    output_dir,
+    output_file,
     positive,
     positive_int,
     say,
@@ -33,14 +35,8 @@ _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
 
 
 def register(subparsers: Any) -> None:
-    p = subcommand(
-        subparsers, "plan", cmd_plan,
-        help="search the placement that serves the most requests per GPU",
-        description="DistServe's placement search (§4): for a model, a latency source, a "
-                    "workload, SLOs, a traffic rate and a cluster, simulate every parallelism "
-                    "(TP, PP) of each phase and of colocated instances, replicate to the rate "
-                    "(Alg. 1, high node affinity) or pack prefill and decode segments of one "
-                    "stage per node (Alg. 2, low affinity), and write the best deployment.")
+    p = subcommand(subparsers, "plan", cmd_plan,
+                   help="search the placement that serves the most requests per GPU")
     add_problem_flags(p)
     p.add_argument("--min-gpus", action="store_true",
                    help="with --rate: choose the placement on the fewest GPUs that serves the "
@@ -48,12 +44,12 @@ def register(subparsers: Any) -> None:
                         "instead of the most goodput per GPU; every unit is then searched in "
                         "full, as with --exhaustive")
     o = p.add_argument_group("output")
-    o.add_argument("--out", metavar="FILE.yaml",
+    o.add_argument("--out", type=output_file, metavar="FILE.yaml",
                    help="write the chosen deployment here (ClusterConfig + simulation section; "
                         "runs with `pdserve serve|simulate --config`)")
-    o.add_argument("--output-json", metavar="PATH",
+    o.add_argument("--output-json", type=output_file, metavar="PATH",
                    help="the whole plan as JSON (with the Pareto points of --plot)")
-    o.add_argument("--plot", metavar="DIR",
+    o.add_argument("--plot", type=output_dir, metavar="DIR",
                    help="write plots into this folder: per-GPU goodput of the placements and "
                         "their Pareto front, tokens/s/GPU against tokens/s/user (each "
                         "placement simulated whole, simulated once more at its goodput)")
@@ -65,21 +61,16 @@ def register(subparsers: Any) -> None:
                         "(workload, seed, requests per probe, precision, serving path) and "
                         "list beside it")
 
-    a = subcommand(
-        subparsers, "advise", cmd_advise,
-        help="where does disaggregation pay? (SLO scale x output/input ratio)",
-        description="Plan colocated, disaggregated and partial placements over a grid of SLO "
-                    "scales and "
-                    "output-length scales and report (and plot) the best per-GPU goodput of "
-                    "each strategy at every point.")
+    a = subcommand(subparsers, "advise", cmd_advise,
+                   help="where does disaggregation pay? (SLO scale x output/input ratio)")
     add_problem_flags(a)
     a.add_argument("--slo-scales", default="0.5,1,2", metavar="S1,S2,...",
                    help="multiply both SLOs by each (default 0.5,1,2)")
     a.add_argument("--output-scales", default="0.5,1,2", metavar="F1,F2,...",
                    help="multiply every output length by each (the output/input ratio; "
                         "default 0.5,1,2)")
-    a.add_argument("--output-json", metavar="PATH")
-    a.add_argument("--plot", metavar="DIR")
+    a.add_argument("--output-json", type=output_file, metavar="PATH")
+    a.add_argument("--plot", type=output_dir, metavar="DIR")
     a.add_argument("--no-progress", action="store_true")
 
 
@@ -282,6 +273,11 @@ class _Progress:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """DistServe's placement search (§4): for a model, a latency source, a workload, SLOs, a
+    traffic rate (or none: the most goodput per GPU on the cluster) and a cluster, simulate
+    every parallelism (TP, PP) of each phase and of colocated instances, replicate to the rate
+    (Alg. 1, high node affinity) or pack prefill and decode segments of one stage per node
+    (Alg. 2, low affinity), and write the best deployment."""
     from pdserve.planner.search import deployment_file, plan
 
     p = problem_from_args(args)
@@ -494,6 +490,9 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
+    """Plan colocated, disaggregated and partial placements over a grid of SLO scales and
+    output-length scales and report (and plot) the best per-GPU goodput of each strategy at
+    every point."""
     from pdserve.planner.advise import advise, advise_markdown, plot_advice
 
     base = problem_from_args(args)
