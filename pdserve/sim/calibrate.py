@@ -592,8 +592,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             what = (f"efficiency: pdserve calibrate on {cal.n} measurements "
                     f"({', '.join(sorted({m.group for m in ms}))}); {errs}")
-        kept = [x for x in base.device.sources if not x.startswith("efficiency")]
-        sources = [*kept, what]  # the base's efficiency line no longer applies
+        sources = [*(x for x in base.device.sources if not _about_efficiency(x)), what]
         dev = replace(cal.device, sources=tuple(sources))
         save_hardware(args.output, dev, replace(base, device=dev),
                       header=f"written by pdserve calibrate; base spec {args.hardware}")
@@ -603,6 +602,14 @@ def run(args: argparse.Namespace) -> int:
             json.dump(s, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _about_efficiency(source: str) -> bool:
+    """Whether a ``sources`` line of a base spec describes its efficiency factors (a catalogue
+    entry's ``efficiency: ...``, ``kernel fit ...`` or ``<factor> <value>: ...`` lines): those no
+    longer apply to a calibrated copy."""
+    head = source.split(":", 1)[0].split()
+    return bool(head) and (head[0] in ("efficiency", "kernel") or head[0] in FACTORS)
 
 
 def _say_serving_path(path: str, sp: dict[str, Any]) -> None:

@@ -169,3 +169,23 @@ def test_refit_h100_prices_held_out_steps_like_the_kernels(tp: int) -> None:
         k, a = aic.step_time(chunks, list(ctx)), ana.step_time(chunks, list(ctx))
         assert a / k - 1 == pytest.approx(0, abs=0.15), (prompts[:1], len(prompts), ctx[:1],
                                                          len(ctx), a, k)
+
+
+def test_calibrate_cli_writes_a_kernel_fit(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One model at TP 1 (34 kernel lookups): the written spec has the serving terms at 0, says
+    which database, grid and error it came from, and drops the base entry's efficiency line."""
+    pytest.importorskip("aiconfigurator_core", reason="optional package (pdserve[aic])",
+                        exc_type=ImportError)
+    out = tmp_path / "h100-kernels.yaml"
+    assert main(["calibrate", "--hardware", "H100", "--aic-system", "h100_sxm", "--aic-tp", "1",
+                 "--model", "llama-3.1-8b", "--name", "H100-kernels", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "on 34 measurements" in text and "kernel sums leave out the serving path" in text
+    dev = get_device(str(out))
+    assert dev.name == "H100-kernels" and dev.peak_tflops == get_device("H100").peak_tflops
+    assert dev.efficiency.step_overhead_s == 0.0 and dev.efficiency.seq_overhead_s == 0.0
+    assert dev.efficiency.comm == get_device("H100").efficiency.comm  # TP 1: not seen
+    (fit,) = [s for s in dev.sources if s.startswith("efficiency:")]
+    assert "--aic-system h100_sxm" in fit and "vllm 0.24.0 database" in fit
+    assert "34 kernel-sum steps and 0 all-reduces" in fit and "serving terms 0" in fit
+    assert not any(s.startswith("kernel fit") for s in dev.sources)
