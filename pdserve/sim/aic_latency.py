@@ -62,10 +62,13 @@ def _package_dir() -> str:
 
 
 def systems() -> list[str]:
-    """The systems whose kernel databases the installed package carries."""
+    """The systems whose kernel databases the installed package carries (0.12.0 also has
+    empty directories, e.g. ``h100_pcie``: those are left out)."""
     aic_version()
     data = os.path.join(_package_dir(), "systems", "data")
-    return sorted(d for d in os.listdir(data) if os.path.isdir(os.path.join(data, d)))
+    return sorted(d for d in os.listdir(data) if os.path.isdir(os.path.join(data, d))
+                  and any(os.path.isdir(os.path.join(data, d, k))
+                          for k in os.listdir(os.path.join(data, d))))
 
 
 def database_version(system: str, backend: str) -> str:

@@ -95,6 +95,9 @@ def test_bad_kernel_flags_are_one_line_errors(capsys: pytest.CaptureFixture[str]
         (["--aic-system", "h100_sxm", "--model", "llama-3.1-8b", "--aic-tp", "1,two"],
          "--aic-tp: expected a comma list"),
         (["--aic-system", "h100_sxm"], "pass --model"),
+        # aiconfigurator-core 0.12.0 ships h100_pcie as an empty directory
+        (["--aic-system", "h100_pcie", "--model", "llama-3.1-8b"],
+         "aic system 'h100_pcie' is not one of a100_sxm, b200_sxm"),
     ]
     for i, (argv, msg) in enumerate(cases):
         if i == 2:
