@@ -62,10 +62,64 @@ def _package_dir() -> str:
 
 
 def systems() -> list[str]:
-    """The systems whose kernel databases the installed package carries."""
+    """The systems whose kernel databases the installed package carries (0.12.0 also has
+    empty directories, e.g. ``h100_pcie``: those are left out)."""
     aic_version()
     data = os.path.join(_package_dir(), "systems", "data")
-    return sorted(d for d in os.listdir(data) if os.path.isdir(os.path.join(data, d)))
+    return sorted(d for d in os.listdir(data) if os.path.isdir(os.path.join(data, d))
+                  and any(os.path.isdir(os.path.join(data, d, k))
+                          for k in os.listdir(os.path.join(data, d))))
+
+
+def database_version(system: str, backend: str) -> str:
+    """The backend version whose kernel data the package serves for ``system`` (its
+    ``current`` slot, e.g. ``0.24.0`` for vllm on h100_sxm)."""
+    from aiconfigurator_core.sdk import perf_database
+
+    return str(perf_database.resolve_query_version(system, backend, "current"))
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) if x.isdigit() else -1 for x in v.replace("rc", ".").split("."))
+
+
+def allreduce_table(system: str, backend: str = "vllm") -> dict[str, Any]:
+    """The database's measured all-reduces on ``system``: the backend's own collective (vllm:
+    its custom all-reduce under CUDA graphs) and NCCL's, as ``{"source": ..., "rows": [(kind,
+    gpus, bytes, seconds), ...]}``; ``kind`` is ``backend`` or ``nccl``. Message sizes in the
+    tables are bf16/half elements (2 bytes each); latencies in ms. Each table is the newest
+    version not newer than the one the engine serves (backend) or the system's NCCL."""
+    import pandas as pd
+    import yaml
+
+    aic_version()
+    root = os.path.join(_package_dir(), "systems")
+    comm = os.path.join(root, "data", system, "comm")
+    with open(os.path.join(root, f"{system}.yaml")) as f:
+        nccl_want = str((yaml.safe_load(f).get("misc") or {}).get("nccl_version", ""))
+    rows: list[tuple[str, int, int, float]] = []
+    used = []
+    for kind, sub, want, fname in (
+            ("backend", backend, database_version(system, backend),
+             "custom_allreduce_perf.parquet"),
+            ("nccl", "nccl", nccl_want, "nccl_perf.parquet")):
+        d = os.path.join(comm, sub)
+        have = sorted((v for v in (os.listdir(d) if os.path.isdir(d) else [])
+                       if os.path.isfile(os.path.join(d, v, fname))), key=_version_key)
+        if not have:
+            continue
+        older = [v for v in have if _version_key(v) <= _version_key(want)] if want else []
+        ver = older[-1] if older else have[-1]
+        t = pd.read_parquet(os.path.join(d, ver, fname))
+        if kind == "backend":
+            graph = t[t["backend"].astype(str).str.endswith("graph")] if "backend" in t else t
+            t = graph if len(graph) else t
+        else:
+            t = t[(t["op_name"] == "all_reduce") & (t["nccl_dtype"] == "half")]
+        rows += [(kind, int(g), 2 * int(n), float(ms) / 1000.0)
+                 for g, n, ms in zip(t["num_gpus"], t["message_size"], t["latency"])]
+        used.append(f"comm/{sub}/{ver}/{fname}")
+    return {"source": f"{PACKAGE} {aic_version()} {system}: {', '.join(used)}", "rows": rows}
 
 
 def _norm(name: str) -> str:

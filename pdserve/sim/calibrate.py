@@ -14,7 +14,10 @@ depth carries over to a model of another size, where a per-step constant would n
 
 The measurements and their sources (our profiler's raw samples, our or DistServe's fitted
 profiles, SplitwiseSim's and Vidur's published profiles) are in
-:mod:`pdserve.sim.measurements`.
+:mod:`pdserve.sim.measurements`. aiconfigurator's measured kernel databases are one more
+source (:func:`kernel_measurements` over :data:`KERNEL_GRID`, ``--aic-system``): a kernel sum
+has no host-side serving work, so that fit holds the per-step and per-sequence costs at 0
+(:data:`SERVING_TERMS`) and fits the kernels' factors only.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.config import ModelConfig
 from pdserve.flags import subcommand
 from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.hardware import DeviceSpec, Efficiency, load_hardware, save_hardware
-from pdserve.sim.latency import FittedProfile
+from pdserve.sim.latency import FittedProfile, LatencyModel, ProfileSample
 from pdserve.sim.measurements import (
     Measurement,
     from_distserve_json,
@@ -282,6 +286,100 @@ def drop_unphysical(device: DeviceSpec, ms: Sequence[Measurement]) -> list[Measu
     return [m for m, f in zip(ms, floor) if m.seconds >= f]
 
 
+# ------------------------------------------------------------------------------ kernel data
+SERVING_TERMS = ("step_overhead_s", "seq_overhead_s")
+"""Host-side serving costs a kernel sum leaves out: held at 0 in a fit to kernel sums."""
+
+KERNEL_GRID: dict[str, Any] = {
+    "prefill": {"batch": (1, 2, 8), "length": (128, 512, 1024, 2048, 4096, 8192),
+                "max_tokens": 16384},
+    "decode": {"batch": (1, 8, 32, 128, 256), "context": (256, 1024, 4096, 16384),
+               "max_tokens": 1 << 20},
+    "tp": (1, 2, 4),
+}
+"""The steps a kernel-database fit prices per model and TP: prefill batch × length (equal
+prompts, no cached prefix) and decode batch × context, each up to ``max_tokens`` in all."""
+
+
+def kernel_shapes(max_len: int, grid: dict[str, Any] = KERNEL_GRID) -> list[ProfileSample]:
+    """:data:`KERNEL_GRID`'s prefill and decode steps (seconds 0) up to ``max_len`` tokens per
+    sequence."""
+    pre, dec = grid["prefill"], grid["decode"]
+    out = [ProfileSample.prefill([n] * b, 0.0) for b in pre["batch"] for n in pre["length"]
+           if n <= max_len and b * n <= pre["max_tokens"]]
+    out += [ProfileSample.decode([c] * b, 0.0) for b in dec["batch"] for c in dec["context"]
+            if c <= max_len and b * c <= dec["max_tokens"]]
+    return out
+
+
+def fits_in_memory(model: ModelConfig, device: DeviceSpec, tp: int,
+                   dtype: str = "float16") -> bool:
+    """Whether ``model``'s weights take at most 90 % of each of ``tp`` GPUs' memory."""
+    am = AnalyticModel(model, device, tp, dtype=dtype)
+    weights = am.bytes_el * (am.linear_params + 2 * am.head_params)
+    return weights <= 0.9 * device.memory_bytes
+
+
+def kernel_measurements(source: Callable[[ModelConfig, int], LatencyModel],
+                        models: Sequence[ModelConfig], device: DeviceSpec,
+                        tps: Sequence[int] = KERNEL_GRID["tp"],
+                        grid: dict[str, Any] = KERNEL_GRID, label: str = "kernels",
+                        log: Callable[[str], None] | None = None) -> list[Measurement]:
+    """:func:`kernel_shapes` priced by ``source(model, tp)`` (an :class:`AicModel`, or any
+    latency model) for every model and TP whose weights fit ``device``
+    (:func:`fits_in_memory`) and whose heads divide by the TP; grouped ``model tpN``."""
+    out = []
+    for cfg in models:
+        for tp in tps:
+            if cfg.num_heads % tp or not fits_in_memory(cfg, device, tp):
+                if log:
+                    log(f"  {cfg.name} tp{tp}: skipped (weights do not fit or heads do not "
+                        f"divide)")
+                continue
+            lat = source(cfg, tp)
+            shapes = kernel_shapes(min(cfg.max_position_embeddings, 1 << 20), grid)
+            for sh in shapes:
+                t = lat.step_time(sh.prefill_chunks, sh.decode_context_lens)
+                out.append(Measurement(replace(sh, seconds=float(t)), cfg, tp,
+                                       group=f"{label} {cfg.name} tp{tp}"))
+            if log:
+                log(f"  {cfg.name} tp{tp}: {len(shapes)} steps from {label}")
+    return out
+
+
+def kernel_device(device: DeviceSpec) -> DeviceSpec:
+    """``device`` with the serving terms (:data:`SERVING_TERMS`) at 0: what a kernel sum
+    measures."""
+    return replace(device, efficiency=replace(device.efficiency,
+                                              **{n: 0.0 for n in SERVING_TERMS}))
+
+
+def calibrate_kernels(device: DeviceSpec, ms: Sequence[Measurement],
+                      names: Sequence[str] | None = None, loo: bool = False,
+                      name: str | None = None,
+                      log: Callable[[str], None] | None = None) -> Calibration:
+    """:func:`calibrate` on kernel sums: the serving terms held at 0 (``names``, default the
+    identifiable factors, may not include them)."""
+    dev = kernel_device(device)
+    if names is None:
+        names = tuple(n for n in identifiable(dev, ms) if n not in SERVING_TERMS)
+    elif set(names) & set(SERVING_TERMS):
+        raise ValueError(f"--fit: {' and '.join(SERVING_TERMS)} are serving costs a kernel sum "
+                         f"does not contain; fit them on a --step-log")
+    return calibrate(dev, ms, names, loo=loo, name=name, log=log)
+
+
+def allreduce_measurements(table: dict[str, Any], model: ModelConfig, tps: Sequence[int],
+                           kind: str, max_tokens: int = 16384) -> list[Measurement]:
+    """Rows of :func:`~pdserve.sim.aic_latency.allreduce_table` of ``kind`` as all-reduce
+    measurements, at the TPs in ``tps`` and the sizes a step of ``model`` sends (one token's
+    hidden state to ``max_tokens`` of them, 2 bytes per element)."""
+    lo, hi = 2 * model.hidden_size, 2 * model.hidden_size * max_tokens
+    return [Measurement(ProfileSample((), (), s), model, g, allreduce_bytes=float(b),
+                        group=f"allreduce {k} tp{g}")
+            for k, g, b, s in table["rows"] if k == kind and g in tps and lo <= b <= hi]
+
+
 # ------------------------------------------------------------------------------ CLI
 def _measure(args: argparse.Namespace) -> list[Measurement]:
     from pdserve.sim.profiler import FULL_GRID, QUICK_GRID, measure_samples
@@ -343,15 +441,108 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
     return ms
 
 
+def _tps(text: str) -> tuple[int, ...]:
+    try:
+        tps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        tps = ()
+    if not tps or min(tps) < 1:
+        raise ValueError(f"--aic-tp: expected a comma list of TP degrees >= 1, got {text!r}")
+    return tps
+
+
+_OTHER_SOURCES = ("samples", "profile", "step_log", "timelines", "metrics_log", "splitwise",
+                  "vidur", "measure")
+
+
+def _gather_aic(args: argparse.Namespace, device: DeviceSpec
+                ) -> tuple[list[Measurement], dict[str, Any]]:
+    """Kernel-sum steps of ``--model`` (repeatable) on ``--aic-system`` over
+    :data:`KERNEL_GRID`, and the database's all-reduces for the check of the comm term."""
+    from pdserve.sim.aic_latency import (
+        AicModel,
+        aic_version,
+        allreduce_table,
+        database_version,
+    )
+
+    others = [f"--{k.replace('_', '-')}" for k in _OTHER_SOURCES if getattr(args, k, None)]
+    if others:
+        raise ValueError(f"--aic-system fits kernel sums, which leave out the serving path: "
+                         f"give it without {', '.join(others)}")
+    if not args.models:
+        raise ValueError("--aic-system: pass --model (catalogue name; repeatable)")
+    aic_version()
+    tps = _tps(args.aic_tp)
+    models = [model_config(m) for m in args.models]
+    print(f"pricing {', '.join(m.name for m in models)} on {args.aic_system}/"
+          f"{args.aic_backend} (TP {', '.join(map(str, tps))}) ...")
+    ms = kernel_measurements(
+        lambda cfg, tp: AicModel(cfg, args.aic_system, args.aic_backend, tp),
+        models, device, tps, label=f"{args.aic_system}/{args.aic_backend}", log=print)
+    if not ms:
+        raise ValueError(f"--aic-system: no model and TP of {tps} fits {device.name}")
+    table = allreduce_table(args.aic_system, args.aic_backend)
+    # the backend's own all-reduce kernels pin the comm term directly (in a step it shares the
+    # per-layer fixed cost with the launches); NCCL's stay a check (_allreduce_check)
+    big = max(models, key=lambda c: c.hidden_size)
+    ms += allreduce_measurements(table, big, [t for t in sorted({m.tp for m in ms}) if t > 1],
+                                 "backend")
+    pre, dec = KERNEL_GRID["prefill"], KERNEL_GRID["decode"]
+    info = {"system": args.aic_system, "backend": args.aic_backend,
+            "package": f"aiconfigurator-core {aic_version()}",
+            "database": f"{args.aic_backend} {database_version(args.aic_system, args.aic_backend)}",
+            "models": [m.name for m in models], "tp": sorted({m.tp for m in ms}),
+            "grid": f"prefill batch {pre['batch']} x length {pre['length']} "
+                    f"(<= {pre['max_tokens']} tokens), decode batch {dec['batch']} x context "
+                    f"{dec['context']} (<= {dec['max_tokens']} tokens)",
+            "allreduce": table}
+    return ms, info
+
+
+def _allreduce_check(dev: DeviceSpec, ms: Sequence[Measurement], info: dict[str, Any]
+                     ) -> dict[str, Any]:
+    """The fitted all-reduce term against the database's measured all-reduces, per table
+    (the backend's are among the fitted measurements, NCCL's are not)."""
+    tps = [t for t in info["tp"] if t > 1]
+    big = max((m.model for m in ms), key=lambda c: c.hidden_size)
+    out: dict[str, Any] = {"source": info["allreduce"]["source"]}
+    for kind in ("backend", "nccl"):
+        ar = allreduce_measurements(info["allreduce"], big, tps, kind)
+        if ar:
+            out[kind] = error_stats(relative_errors(dev, ar))
+    return out
+
+
+def _step_errors(cal: Calibration, ms: Sequence[Measurement]) -> dict[str, Any]:
+    """Fit (and leave-one-out) error of the whole steps alone, without the all-reduces."""
+    keep = [i for i, m in enumerate(ms) if not m.allreduce_bytes]
+    out = {"fit": error_stats([cal.fit_errors[i] for i in keep])}
+    if cal.loo_errors is not None:
+        out["loo"] = error_stats([cal.loo_errors[i] for i in keep])
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     base = load_hardware(args.hardware)
-    ms = _gather(args, base.device)
+    models = args.model if isinstance(args.model, list) else [args.model] if args.model else []
+    args.models, args.model = models, models[-1] if models else None
+    if len(models) > 1 and not args.aic_system:
+        raise ValueError("--model: give it once (repeat it only with --aic-system)")
+    aic = None
+    if args.aic_system:
+        ms, aic = _gather_aic(args, base.device)
+    else:
+        ms = _gather(args, base.device)
     names = args.fit.split(",") if args.fit else None
     if names:
         bad = sorted(set(names) - set(FACTORS))
         if bad:
             raise ValueError(f"--fit: unknown factor(s) {bad}; choose from {list(FACTORS)}")
-    cal = calibrate(base.device, ms, names, loo=args.loo, name=args.name, log=print)
+    if aic:
+        cal = calibrate_kernels(base.device, ms, names, loo=args.loo, name=args.name, log=print)
+    else:
+        cal = calibrate(base.device, ms, names, loo=args.loo, name=args.name, log=print)
     s = cal.summary()
     print(f"calibrated {base.device.name} on {cal.n} measurements; fitted {', '.join(cal.fitted)}")
     for k, v in s["efficiency"].items():
@@ -361,6 +552,23 @@ def run(args: argparse.Namespace) -> int:
             e = s[part]
             print(f"  {part:4s} error: mean {e['mean']:.1%}  P90 {e['p90']:.1%}  "
                   f"max {e['max']:.1%}  bias {e['bias']:+.1%}")
+    if aic:
+        s["aic"] = {k: v for k, v in aic.items() if k != "allreduce"}
+        s["steps"] = steps = _step_errors(cal, ms)
+        for part in ("fit", "loo"):
+            if part in steps:
+                e = steps[part]
+                print(f"  steps alone, {part:3s} error ({e['n']}): mean {e['mean']:.1%}  P90 "
+                      f"{e['p90']:.1%}  max {e['max']:.1%}  bias {e['bias']:+.1%}")
+        s["allreduce_check"] = check = _allreduce_check(cal.device, ms, aic)
+        for kind in ("backend", "nccl"):
+            if kind in check:
+                e = check[kind]
+                print(f"  all-reduce vs the database's {kind} kernels ({e['n']} sizes): mean "
+                      f"{e['mean']:.1%}  bias {e['bias']:+.1%}")
+        print(f"  kernel sums leave out the serving path: {' and '.join(SERVING_TERMS)} are 0 "
+              f"here; simulate with --step-overhead-ms / --seq-overhead-ms (calibrate "
+              f"--step-log measures them)")
     paths = {p: serving_path(p, args.model, args.dtype) for p in args.timelines or []}
     for p in args.step_log or []:
         try:
@@ -372,11 +580,19 @@ def run(args: argparse.Namespace) -> int:
     if paths:
         s["serving_path"] = paths
     if args.output:
-        sources = [*base.device.sources,
-                   f"efficiency: pdserve calibrate on {cal.n} measurements "
-                   f"({', '.join(sorted({m.group for m in ms}))}); fit mean "
-                   f"{s['fit']['mean']:.1%}" + (f", leave-one-out mean {s['loo']['mean']:.1%}"
-                                               if "loo" in s else "")]
+        errs = f"fit mean {s['fit']['mean']:.1%}" + (
+            f", leave-one-out mean {s['loo']['mean']:.1%}" if "loo" in s else "")
+        if aic:
+            a, n_ar = s["aic"], sum(1 for m in ms if m.allreduce_bytes)
+            what = (f"efficiency: pdserve calibrate --aic-system {a['system']} --aic-backend "
+                    f"{a['backend']} on {cal.n - n_ar} kernel-sum steps and {n_ar} all-reduces "
+                    f"of {a['package']} ({a['database']} database; {', '.join(a['models'])}; "
+                    f"TP {', '.join(map(str, a['tp']))}; {a['grid']}); {errs}; serving terms "
+                    f"0")
+        else:
+            what = (f"efficiency: pdserve calibrate on {cal.n} measurements "
+                    f"({', '.join(sorted({m.group for m in ms}))}); {errs}")
+        sources = [*(x for x in base.device.sources if not _about_efficiency(x)), what]
         dev = replace(cal.device, sources=tuple(sources))
         save_hardware(args.output, dev, replace(base, device=dev),
                       header=f"written by pdserve calibrate; base spec {args.hardware}")
@@ -386,6 +602,14 @@ def run(args: argparse.Namespace) -> int:
             json.dump(s, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _about_efficiency(source: str) -> bool:
+    """Whether a ``sources`` line of a base spec describes its efficiency factors (a catalogue
+    entry's ``efficiency: ...``, ``kernel fit ...`` or ``<factor> <value>: ...`` lines): those no
+    longer apply to a calibrated copy."""
+    head = source.split(":", 1)[0].split()
+    return bool(head) and (head[0] in ("efficiency", "kernel") or head[0] in FACTORS)
 
 
 def _say_serving_path(path: str, sp: dict[str, Any]) -> None:
@@ -426,7 +650,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--samples", action="append", help="pdserve-step-samples JSON (repeatable)")
     p.add_argument("--profile", action="append",
                    help="pdserve profile JSON (needs --model) or DistServe profile JSON")
-    p.add_argument("--model", help="model for --samples/--profile: catalogue name or directory")
+    p.add_argument("--model", action="append",
+                   help="model for --samples/--profile: catalogue name or directory "
+                        "(repeatable with --aic-system)")
     p.add_argument("--step-log", action="append",
                    help="serving log: JSON lines of per-step elapsed + batch shape (needs "
                         "--model; repeatable)")
@@ -455,6 +681,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="with --measure: the quick grid")
     p.add_argument("--threads", type=int, default=1, help="with --measure on CPU")
     p.add_argument("--save-samples", help="with --measure: also write the raw samples here")
+    p.add_argument("--aic-system", metavar="SYSTEM",
+                   help="fit to aiconfigurator's kernel-sum steps on this system (h100_sxm, "
+                        "h200_sxm, b200_sxm, a100_sxm, l40s, rtx_pro_6000_server, ...; needs "
+                        "pdserve[aic] and --model): prefill and decode over a fixed grid, "
+                        "serving terms held at 0")
+    p.add_argument("--aic-backend", default="vllm", choices=("vllm", "sglang", "trtllm"),
+                   help="with --aic-system: the backend whose kernels were measured")
+    p.add_argument("--aic-tp", default=",".join(map(str, KERNEL_GRID["tp"])),
+                   help="with --aic-system: comma list of TP degrees")
     p.add_argument("--fit", help=f"comma list of factors to fit (default: all the data "
                                  f"constrains, of {','.join(FACTORS)})")
     p.add_argument("--loo", action="store_true", help="also report leave-one-out error")
