@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.metrics import CRITERIA
+from pdserve.bench.metrics import CRITERIA, SLO
+from pdserve.bench.workloads import make_workload
+from pdserve.config import ClusterConfig, Link, load_data_file
 from pdserve.flags import (
     add_engine_flags,
     engine_kwargs_from_args,
@@ -28,7 +30,20 @@ from pdserve.flags import (
     say,
     subcommand,
 )
-from pdserve.planner.problem import ENGINE_DEFAULTS, SERVING_PATH, Problem
+from pdserve.planner.advise import advise, advise_markdown, plot_advice
+from pdserve.planner.pareto import pareto_points, plot_pareto
+from pdserve.planner.placements import measure_whole
+from pdserve.planner.problem import (
+    ENGINE_DEFAULTS,
+    SERVING_PATH,
+    STRATEGIES,
+    Problem,
+    base_workload,
+)
+from pdserve.planner.search import deployment_file, plan
+from pdserve.planner.units import candidate_units
+from pdserve.sim.hardware import get_link
+from pdserve.sim.model_catalogue import get_model_config
 from pdserve.sim.target import add_latency_source_flags, add_serving_path_flags
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
@@ -150,12 +165,6 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
 
 
 def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
-    from pdserve.bench.metrics import SLO
-    from pdserve.bench.workloads import make_workload
-    from pdserve.config import Link
-    from pdserve.sim.hardware import get_link
-    from pdserve.sim.model_catalogue import get_model_config
-
     model = get_model_config(args.model)  # unknown model: one clear error now
     name = args.model if not Path(args.model).is_dir() else args.model
     if args.attainment > 1:
@@ -197,8 +206,6 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
 
 
 def _strategies(text: str) -> list[str]:
-    from pdserve.planner.problem import STRATEGIES
-
     out = [s.strip() for s in text.split(",") if s.strip()]
     bad = set(out) - set(STRATEGIES)
     if bad or not out:
@@ -278,10 +285,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     every parallelism (TP, PP) of each phase and of colocated instances, replicate to the rate
     (Alg. 1, high node affinity) or pack prefill and decode segments of one stage per node
     (Alg. 2, low affinity), and write the best deployment."""
-    from pdserve.planner.search import deployment_file, plan
 
     p = problem_from_args(args)
-    from pdserve.planner.units import candidate_units
 
     strategies = _strategies(args.strategies)
     with _Progress(not args.no_progress, "simulating units") as bar:
@@ -295,8 +300,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = deployment_file(result)
     points = None
     if args.plot or args.output_json:
-        from pdserve.planner.pareto import pareto_points
-
         points = pareto_points(result, args.workers or 1)
     if args.out:
         write_yaml(args.out, spec, result)
@@ -309,8 +312,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                                      indent=2, default=str) + "\n")
         say(f"wrote {args.output_json}")
     if args.plot:
-        from pdserve.planner.pareto import plot_pareto
-
         assert points is not None
         for path in [*plot_plan(result, Path(args.plot), args.top),
                      plot_pareto(result, points, Path(args.plot))]:
@@ -323,8 +324,6 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
     (:func:`pdserve.planner.search.measure_whole`), on the plan's latency source and serving
     path. A file whose ``simulation:`` section names another latency source or other
     serving-path terms is refused: the comparison would not be like for like."""
-    from pdserve.config import ClusterConfig, load_data_file
-    from pdserve.planner.placements import measure_whole
 
     p = result.problem
     mine = p.source()
@@ -418,7 +417,6 @@ def plan_markdown(result: Any, top: int = 8) -> str:
              "| rank | placement | algorithm | GPUs | goodput (req/s) | per GPU | output tok/s "
              "per GPU | how |",
              "|---|---|---|---|---|---|---|---|"]
-    from pdserve.planner.problem import base_workload
 
     w = base_workload(p)
     mean_out = sum(r.output_len for r in w.requests) / len(w.requests)
@@ -493,12 +491,10 @@ def cmd_advise(args: argparse.Namespace) -> int:
     """Plan colocated, disaggregated and partial placements over a grid of SLO scales and
     output-length scales and report (and plot) the best per-GPU goodput of each strategy at
     every point."""
-    from pdserve.planner.advise import advise, advise_markdown, plot_advice
 
     base = problem_from_args(args)
     scales = _floats(args.slo_scales, "--slo-scales")
     outs = _floats(args.output_scales, "--output-scales")
-    from pdserve.planner.units import candidate_units
 
     strategies = _strategies(args.strategies)
     units = len(candidate_units(base, strategies))

@@ -21,6 +21,7 @@ from pdserve.bench.steady import SteadyState
 from pdserve.planner.problem import Problem, base_workload, model_config
 from pdserve.planner.units import _sim, probe_requests, probe_warmup
 from pdserve.sim.simulator import gc_paused
+from pdserve.sim.target import build_simulator, to_records, to_sim_requests
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ def measure_point(args: tuple[Problem, str, str, dict[str, Any], float, int]
                   ) -> dict[str, Any]:
     """One placement ``(problem, name, strategy, deployment, goodput, GPUs)`` simulated in full
     at its goodput: its point (module docstring)."""
-    from pdserve.sim.target import build_simulator, to_records, to_sim_requests
 
     p, name, strategy, dep, rate, gpus = args
     reqs = base_workload(p, probe_requests(p, rate)).retimed(rate).requests

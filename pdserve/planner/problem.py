@@ -13,7 +13,11 @@ from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.steady import SteadyState
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, Link, ModelConfig
+from pdserve.sim.aic_latency import BACKENDS, PACKAGE, aic_version
+from pdserve.sim.hardware import get_link
+from pdserve.sim.latency import match_model_key
 from pdserve.sim.model_catalogue import get_model_config
+from pdserve.sim.target import SimulationConfig, base_model, device_of, resolve_profile, step_model
 
 KINDS = ("colocated", "prefill", "decode", "partial")
 STRATEGIES = ("colocated", "disaggregated", "partial")
@@ -103,8 +107,6 @@ class Problem:
             raise ValueError("give one latency source: a profile, a hardware spec or an aic "
                              "system")
         if self.aic_system is not None:
-            from pdserve.sim.aic_latency import BACKENDS, aic_version
-
             aic_version()  # a clear error (pip install 'pdserve[aic]') when it is absent
             if self.aic_backend not in BACKENDS:
                 raise ValueError(f"aic backend {self.aic_backend!r} is not one of "
@@ -150,8 +152,6 @@ class Problem:
         """What prices the planner's steps, in words (the plan's ``latency source``), with the
         serving-path terms added to it."""
         if self.aic_system is not None:
-            from pdserve.sim.aic_latency import PACKAGE, aic_version
-
             src = (f"{PACKAGE} {aic_version()} kernel database "
                    f"{self.aic_system}/{self.aic_backend} (kernel sums)")
         else:
@@ -183,7 +183,6 @@ class Problem:
 
     def links(self) -> tuple[Link | None, Link]:
         """``(intra-node, cross-node)`` KV links."""
-        from pdserve.sim.hardware import get_link
 
         inter = self.inter_node_link
         if inter is None:
@@ -192,8 +191,6 @@ class Problem:
 
 
 def device_memory_gib(p: Problem) -> float:
-    from pdserve.sim.target import SimulationConfig, base_model, device_of, step_model
-
     sim = SimulationConfig(ClusterConfig(model=p.model), **p.sim_settings())
     tp = available_tps(p, get_model_config(p.model))[0]
     dev = device_of(sim, base_model(step_model(sim, model_config(p.model), tp, 1, "float16")))
@@ -213,9 +210,6 @@ def available_tps(p: Problem, model: ModelConfig) -> list[int]:
     cap = min(p.gpus_per_node, p.max_tp or p.gpus_per_node)
     if p.profile is not None:
         import json
-
-        from pdserve.sim.latency import match_model_key
-        from pdserve.sim.target import resolve_profile
 
         path = resolve_profile(p.profile)
         with open(path) as f:
@@ -241,7 +235,6 @@ def available_pps(p: Problem, model: ModelConfig, tp: int, span_nodes: bool) -> 
     return [k for k in range(1, limit + 1) if model.num_layers % k == 0]
 
 
-
 @lru_cache(maxsize=64)
 def base_workload(p: Problem, num_requests: int | None = None) -> Workload:
     """The problem's workload of ``num_requests`` (default ``p.num_requests``), untimed
@@ -257,7 +250,6 @@ def base_workload(p: Problem, num_requests: int | None = None) -> Workload:
                                              limit - r.prompt_len)))
             for r in w.requests])
     return w
-
 
 
 def max_model_len(p: Problem) -> int:

@@ -32,7 +32,12 @@ from pdserve.bench.metrics import SLO, RequestRecord, attains
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.config import ClusterConfig
 from pdserve.flags import positive, positive_int
+from pdserve.planner.problem import Problem, available_tps
+from pdserve.planner.search import plan
+from pdserve.planner.units import Unit, evaluate_unit
 from pdserve.sim.model_catalogue import get_model_config
+from pdserve.sim.target import build_simulator, to_records, to_sim_requests
+from pdserve.sim.target import simulate as simulate_config
 
 
 @dataclass(frozen=True)
@@ -146,8 +151,7 @@ def simulate_replanning(requests: Sequence[WorkloadRequest], old: Any, new: Any 
                         simulate: Callable[..., Any] | None = None) -> list[RequestRecord]:
     """Records of ``requests`` when ``old`` (a ``SimulationConfig``) serves until
     ``switch_at`` and ``new`` afterwards (``new=None`` or ``switch_at=None``: ``old`` alone)."""
-    if simulate is None:
-        from pdserve.sim.target import simulate
+    simulate = simulate or simulate_config
     if new is None or switch_at is None:
         return simulate(old, list(requests), None, vocab_size)[0]
     first = [r for r in requests if r.arrival_time < switch_at]
@@ -168,8 +172,6 @@ def simulate_scaling(sim: Any, requests: Sequence[WorkloadRequest],
     operations the live runtime uses. Returns the records and the simulator (its
     ``removals``: when each removed instance had drained, and its block pool then)."""
     from dataclasses import replace
-
-    from pdserve.sim.target import build_simulator, to_records, to_sim_requests
 
     built = build_simulator(sim)
     s = built.simulator
@@ -222,8 +224,6 @@ def search_planner(problem: Any, strategy: str) -> Callable[[WindowStats], dict[
     """
     from dataclasses import replace
 
-    from pdserve.planner.search import plan
-
     def planner(window: WindowStats) -> dict[str, int]:
         p = replace(problem, rate=max(window.rate, 1e-3))
         return placement_counts(plan(p, strategies=(strategy,)).best.deployment)
@@ -243,8 +243,6 @@ def deployed_planner(problem: Any, config: Any) -> Callable[[WindowStats], dict[
     search prices the latency source's device, not the live instances'). A role whose unit
     reaches no goodput keeps one instance."""
     from dataclasses import replace
-
-    from pdserve.planner.units import Unit, evaluate_unit
 
     if config.strategy not in ("colocated", "disaggregated"):
         raise ValueError(f"live replanning supports colocated and disaggregated deployments, "
@@ -399,7 +397,6 @@ def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
     raise ``ValueError`` now, before any model loads."""
     if not getattr(args, "replan", False):
         return None
-    from pdserve.planner.problem import Problem
 
     if args.replan_profile and args.replan_hardware:
         raise ValueError("give --replan-profile or --replan-hardware, not both")
@@ -409,7 +406,6 @@ def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
                       slo=SLO(args.replan_slo_ttft, args.replan_slo_tpot),
                       num_requests=args.replan_num_requests, nodes=1,
                       gpus_per_node=max(r.tp * r.pp for r in config.roles))
-    from pdserve.planner.problem import available_tps
 
     available_tps(problem, get_model_config(problem.model))  # an unknown model/profile fails now
     planner = deployed_planner(problem, config)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdserve.config import ClusterConfig
+from pdserve.planner import units
 from pdserve.planner.alg2 import NodeGroup, alg2_placement, alg2_search, group_eval, node_groups
 from pdserve.planner.placements import (
     Placement,
@@ -190,7 +191,6 @@ def rate_ceiling(p: Problem, cands: Sequence[Unit]) -> tuple[float, str]:
     their capacity bounds (:func:`~pdserve.planner.units.unit_model`, no simulation):
     colocated and partial units replicated onto every GPU; prefill and decode units in the
     best split of the GPUs between the two. Returns the bound and the placement giving it."""
-    from pdserve.planner import units  # (looked up on the module: tests stand in for it)
 
     caps = {}
     for u in cands:
@@ -306,7 +306,6 @@ def plan(p: Problem, workers: int | None = None,
     part = next((x for x in fitting if x.strategy == "partial"), None)
     return Plan(p, best, fitting[1:], colo, dis, sorted(results, key=lambda r: r.unit),
                 time.perf_counter() - t0, notes, part, tuple(strategies))
-
 
 
 def _map(cache: UnitCache, fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:

@@ -37,6 +37,7 @@ from pdserve.bench.metrics import SLO, RequestRecord, attainment, meets
 from pdserve.bench.steady import SteadyState, confidence
 from pdserve.bench.workloads import Workload
 from pdserve.config import ClusterConfig, Link
+from pdserve.planner.early import AttainmentWatch
 from pdserve.planner.problem import (
     STRATEGIES,
     Problem,
@@ -47,6 +48,13 @@ from pdserve.planner.problem import (
 )
 from pdserve.sim.latency import DriverOverhead
 from pdserve.sim.simulator import gc_paused
+from pdserve.sim.target import (
+    SimulationConfig,
+    build_simulator,
+    step_model,
+    to_records,
+    to_sim_requests,
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -98,8 +106,6 @@ class UnitResult:
 
 
 def _sim(p: Problem, dep: dict[str, Any]) -> Any:
-    from pdserve.sim.target import SimulationConfig
-
     return SimulationConfig(ClusterConfig.from_dict(dep), **p.sim_settings())
 
 
@@ -130,7 +136,6 @@ def unit_deployment(p: Problem, u: Unit, num_prefill_helpers: int = 1,
         if u.link == "inter":
             d["kv_link"] = link_dict(inter)
     return d
-
 
 
 def probe_lifetime(p: Problem, kind: str = "colocated") -> float:
@@ -192,7 +197,6 @@ def unit_model(p: Problem, u: Unit) -> UnitModel:
     analytic bounds: capacity (prefill: batches of L_m tokens back to back on ``pp`` stages;
     decode: the KV-limited batch at the mean context every step; colocated: both in series)
     and the attainment with every request alone on the instance."""
-    from pdserve.sim.target import build_simulator, step_model
 
     model = model_config(p.model)
     dep = unit_deployment(p, u, 1, available_tps(p, model)[-1])
@@ -254,8 +258,6 @@ def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate:
     (:class:`pdserve.planner.early.AttainmentWatch`; same verdict, the attainment reported is
     then the bound it stopped on and ``details["early"]`` says which). ``details`` carry the
     verdict's ``confidence``, the requests simulated and judged."""
-    from pdserve.planner.early import AttainmentWatch
-    from pdserve.sim.target import build_simulator, to_records, to_sim_requests
 
     built = build_simulator(_sim(p, dict(dep)))
     sreqs = to_sim_requests(requests, model_config(p.model).vocab_size)
@@ -459,7 +461,6 @@ class UnitCache:
         self.results[r.unit] = r
         if self.on_done is not None:
             self.on_done(r)
-
 
 
 def unpaired_units(p: Problem, units: Sequence[Unit]) -> list[UnitResult]:

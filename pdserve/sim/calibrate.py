@@ -34,6 +34,7 @@ import numpy as np
 
 from pdserve.config import ModelConfig
 from pdserve.flags import subcommand
+from pdserve.sim.aic_latency import AicModel, aic_version, allreduce_table, database_version
 from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.hardware import DeviceSpec, Efficiency, load_hardware, save_hardware
 from pdserve.sim.latency import FittedProfile, LatencyModel, ProfileSample
@@ -51,6 +52,7 @@ from pdserve.sim.measurements import (
     model_config,
     save_samples,
 )
+from pdserve.sim.profiler import FULL_GRID, QUICK_GRID, measure_samples
 from pdserve.sim.serving_path import overhead_from_step_log, serving_path
 
 FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap")
@@ -382,8 +384,6 @@ def allreduce_measurements(table: dict[str, Any], model: ModelConfig, tps: Seque
 
 # ------------------------------------------------------------------------------ CLI
 def _measure(args: argparse.Namespace) -> list[Measurement]:
-    from pdserve.sim.profiler import FULL_GRID, QUICK_GRID, measure_samples
-
     grid = QUICK_GRID if args.quick else FULL_GRID
     samples = measure_samples(args.measure, args.device, None, grid, threads=args.threads,
                               log=print)
@@ -406,7 +406,6 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
         if is_ours:
             if not args.model:
                 raise ValueError(f"--profile {p}: pass --model (catalogue name or directory)")
-            from pdserve.sim.profiler import FULL_GRID
 
             prof, cfg = FittedProfile.load(p), model_config(args.model)
             shapes = FULL_GRID.shapes(min(cfg.max_position_embeddings, 4096))
@@ -459,12 +458,6 @@ def _gather_aic(args: argparse.Namespace, device: DeviceSpec
                 ) -> tuple[list[Measurement], dict[str, Any]]:
     """Kernel-sum steps of ``--model`` (repeatable) on ``--aic-system`` over
     :data:`KERNEL_GRID`, and the database's all-reduces for the check of the comm term."""
-    from pdserve.sim.aic_latency import (
-        AicModel,
-        aic_version,
-        allreduce_table,
-        database_version,
-    )
 
     others = [f"--{k.replace('_', '-')}" for k in _OTHER_SOURCES if getattr(args, k, None)]
     if others:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench import report
 from pdserve.bench.cli import (
     add_output_args,
     add_slo_args,
@@ -24,7 +25,10 @@ from pdserve.bench.cli import (
     write_plots,
     write_report,
 )
+from pdserve.bench.runner import build_workload, resolve_slo, run_workload
 from pdserve.flags import nonnegative, output_file, positive, positive_int, subcommand
+from pdserve.sim import instance_stats as ist
+from pdserve.sim.profiler import profile_instance, saturation_chunk_size
 from pdserve.sim.target import SimTarget, add_simulation_flags, simulation_from_args
 
 
@@ -69,8 +73,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     pool, controller and routers on a virtual clock, with a fitted profile, an analytic roofline
     model or aiconfigurator's measured kernel database in place of the GPU. The deployment flags
     and --config files are `pdserve serve`'s."""
-    from pdserve.bench import report
-    from pdserve.bench.runner import build_workload, resolve_slo, run_workload
 
     window = args.per_instance or None
     if window is not None and window < 1:
@@ -94,8 +96,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     md = report.summary_markdown(run.summary, f"{target.name} · {w.name} · {len(w)} requests")
     per: dict[str, Any] = {}
     if args.per_instance is not None:
-        from pdserve.sim import instance_stats as ist
-
         whole = ist.instance_windows(res)
         md += "\n" + ist.markdown(whole, "per instance, whole run")
         per["instances"] = {"whole": [r.to_dict() for r in whole]}
@@ -122,7 +122,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """Time the model executor on a grid of prefill, decode and mixed batches (warm-up, repeats,
     median) and fit DistServe's step-time forms by relative least squares. The result loads with
     `pdserve simulate --profile FILE`."""
-    from pdserve.sim.profiler import profile_instance, saturation_chunk_size
 
     measured = profile_instance(args.model, device=args.device, dtype=args.dtype,
                                 quick=args.quick, repeats=args.repeats,

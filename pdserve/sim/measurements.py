@@ -35,6 +35,7 @@ import numpy as np
 
 from pdserve.config import ModelConfig, read_text
 from pdserve.sim.latency import FittedProfile, ProfileSample
+from pdserve.sim.model_catalogue import canonical_model_name, get_model_config
 
 SAMPLES_FORMAT = "pdserve-step-samples"
 
@@ -68,7 +69,6 @@ def model_config(spec: str | ModelConfig) -> ModelConfig:
     """A catalogue name or a checkpoint directory as a :class:`ModelConfig`."""
     if isinstance(spec, ModelConfig):
         return spec
-    from pdserve.sim.model_catalogue import get_model_config
 
     return get_model_config(spec)
 
@@ -147,7 +147,6 @@ def from_distserve_json(path: str | os.PathLike[str],
                         models: Sequence[str] | None = None) -> list[Measurement]:
     """Every (model, TP) entry of a ``simdistserve`` profile file whose model the catalogue
     knows (or only ``models``), evaluated on :func:`profile_shapes`."""
-    from pdserve.sim.model_catalogue import canonical_model_name
 
     with open(path) as f:
         data = json.load(f)

@@ -30,7 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config import cdiv
+from pdserve.config import EngineConfig, ModelConfig, cdiv
+from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
+from pdserve.engine.engine import Engine
+from pdserve.request import Request, SamplingParams
+from pdserve.sim.hardware import device_for_cuda_name
 from pdserve.sim.latency import FittedProfile, ProfileSample, fit_profile
 
 
@@ -73,9 +77,7 @@ def profiling_engine(model_dir: str, device: str, dtype: str, num_blocks: int, b
             max_len: int, tp: int = 1):
     """An engine on the real executor, as the profiler times it: no prefix caching, a fixed
     torch thread count on CPU (each rank's, for ``tp`` > 1; close the executor after)."""
-    from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
-    from pdserve.engine.model_executor import ModelExecutor
+    from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
     cfg = EngineConfig.from_kwargs(model_dir, device=device, dtype=dtype, block_size=block_size,
                                    num_kv_blocks=num_blocks, max_model_len=max_len,
@@ -99,8 +101,6 @@ def measure_split(engine, sample: ProfileSample, repeats: int, stat: str = "medi
                   ) -> tuple[float, float]:
     """:func:`measure`'s seconds and the median share of a run rank 0 spent in collectives
     (0 for one rank)."""
-    from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
-    from pdserve.request import Request, SamplingParams
 
     kv = engine.scheduler.kv
     vocab = engine.vocab_size or 100
@@ -172,8 +172,7 @@ def _measure_all(model_dir: str, device: str, dtype: str | None, grid: ProfileGr
     """:func:`measure_samples`, each sample with its collective share."""
     import torch
 
-    from pdserve.config import ModelConfig
-    from pdserve.model.parallel import check_live_layout
+    from pdserve.model.parallel import check_live_layout  # lazy: torch
 
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
@@ -252,13 +251,10 @@ def profile_instance(model_dir: str, device: str = "cpu", dtype: str | None = No
     if device == "cpu":
         hw = "cpu"
     else:
-        import torch
-
-        from pdserve.sim.hardware import device_for_cuda_name
+        import torch  # lazy: torch
 
         cuda_name = torch.cuda.get_device_name(torch.device(device))
         hw = device_for_cuda_name(cuda_name) or cuda_name  # a catalogue name when there is one
-    from pdserve.config import ModelConfig
 
     flags = ("--quick " if quick else "") + (f"--tp {tp} " if tp > 1 else "")
     prof = fit_profile(samples, threshold, model=ModelConfig.from_dir(model_dir).name,

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.bench.metrics import RequestRecord
 from pdserve.config import ModelConfig, read_text
 from pdserve.sim.measurements import model_config, records_of
 
@@ -121,7 +122,6 @@ def serving_path(path: str | os.PathLike[str], model: str | ModelConfig,
     requests that ran alone when any did, else all of them) and ``kv_link``
     (:func:`handoff_link`); ``None`` where the records cannot tell (a server that sends no
     timelines, such as vLLM; a colocated one has no hand-off)."""
-    from pdserve.bench.metrics import RequestRecord
 
     runs = [[RequestRecord.from_dict(r) for r in run] for run in records_of(path)]
     recs = [r for run in runs for r in run]

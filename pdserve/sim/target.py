@@ -34,7 +34,9 @@ from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.routing import routers_for
 from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
 from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
-from pdserve.sim.aic_latency import AicModel
+from pdserve.request import Timeline
+from pdserve.sim.aic_latency import BACKENDS, AicModel, aic_version
+from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.hardware import DeviceSpec, get_device, get_link
 from pdserve.sim.latency import DriverOverhead, FittedProfile, LatencyModel, PipelineModel
 from pdserve.sim.model_catalogue import get_model_config
@@ -99,8 +101,6 @@ class SimulationConfig:
         if self.hardware is not None:
             get_device(self.hardware)  # a clear error for an unknown name
         if self.aic_system is not None:
-            from pdserve.sim.aic_latency import BACKENDS, aic_version
-
             aic_version()  # a clear error (pip install 'pdserve[aic]') when it is absent
             if self.aic_backend not in BACKENDS:
                 raise ValueError(f"aic backend {self.aic_backend!r} is not one of "
@@ -134,7 +134,6 @@ def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
     (``ep``: expert parallelism, roofline only),
     wrapped in a :class:`PipelineModel` when ``pp`` > 1 and in a :class:`DriverOverhead` when
     an overhead is set."""
-    from pdserve.sim.analytic import AnalyticModel
 
     base: LatencyModel
     if sim.aic_system is not None:
@@ -324,8 +323,6 @@ def to_records(requests: Sequence[WorkloadRequest], result: SimResult,
 
 
 def _timeline(w: WorkloadRequest) -> Any:
-    from pdserve.request import Timeline
-
     return Timeline(arrival=w.arrival_time)
 
 

@@ -224,9 +224,7 @@ async def test_serve_and_shutdown(model_dir: str, monkeypatch: pytest.MonkeyPatc
         await runtime.start()
         return runtime
 
-    import pdserve.cluster.runtime
-
-    monkeypatch.setattr(pdserve.cluster.runtime, "build_runtime", build_runtime)
+    monkeypatch.setattr(cli, "build_runtime", build_runtime)  # the name serve() calls
     config = cli.config_from_args(parse("--model", model_dir, "--backend", "inproc"))
     port = _free_port()
     task = asyncio.create_task(cli.serve(config, port=port, served_model_name="tiny",

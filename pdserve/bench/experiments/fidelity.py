@@ -40,9 +40,12 @@ from rich.table import Table
 from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import Settings, build_workload, run_workload
 from pdserve.bench.targets import HttpTarget
-from pdserve.config import ClusterConfig, Link, ModelConfig
+from pdserve.config import STRATEGIES, ClusterConfig, Link, ModelConfig
+from pdserve.sim.calibrate import calibrate, relative_errors
+from pdserve.sim.hardware import device_for_cuda_name, get_device, save_hardware
+from pdserve.sim.measurements import from_step_log
 from pdserve.sim.serving_path import handoff_link, overhead_from_step_log, request_overhead
-from pdserve.sim.target import SimTarget, SimulationConfig
+from pdserve.sim.target import SimTarget, SimulationConfig, resolve_profile, step_model
 
 con = Console(stderr=True)
 
@@ -57,7 +60,7 @@ def free_port() -> int:
 
 
 def make_model(path: Path, seed: int) -> str:
-    from pdserve.model.tiny import make_tiny_model
+    from pdserve.model.tiny import make_tiny_model  # lazy: torch
 
     if not (path / "config.json").exists():
         make_tiny_model(str(path), "llama", seed, **MODEL_SIZE)
@@ -173,7 +176,6 @@ def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
 
 def latency_of(setup: SimulationConfig, model: str, dtype: str = "float32", tp: int = 1) -> Any:
     """The simulator's executor-only step-time model of a TP-``tp`` instance of ``setup``."""
-    from pdserve.sim.target import step_model
 
     return step_model(replace(setup, step_overhead_ms=0.0, seq_overhead_ms=0.0),
                       ModelConfig.from_dir(model), tp, 1, dtype)
@@ -183,7 +185,6 @@ def deployment(name: str) -> tuple[dict[str, Any], int]:
     """A deployment's spec entries and TP degree from its name: ``colocated``, ``disaggregated``,
     ``partial``, each optionally with ``-tpN`` (every instance N ranks; one profile prices one
     degree)."""
-    from pdserve.config import STRATEGIES
 
     strategy, sep, tp = name.partition("-tp")
     if strategy not in STRATEGIES or (sep and not (tp.isdigit() and int(tp) >= 1)):
@@ -201,9 +202,6 @@ def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], mode
     batch sizes (and the server's own CPU use) of every measured rate, then fit the ``base``
     device's efficiency factors to the steps the live instances logged so far (warm-up
     included); writes ``out`` and returns its path, the fit's summary and the run's records."""
-    from pdserve.sim.calibrate import calibrate
-    from pdserve.sim.hardware import get_device, save_hardware
-    from pdserve.sim.measurements import from_step_log
 
     per = max(1, -(-s.num_requests // len(rates)))
     records = []
@@ -236,9 +234,6 @@ def step_error(hardware: str, step_log: Path, model: str, window: tuple[float, f
     its fit): mean |error|, median error (bias) and the live executor's busy seconds. Separates
     a step-time error (the device ran faster or slower than when it was calibrated) from an
     error in what the simulator makes of correct step times."""
-    from pdserve.sim.calibrate import relative_errors
-    from pdserve.sim.hardware import get_device
-    from pdserve.sim.measurements import from_step_log
 
     try:
         ms = from_step_log(step_log, model, 1, dtype, window=window)
@@ -266,7 +261,6 @@ def at_speed(hardware: str, factor: float, out: Path) -> str:
     ``1/factor`` the time (peaks and bandwidth × factor, fixed costs ÷ factor); written to
     ``out``. With ``factor`` = 1 + a run's step-model bias (:func:`step_error`) the simulation
     runs at the speed the device had during that run: what remains is the simulator's error."""
-    from pdserve.sim.hardware import get_device, save_hardware
 
     dev = get_device(hardware)
     e = dev.efficiency
@@ -490,9 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     calibrated = args.latency == "calibrated"
     dtype, device = "float32", "cpu"
     if args.device != "cpu":  # a GPU: its catalogue entry is calibrated on the step log
-        import torch
-
-        from pdserve.sim.hardware import device_for_cuda_name
+        import torch  # lazy: torch
 
         if not calibrated:
             raise SystemExit("--device cuda needs --latency calibrated")
@@ -508,7 +500,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     layouts = {name: deployment(name) for name in strategies}
     profiles: dict[int, str] = {}  # TP degree -> fitted profile (--latency profile)
     if args.profile and not calibrated:  # ours records its tp (a DistServe file counts as TP1)
-        from pdserve.sim.target import resolve_profile
 
         path = resolve_profile(args.profile)
         profiles[int(json.loads(Path(path).read_text()).get("tp", 1))] = path
