@@ -293,8 +293,12 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
         d.add_argument("--max-waiting-requests", type=positive_int,
                        help=f"waiting requests beyond this get HTTP 429 "
                             f"(default: {_DEFAULT.max_waiting_requests})")
-    add_engine_flags(parser, ("role", "prefill_token_target") if live
-                     else ("role", "prefill_token_target", "device", "seed"))
+    if live:
+        add_engine_flags(parser, ("role", "prefill_token_target"))
+    else:  # the simulator's own default (pdserve.sim.target.auto_dtype)
+        add_engine_flags(parser, ("role", "prefill_token_target", "device", "seed"),
+                         {"dtype": "the checkpoint's, as a GPU engine serves it: bfloat16 "
+                                   "for a bfloat16 model, float16 otherwise"})
 
 
 _ECO_FIELDS = tuple(k for k, (group, _) in FLAT_KEYS.items() if group == "macro")

@@ -10,8 +10,9 @@ on the hardware's memory. :class:`SimTarget` is the benchmark toolkit's ``Target
 Records carry the full simulated timeline (also as ``server_timeline``), so the latency
 breakdown works as it does for a live server.
 
-Simulation defaults that differ from a live CPU run: weights and KV in float16 (the engine's
-``dtype`` unless given), and the model ``opt-13b`` unless given.
+Simulation defaults that differ from a live CPU run: weights and KV in the checkpoint's dtype
+as a GPU engine serves it (:func:`auto_dtype`: bfloat16 for a bfloat16 checkpoint, float16
+otherwise) unless ``dtype`` is given, and the model ``opt-13b`` unless given.
 
 Pipeline parallelism uses :class:`~pdserve.sim.latency.PipelineModel`; the simulator runs a
 PP = k instance as k virtual engines sharing k stages, so up to k batches are in flight (each
@@ -209,12 +210,22 @@ def _model(name: str) -> ModelConfig:
     return get_model_config(name)
 
 
+def auto_dtype(model: ModelConfig) -> str:
+    """The dtype a GPU engine serves a checkpoint in when none is given (vLLM's ``auto``): the
+    checkpoint's own ``torch_dtype``, float16 for a float32 (or unnamed) one."""
+    hf = model.hf_config
+    given = str(hf.get("torch_dtype") or hf.get("dtype") or "").removeprefix("torch.")
+    return "bfloat16" if given == "bfloat16" else "float16"
+
+
 def sim_deployment(sim: SimulationConfig) -> ClusterConfig:
     """The deployment with the simulation defaults applied (module docstring)."""
     dep = sim.deployment
+    model = dep.model or DEFAULT_MODEL
     engine = dict(dep.engine)
-    engine.setdefault("dtype", "float16")
-    return replace(dep, model=dep.model or DEFAULT_MODEL, engine=engine)
+    if "dtype" not in engine:
+        engine["dtype"] = auto_dtype(_model(model))
+    return replace(dep, model=model, engine=engine)
 
 
 def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> BuiltCluster:

@@ -13,7 +13,8 @@ from pdserve.bench.cli import main as bench_main
 from pdserve.cli import main as pdserve_main
 from pdserve.config import ClusterConfig
 from pdserve.sim.latency import FittedProfile
-from pdserve.sim.target import SimulationConfig, build_simulator
+from pdserve.sim.model_catalogue import get_model_config
+from pdserve.sim.target import SimulationConfig, auto_dtype, build_simulator, sim_deployment
 
 DISTSERVE = Path(__file__).resolve().parents[2] / "pdserve" / "data" / "profiles" / \
     "distserve_profiler-a100-80g.distserve.json"  # shipped with pdserve
@@ -242,3 +243,18 @@ def test_preble_router_in_the_simulator_sees_the_cache() -> None:
         hits[router] = sum(r.num_cached_tokens for r in res.records)
     assert hits["preble-paper"] > hits["round_robin"]
     assert hits["prefix_aware"] > hits["round_robin"]
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("llama-3.1-8b", "bfloat16"),
+                                              ("opt-13b", "float16")])
+def test_the_simulated_dtype_is_the_checkpoints_unless_given(model: str, dtype: str) -> None:
+    """vLLM's ``auto``: the catalogue's Llama-3.1-8B is a bfloat16 checkpoint, OPT-13B a float16
+    one; a float32 checkpoint (the tiny models) is served in float16; a given dtype stays."""
+    dep = sim_deployment(SimulationConfig(ClusterConfig(model=model), hardware="H100"))
+    assert dep.engine["dtype"] == dtype
+    given = sim_deployment(SimulationConfig(ClusterConfig(model=model,
+                                                          engine={"dtype": "float32"})))
+    assert given.engine["dtype"] == "float32"
+    cfg = get_model_config(model)
+    f32 = type(cfg)(**{**cfg.__dict__, "hf_config": {"torch_dtype": "float32"}})
+    assert auto_dtype(f32) == "float16"
