@@ -84,6 +84,15 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_int_list(text: str) -> list[int]:
+    """``1,2,4``: integers >= 1, in order, each once."""
+    out = [positive_int(t.strip()) for t in text.split(",") if t.strip()]
+    if not out or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"expected distinct integers >= 1 separated by "
+                                         f"commas, got {text!r}")
+    return out
+
+
 def nonnegative(text: str) -> float:
     v = _number(text)
     if v < 0:

@@ -26,9 +26,17 @@ from pdserve.bench.cli import (
     write_report,
 )
 from pdserve.bench.runner import build_workload, resolve_slo, run_workload
-from pdserve.flags import nonnegative, output_file, positive, positive_int, subcommand
+from pdserve.config import ModelConfig
+from pdserve.flags import (
+    nonnegative,
+    output_file,
+    positive,
+    positive_int,
+    positive_int_list,
+    subcommand,
+)
 from pdserve.sim import instance_stats as ist
-from pdserve.sim.profiler import profile_instance, saturation_chunk_size
+from pdserve.sim.profiler import profile_instance, saturation_chunk_size, save_profiles
 from pdserve.sim.target import SimTarget, add_simulation_flags, simulation_from_args
 
 
@@ -62,10 +70,12 @@ def register(subparsers: Any) -> None:
                         "actor runs; 0 = torch's default)")
     p.add_argument("--max-tokens", type=positive_int,
                    help="largest prefill batch in tokens (default: from the grid)")
-    p.add_argument("--tp", type=positive_int, default=1,
+    p.add_argument("--tp", type=positive_int_list, default=[1], metavar="N[,N...]",
                    help="measure a tensor-parallel instance of this many ranks (gloo on CPU, "
                         "NCCL on CUDA; --threads per rank); the profile is for tp=N "
-                        "instances only")
+                        "instances only; several degrees (1,2) are measured one after the "
+                        "other into one file, which prices each instance at its own tp "
+                        "(prefill TP2 + decode TP1)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -123,20 +133,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     median) and fit DistServe's step-time forms by relative least squares. The result loads with
     `pdserve simulate --profile FILE`."""
 
-    measured = profile_instance(args.model, device=args.device, dtype=args.dtype,
-                                quick=args.quick, repeats=args.repeats,
-                                max_tokens=args.max_tokens, log=say, progress=not args.quick,
-                                threads=args.threads or None, tp=args.tp)
-    measured.save(args.out)
-    prof = measured.profile
-    print(f"wrote {args.out} (tp={prof.tp})")
-    print(f"{'part':<14}{'samples':>8}{'max err':>10}{'mean err':>10}")
-    for part, e in prof.fit_error.items():
-        print(f"{part:<14}{e['n']:>8}{e['max_rel']:>10.1%}{e['mean_rel']:>10.1%}")
-    if prof.tp > 1:
-        print("collectives (rank 0's all-reduce/all-gather, waits included): " + ", ".join(
-            f"{kind} {c['mean']:.0%} of a step (max {c['max']:.0%})"
-            for kind, c in measured.collectives.items()))
+    from pdserve.model.parallel import check_live_layout  # lazy: torch
+
+    model = ModelConfig.from_dir(args.model)
+    for tp in args.tp:  # every degree, before the first is measured
+        check_live_layout(model, tp, device=args.device)
+    every = [profile_instance(args.model, device=args.device, dtype=args.dtype,
+                              quick=args.quick, repeats=args.repeats,
+                              max_tokens=args.max_tokens, log=say, progress=not args.quick,
+                              threads=args.threads or None, tp=tp) for tp in args.tp]
+    save_profiles(args.out, every)
+    print(f"wrote {args.out} (tp={','.join(str(tp) for tp in args.tp)})")
+    for measured in every:
+        prof = measured.profile
+        print(f"tp={prof.tp}: {'part':<14}{'samples':>8}{'max err':>10}{'mean err':>10}")
+        for part, e in prof.fit_error.items():
+            print(f"      {part:<14}{e['n']:>8}{e['max_rel']:>10.1%}{e['mean_rel']:>10.1%}")
+        if prof.tp > 1:
+            print("      collectives (rank 0's all-reduce/all-gather, waits included): "
+                  + ", ".join(f"{kind} {c['mean']:.0%} of a step (max {c['max']:.0%})"
+                              for kind, c in measured.collectives.items()))
+    prof = every[0].profile
     chunk, curve = saturation_chunk_size(prof, args.max_tokens or 4096)
     print(f"ChunkSize (TetriInfer 3.3.3, --prefill-chunk-size): {chunk} tokens, where prefill "
           f"throughput reaches 90% of its peak ("

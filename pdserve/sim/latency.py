@@ -185,8 +185,14 @@ class FittedProfile(LatencyModel):
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: str | ModelConfig | None = None,
              tp: int | None = None) -> FittedProfile:
-        """Our format, or (given ``model`` and ``tp``) a DistServe profile file."""
+        """Our format — one profile, or one per TP degree (``by_tp``, ``pdserve profile --tp
+        1,2``: the entry of ``tp``) — or (given ``model`` and ``tp``) a DistServe profile."""
         d = _read_json(path)
+        if d.get("format") == PROFILE_FORMAT and "by_tp" in d:
+            if tp is None or str(tp) not in d["by_tp"]:
+                raise ValueError(f"{os.fspath(path)!r} has no tp={tp} profile; measured at "
+                                 f"tp={', '.join(sorted(d['by_tp'], key=int))}")
+            return cls.from_dict(d["by_tp"][str(tp)])
         if d.get("format") == PROFILE_FORMAT:
             return cls.from_dict(d)
         if model is None or tp is None:

@@ -35,7 +35,7 @@ from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
 from pdserve.engine.engine import Engine
 from pdserve.request import Request, SamplingParams
 from pdserve.sim.hardware import device_for_cuda_name
-from pdserve.sim.latency import FittedProfile, ProfileSample, fit_profile
+from pdserve.sim.latency import PROFILE_FORMAT, FittedProfile, ProfileSample, fit_profile
 
 
 @dataclass(frozen=True)
@@ -225,9 +225,20 @@ class MeasuredProfile:
         return {**self.profile.to_dict(), "collectives": self.collectives}
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        save_profiles(path, [self])
+
+
+def save_profiles(path: str, measured: Sequence[MeasuredProfile]) -> None:
+    """One profile's file, or (several TP degrees) one file holding each under ``by_tp``,
+    which :meth:`FittedProfile.load` reads for the instance's ``tp``."""
+    if len(measured) == 1:
+        doc = measured[0].to_dict()
+    else:
+        doc = {"format": PROFILE_FORMAT, "version": 1,
+               "by_tp": {str(m.profile.tp): m.to_dict() for m in measured}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
 
 
 def profile_instance(model_dir: str, device: str = "cpu", dtype: str | None = None,

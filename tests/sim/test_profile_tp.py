@@ -105,3 +105,44 @@ def test_profile_refuses_a_tp_it_cannot_run(model_dir: str, tmp_path: Path, tp: 
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("pdserve profile: error: ") and says in err[0]
     assert not (tmp_path / "p.json").exists()
+
+
+def test_one_file_prices_each_instance_at_its_own_tp(model_dir: str, tp2_profile: Path,
+                                                     tmp_path: Path) -> None:
+    """DistServe's layout from measured profiles: a file of the TP1 and TP2 profiles (what
+    ``pdserve profile --tp 1,2`` writes) prices prefill TP2 with the TP2 entry and decode TP1
+    with the TP1 entry; a tp it lacks is refused with the degrees it has."""
+    tp1 = profiler.profile_instance(model_dir, grid=TINY_GRID, progress=False)
+    both = tmp_path / "tp1-2.json"
+    profiler.save_profiles(str(both), [tp1, _measured(tp2_profile)])
+    doc = json.loads(both.read_text())
+    assert sorted(doc["by_tp"]) == ["1", "2"] and "collectives" in doc["by_tp"]["2"]
+    assert FittedProfile.load(both, tp=2) == FittedProfile.load(tp2_profile)
+    assert FittedProfile.load(both, tp=1) == tp1.profile
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--profile", str(both), "--model", model_dir, "--strategy",
+                 "disaggregated", "--prefill-tp", "2", "--decode-tp", "1", "--workload",
+                 "fixed:input=32,output=4", "--num-requests", "6", "--rate", "4",
+                 "--no-progress", "--output-json", str(out)]) == 0
+    roles = json.loads(out.read_text())["deployment"]["roles"]
+    assert "tp=2" in roles["prefill"]["latency_model"]
+    assert "tp=1" in roles["decode"]["latency_model"]
+    with pytest.raises(ValueError, match=r"has no tp=4 profile; measured at tp=1, 2"):
+        FittedProfile.load(both, tp=4)
+
+
+def _measured(path: Path) -> profiler.MeasuredProfile:
+    data = json.loads(path.read_text())
+    return profiler.MeasuredProfile(FittedProfile.load(path), data["collectives"])
+
+
+def test_profile_checks_every_tp_before_measuring_any(model_dir: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[int] = []
+    monkeypatch.setattr("pdserve.sim.cli.profile_instance",
+                        lambda *a, tp=1, **kw: measured.append(tp))
+    rc = main(["profile", "--model", model_dir, "--tp", "1,3", "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "tp=3" in err[0]
+    assert measured == [] and not (tmp_path / "p.json").exists()
