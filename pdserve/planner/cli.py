@@ -118,9 +118,11 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help="both = each request meets both SLOs (default); distserve = P90 TTFT "
                         "and P90 TPOT checked separately (DistServe's variant)")
     w.add_argument("--rate", type=positive,
-                   help="traffic to serve, req/s: each placement is replicated to it (default: "
-                        "none, each placement sized to the cluster and the most goodput per "
-                        "GPU chosen, as aiconfigurator's default mode)")
+                   help="traffic to serve, req/s: each placement is replicated to it, and one "
+                        "whose goodput (simulated whole where it was) falls short of it ranks "
+                        "after every one that serves it (default: none, each placement sized "
+                        "to the cluster and the most goodput per GPU chosen, as "
+                        "aiconfigurator's default mode)")
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=positive_int, default=Problem.nodes)
     c.add_argument("--gpus-per-node", type=positive_int, default=Problem.gpus_per_node)

@@ -112,10 +112,11 @@ def serves(p: Problem, pl: Placement) -> bool:
 
 def _primary(p: Problem, pl: Placement) -> tuple[Any, ...]:
     """The objective, lower is better: the most goodput per GPU, or (``min_gpus``) the
-    fewest GPUs among the placements that serve the rate."""
+    fewest GPUs; with a rate, among the placements that serve it first (a placement whose
+    whole simulation falls short of the rate never beats one that serves it)."""
     if p.min_gpus:
         return (not serves(p, pl), pl.num_gpus)
-    return (-round(pl.per_gpu_rps, 9),)
+    return (not serves(p, pl), -round(pl.per_gpu_rps, 9))
 
 
 def _rank(p: Problem, pls: Iterable[Placement], simulated_first: bool = False
@@ -298,7 +299,7 @@ def plan(p: Problem, workers: int | None = None,
                          f"to {what} of {p.model}: the placement needing the "
                          f"fewest GPUs, {fewest.name}, needs {fewest.num_gpus}")
     best = fitting[0]
-    if p.min_gpus and not serves(p, best):
+    if not serves(p, best):
         notes.append(f"no placement's goodput reaches {p.rate:g} req/s when simulated whole: "
                      f"the chosen one, {best.name}, serves {best.goodput_rps:.3f}")
     colo = next((x for x in fitting if x.strategy == "colocated"), None)

@@ -78,8 +78,9 @@ def test_min_gpus_ranks_the_fewest_gpus_serving_the_rate_first() -> None:
     0.55 each (1.1 req/s, 0.55 per GPU, 2 GPUs) and one TP1 of 0.9 (1 GPU, short of the rate:
     it does not serve it)."""
     wide, narrow, short = _pl("tp4", 4.0, 4), _pl("2 x tp1", 1.1, 2), _pl("tp1", 0.9, 1)
+    # the most per GPU among those serving the rate; the short one (0.9 per GPU) last
     assert [x.name for x in _rank(_p(rate=1.0), [narrow, short, wide])] == [
-        "tp4", "tp1", "2 x tp1"]
+        "tp4", "2 x tp1", "tp1"]
     # the fewest GPUs among those serving the rate, then those that do not serve it
     assert [x.name for x in _rank(_p(rate=1.0, min_gpus=True), [wide, short, narrow])] == [
         "2 x tp1", "tp4", "tp1"]
