@@ -98,16 +98,8 @@ def test_bad_aic_settings_are_one_line_errors(capsys: pytest.CaptureFixture[str]
     assert "give one latency source" in capsys.readouterr().err
 
 
-def test_missing_package_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch,
+def test_missing_package_is_a_one_line_error(aic_absent: None,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    real = importlib.metadata.version
-
-    def version(name: str) -> str:
-        if name == "aiconfigurator-core":
-            raise importlib.metadata.PackageNotFoundError(name)
-        return real(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", version)
     assert main(["simulate", "--model", "llama-3.1-8b", "--aic-system", "h100_sxm",
                  "--num-requests", "4", "--no-progress"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

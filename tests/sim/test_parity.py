@@ -95,11 +95,21 @@ async def run_live(cfg: ClusterConfig, reqs: list[tuple[float, int, int]]):
     rt.batch_log = []
     await rt.start()
 
+    await replay(rt, reqs, prompt)
+    return rt.batch_log
+
+
+async def replay(rt: ClusterRuntime, reqs, prompt) -> dict[str, int]:
+    """Send each ``(arrival, prompt length, output length)`` of ``reqs`` at its time (greedy,
+    to its length), drain and shut ``rt`` down; the tokens each request got."""
+    tokens: dict[str, int] = {}
+
     async def one(i: int, t: float, p: int, o: int, t0: float) -> None:
         await asyncio.sleep(max(t0 + t - time.monotonic(), 0.0))
         params = SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
         outs = [x async for x in rt.generate(f"r{i}", prompt(i, p), params)]
         assert outs[-1].finish_reason == "length"
+        tokens[f"r{i}"] = len(outs[-1].token_ids)
 
     try:
         t0 = time.monotonic()
@@ -107,7 +117,7 @@ async def run_live(cfg: ClusterConfig, reqs: list[tuple[float, int, int]]):
         await rt.drain()
     finally:
         await rt.shutdown()
-    return rt.batch_log
+    return tokens
 
 
 def per_instance(log) -> dict[str, list]:
@@ -136,9 +146,16 @@ def first_race(res, reqs, strategy: str) -> float | None:
 def race_free(cfg: ClusterConfig, reqs: list[tuple[float, int, int]], strategy: str):
     """Delay arrivals (from the last one before the earliest race on) until no input is near
     another instance's step end; returns the requests and the simulated result."""
+    return shift_until_race_free(reqs, lambda r: run_sim(cfg, r),
+                                 lambda res, r: first_race(res, r, strategy))
+
+
+def shift_until_race_free(reqs, simulate, earliest_race):
+    """:func:`race_free` for any simulation (``simulate(reqs)``) and race test
+    (``earliest_race(result, reqs)``: a time or ``None``)."""
     for _ in range(100):
-        res = run_sim(cfg, reqs)
-        race = first_race(res, reqs, strategy)
+        res = simulate(reqs)
+        race = earliest_race(res, reqs)
         if race is None:
             return reqs, res
         pivot = max(t for t, _, _ in reqs if t <= race + 1e-9)

@@ -13,7 +13,6 @@ instance exports its KV once the step it is in has computed, a gather over its r
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -24,9 +23,8 @@ from pdserve.cluster.runtime import ClusterRuntime
 from pdserve.cluster.worker import InstanceWorker
 from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
-from pdserve.request import SamplingParams
 from pdserve.sim.simulator import SimInstance, SimRequest, Simulator
-from tests.sim.test_parity import FixedStep, per_instance
+from tests.sim.test_parity import FixedStep, per_instance, replay, shift_until_race_free
 
 MARGIN, LAG, HANDOFF_LAG = 0.015, 0.035, 0.09
 # a few times a real step of the tiny model, TP2 included (an overrun shifts the live grid)
@@ -122,21 +120,7 @@ async def run_live(cfg: ClusterConfig, model: ModelConfig, executors: dict[int, 
     rt = ClusterRuntime(cfg, clients, tokenizer=None, model_config=model, model_name="tiny")
     rt.batch_log = []
     await rt.start()
-    tokens: dict[str, int] = {}
-
-    async def one(i: int, t: float, p: int, o: int, t0: float) -> None:
-        await asyncio.sleep(max(t0 + t - time.monotonic(), 0.0))
-        params = SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
-        outs = [x async for x in rt.generate(f"r{i}", prompt(i, p), params)]
-        assert outs[-1].finish_reason == "length"
-        tokens[f"r{i}"] = len(outs[-1].token_ids)
-
-    try:
-        t0 = time.monotonic()
-        await asyncio.gather(*(one(i, t, p, o, t0) for i, (t, p, o) in enumerate(reqs)))
-        await rt.drain()
-    finally:
-        await rt.shutdown()
+    tokens = await replay(rt, reqs, prompt)
     overruns = {iid: g.overruns for iid, g in grids.items() if g.overruns}
     return rt.batch_log, tokens, overruns
 
@@ -161,14 +145,8 @@ def race_free(cfg: ClusterConfig, model: ModelConfig, reqs: list[tuple[float, in
     """Delay arrivals (from the last one before the earliest race on) until no input is near
     another instance's step end; returns the requests and the simulated result."""
     roles = {s.role for s in cfg.instance_specs()}
-    for _ in range(100):
-        res = run_sim(cfg, model, reqs)
-        race = first_race(res, reqs, roles)
-        if race is None:
-            return reqs, res
-        pivot = max(t for t, _, _ in reqs if t <= race + 1e-9)
-        reqs = [(t + 0.007 if t >= pivot else t, p, o) for t, p, o in reqs]
-    raise AssertionError("no race-free timing found")
+    return shift_until_race_free(reqs, lambda r: run_sim(cfg, model, r),
+                                 lambda res, r: first_race(res, r, roles))
 
 
 # (arrival s, prompt tokens, output tokens); colocated: 64 tokens a step, so long prompts chunk
