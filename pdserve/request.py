@@ -373,7 +373,9 @@ class Request:
         arrival_time: float = 0.0,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        shared = prompt_token_ids if isinstance(prompt_token_ids, Prompt) else None
+        # a Prompt is never changed: shared, not copied (a plain list is copied)
+        self.prompt_token_ids = shared if shared is not None else list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.params = params
@@ -382,7 +384,7 @@ class Request:
         self.num_cached_tokens = -1  # set at first scheduling (prefix-cache hit length)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
-        self.shared_prompt = prompt_token_ids if isinstance(prompt_token_ids, Prompt) else None
+        self.shared_prompt = shared
         self.timeline = Timeline(arrival=arrival_time)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0

@@ -107,7 +107,7 @@ class TokenDelta:
     timeline: Timeline | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class StepReport:
     instance_id: str
     role: str

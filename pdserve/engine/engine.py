@@ -45,7 +45,7 @@ class StepResult:
                 for r, t in zip(self.requests, self.new_texts)]
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -242,15 +242,12 @@ class Engine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.scheduler.pool
+        n, free = pool.num_blocks, pool.num_free_blocks  # (every step: one pass, positional)
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
-            num_pending_kv=len(s.pending_kv) + len(s.pulling), num_kv_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks, num_used_blocks=pool.num_used_blocks,
-            kv_usage=pool.usage, prefix_queries=s.kv.prefix_queries,
-            prefix_hits=s.kv.prefix_hits, num_preemptions=s.num_preemptions,
-            num_steps=self.num_steps, busy_time=self.busy_time,
-            step_log_errors=self._step_log.errors if self._step_log is not None else 0,
-        )
+            len(s.running), len(s.waiting), len(s.held), len(s.pending_kv) + len(s.pulling),
+            n, free, n - free, (n - free) / n, s.kv.prefix_queries, s.kv.prefix_hits,
+            s.num_preemptions, self.num_steps, self.busy_time,
+            self._step_log.errors if self._step_log is not None else 0)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -102,6 +102,11 @@ class FreeBlockQueue:
         del self._q[i]
         self.size -= 1
 
+    def extend(self, blocks: list[Block]) -> None:
+        """Append ``blocks`` at the tail, in order (what ``append`` on each would do)."""
+        self._q.update([(b.block_id, b) for b in blocks])
+        self.size += len(blocks)
+
     def popleft(self) -> Block:
         f = self._fresh
         if f < self._n:  # a fresh block
@@ -125,6 +130,17 @@ class FreeBlockQueue:
                     out[t] = self._blocks[f + t] = Block(f + t)
         self._fresh = f + k
         self.size -= k
+        return out
+
+    def take(self, n: int) -> list[Block]:
+        """Pop ``n`` blocks from the head (``n`` calls of ``popleft``); ``n`` must be queued."""
+        out = self.take_fresh(n)
+        k = n - len(out)
+        if k > 0:
+            assert k <= len(self._q), "free queue is empty"
+            pop = self._q.popitem
+            out += [pop(False)[1] for _ in range(k)]
+            self.size -= k
         return out
 
     def __iter__(self):
@@ -197,25 +213,27 @@ class BlockPool:
         """Take ``n`` blocks from the head of the free queue, evicting their cached KV."""
         if n > self.free_queue.size:
             raise ValueError(f"cannot allocate {n} blocks, only {self.free_queue.size} free")
-        out = self.free_queue.take_fresh(n)  # the never-used head of the queue, at once
-        for b in out:  # never used, so never cached: nothing to evict
-            b.ref_cnt = 1
-        for _ in range(n - len(out)):
-            b = self.free_queue.popleft()
+        out = self.free_queue.take(n)
+        cached = self.cached
+        for b in out:  # hot loop: the never-used head has no hash, a reused block may have one
             if b.block_hash is not None:
-                self._evict(b)
+                if self.record_events:
+                    self.events.append(BlockRemoved([b.block_hash]))
+                del cached[b.block_hash]
+                b.block_hash = b.token_ids = None
             b.ref_cnt = 1
-            out.append(b)
         return out
 
     def free(self, blocks: list[Block]) -> None:
         """Drop one reference from each block. Pass a request's table **tail first** so that its
         last blocks (least likely to be shared) are evicted first."""
+        released = []
         for b in blocks:
             assert b.ref_cnt > 0, f"double free of {b}"
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                released.append(b)
+        self.free_queue.extend(released)
 
     def cache(self, block: Block, block_hash: int, tokens: tuple[int, ...],
               parent_hash: int) -> bool:
@@ -231,6 +249,21 @@ class BlockPool:
             self.events.append(BlockStored([block_hash], parent_hash, list(tokens),
                                            self.block_size))
         return True
+
+    def cache_blocks(self, blocks: list[Block], block_hashes: list[int],
+                     tokens: list[tuple[int, ...]], parent_hash: int) -> None:
+        """:meth:`cache` each of a run of consecutive blocks of one chain (``parent_hash``
+        precedes the first; each block's hash is the next one's parent)."""
+        if not self.enable_caching:
+            return
+        cached = self.cached
+        for b, h, t in zip(blocks, block_hashes, tokens, strict=True):
+            if b.block_hash is None and h not in cached:
+                b.block_hash, b.token_ids = h, t
+                cached[h] = b
+                if self.record_events:
+                    self.events.append(BlockStored([h], parent_hash, list(t), self.block_size))
+            parent_hash = h
 
     def _evict(self, block: Block) -> None:
         assert block.block_hash is not None

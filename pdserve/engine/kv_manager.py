@@ -110,17 +110,20 @@ class KVCacheManager:
 
     def cache_computed(self, req: Request, old_computed: int, new_computed: int) -> None:
         """Register the blocks that became full and computed between the two counts."""
-        if not self.pool.enable_caching:
+        pool = self.pool
+        if not pool.enable_caching:
             return
         bs = self.block_size
         first, last = old_computed // bs, new_computed // bs
         if last <= first:
             return
-        hashes, toks, blocks = self._hashes(req), req.all_token_ids, self.pool.blocks
-        for i in range(first, last):
-            parent = hashes[i - 1] if i else NO_PARENT
-            self.pool.cache(blocks[req.block_ids[i]], hashes[i],
-                            tuple(toks[i * bs : (i + 1) * bs]), parent)
+        hashes, toks = self._hashes(req), req.all_token_ids
+        span = tuple(toks[first * bs : last * bs])  # the blocks' tokens, sliced once
+        parts = [span] if last == first + 1 else [span[o : o + bs]
+                                                  for o in range(0, len(span), bs)]
+        blocks = pool.blocks
+        pool.cache_blocks([blocks[b] for b in req.block_ids[first:last]], hashes[first:last],
+                          parts, hashes[first - 1] if first else NO_PARENT)
 
     def free(self, req: Request) -> None:
         """Release all of ``req``'s blocks, tail first (so its last blocks are evicted first)."""

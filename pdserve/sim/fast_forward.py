@@ -61,6 +61,7 @@ class DecodeRun:
         self.times: list[float] = []  # end of each step (its tokens' time)
         self.live: list[int] = []  # the running (unfinished) requests' indices, in order
         self.ctx: list[int] = []  # their context lens at step 0 (shifted by their joins)
+        self.ctx_total = 0  # sum(ctx)
         # their ids, first token times and tokens generated at step 0 (for progress())
         self.ids: list[str] = []
         self.firsts: list[float] = []
@@ -76,6 +77,7 @@ class DecodeRun:
         self.cache: list[list[int]] | None = (
             [[] for _ in range(bs)] if sched.pool.enable_caching else None)
         self.cphase: list[int] = []
+        self._due_at: tuple[int, list[int]] = (-1, [])  # (step, its new blocks' requests)
 
     def sync(self) -> bool:
         """Take the requests appended to the running list since the last step (a KV import
@@ -100,7 +102,9 @@ class DecodeRun:
         cs = [r.num_computed_tokens for r in new]
         self.done += [j] * len(new)
         live += range(n, n + len(new))
-        self.ctx += [c + 1 - j for c in cs]
+        ctx = [c + 1 - j for c in cs]
+        self.ctx += ctx
+        self.ctx_total += sum(ctx)
         self.ids += [r.request_id for r in new]
         # (an imported request's timeline may not hold its first token: only read on temporal)
         self.firsts += [(r.timeline.token_times or (0.0,))[0] for r in new]
@@ -114,6 +118,7 @@ class DecodeRun:
         if lims:
             self.limit = min(self.limit, min(lims))
         alloc, cache = self.alloc, self.cache
+        self._due_at = (-1, [])
         for i, f in enumerate(firsts, n):
             alloc[f % bs].append(i)
         cph = [(bs - 1 - c + j) % bs for c in cs]
@@ -128,9 +133,16 @@ class DecodeRun:
         j = self.j
         return [c + j for c in self.ctx]
 
+    def total_context(self) -> int:
+        """``sum(contexts())``, without the list."""
+        return self.ctx_total + self.j * len(self.ctx)
+
     def _due(self) -> list[int]:
-        j, first = self.j, self.first
-        return [i for i in self.alloc[j % self.bs] if j >= first[i]]
+        j = self.j
+        if self._due_at[0] != j:
+            first = self.first
+            self._due_at = (j, [i for i in self.alloc[j % self.bs] if j >= first[i]])
+        return self._due_at[1]
 
     def safe(self) -> bool:
         """Whether the next step is pure decode with every new block fitting the free pool (no
@@ -148,13 +160,13 @@ class DecodeRun:
         return out
 
     def _catch_up(self, i: int, upto: int) -> Request:
-        r, k = self.reqs[i], upto - self.done[i]
-        if k:
-            r.num_computed_tokens += k
-            toks = [self.tok] * k
+        r, d = self.reqs[i], self.done[i]
+        if upto != d:
+            r.num_computed_tokens += upto - d
+            toks = [self.tok] * (upto - d)
             r.output_token_ids += toks
             r.all_token_ids += toks
-            r.timeline.token_times += self.times[self.done[i]:upto]
+            r.timeline.token_times += self.times[d:upto]
             self.done[i] = upto
         return r
 
@@ -179,8 +191,8 @@ class DecodeRun:
         if self.cache is not None:
             cache = sched.kv.cache_computed
             for i in self.cache[j % self.bs]:
-                old = self._catch_up(i, j).num_computed_tokens
-                cache(self._catch_up(i, j + 1), old, old + 1)  # this step's token, then cache
+                r = self._catch_up(i, j + 1)  # this step's token, then cache its block
+                cache(r, r.num_computed_tokens - 1, r.num_computed_tokens)
         self.j = j + 1
         if j < self.limit:
             return []
@@ -192,6 +204,7 @@ class DecodeRun:
             sched.finish(r, S.FINISHED_LENGTH, end)
             done.append(r)
             pos = self.live.index(i)  # the run goes on without it
+            self.ctx_total -= self.ctx[pos]
             del self.live[pos], self.ctx[pos], self.ids[pos], self.firsts[pos], self.outs[pos]
             self.alloc[self.first[i] % self.bs].remove(i)
             if self.cache is not None:

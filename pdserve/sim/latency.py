@@ -57,6 +57,12 @@ class LatencyModel(ABC):
     def decode_time(self, context_lens: Sequence[int]) -> float:
         return self.step_time([], context_lens)
 
+    def decode_sum_time(self, batch_size: int, total_context: int) -> float | None:
+        """``decode_time`` of ``batch_size`` sequences whose contexts sum to ``total_context``,
+        bit for bit, where the model reads nothing else of the contexts; else ``None`` (the
+        simulator's decode fast path then passes the list)."""
+        return None
+
 
 def kv_transfer_time(num_tokens: int, model: ModelConfig, dtype: str, link: LinkSpec,
                      streams: int = 1) -> float:
@@ -136,6 +142,12 @@ class FittedProfile(LatencyModel):
             a, b, c = self.decode_coeffs(bs)
             t += b * sum(decode_context_lens) + c * bs + (0.0 if prefill_chunks else a)
         return t
+
+    def decode_sum_time(self, batch_size: int, total_context: int) -> float | None:
+        if type(self).step_time is not FittedProfile.step_time:  # a subclass prices its own way
+            return None
+        a, b, c = self.decode_coeffs(batch_size)
+        return 0.0 + (b * total_context + c * batch_size + a)  # step_time's operations
 
     # ---- DistServe's JSON (milliseconds, keyed model → tp) ----
     @classmethod
@@ -387,6 +399,16 @@ class DriverOverhead(LatencyModel):
             return 0.0
         return t + self.overhead_s + self.per_seq_s * (len(prefill_chunks)
                                                        + len(decode_context_lens))
+
+    def decode_sum_time(self, batch_size: int, total_context: int) -> float | None:
+        if type(self).step_time is not DriverOverhead.step_time:
+            return None
+        t = self.base.decode_sum_time(batch_size, total_context)
+        if t is None:
+            return None
+        if t <= 0.0:
+            return 0.0
+        return t + self.overhead_s + self.per_seq_s * (0 + batch_size)
 
 
 # ------------------------------------------------------------------- pipeline parallelism

@@ -72,6 +72,7 @@ class SimExecutor:
         self.eos_token_ids: tuple[int, ...] = ()
         # a LatencyModel prices the batch's shape, computed with the sample count in one pass
         self._step_time = latency.step_time if isinstance(latency, LatencyModel) else None
+        self._sum_time = latency.decode_sum_time if isinstance(latency, LatencyModel) else None
 
     def execute(self, batch: ScheduledBatch) -> ExecuteResult:
         if self._step_time is None:
@@ -89,6 +90,15 @@ class SimExecutor:
         """The step time of a batch of this shape at :attr:`now` (what :meth:`execute` returns
         as ``elapsed``); the simulator's decode fast path prices its steps with it."""
         return self._step_time(prefills, decodes)  # type: ignore[misc]
+
+    def price_decode(self, run: DecodeRun) -> float:
+        """:meth:`price` of the decode step ``run`` takes next (from its batch size and total
+        context when the latency model allows, else from its context lengths)."""
+        if self._sum_time is not None:
+            t = self._sum_time(len(run.ctx), run.total_context())
+            if t is not None:
+                return t
+        return self.price([], run.contexts())
 
     def export_kv(self, block_ids: list[int]) -> None:
         return None
@@ -140,16 +150,28 @@ class PipelinedExecutor(SimExecutor):
     def can_price(self) -> bool:
         return True
 
+    def price_decode(self, run: DecodeRun) -> float:
+        n = len(run.ctx)
+        t = self.pipe.base.decode_sum_time(n, run.total_context())
+        if t is None:
+            return self.price([], run.contexts())
+        return self._through_stages(t, 0 + n, 0 + n)
+
     def price(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
         """Enters the batch into the shared stages at :attr:`now` (a side effect)."""
-        t = self.pipe.base.step_time(prefills, decodes)
+        return self._through_stages(self.pipe.base.step_time(prefills, decodes),
+                                    sum(k for _, k in prefills) + len(decodes),
+                                    len(prefills) + len(decodes))
+
+    def _through_stages(self, t: float, tokens: int, seqs: int) -> float:
+        """A step of ``t`` seconds (unpipelined) computing ``tokens`` tokens of ``seqs``
+        sequences, through the stages from :attr:`now`."""
         if t <= 0.0:
             return 0.0
-        tokens = sum(k for _, k in prefills) + len(decodes)
         done = self.stages.enter(self.now, t / self.pipe.pp, self.pipe.send_time(tokens))
         extra = 0.0
         if self.over is not None:
-            extra = self.over.overhead_s + self.over.per_seq_s * (len(prefills) + len(decodes))
+            extra = self.over.overhead_s + self.over.per_seq_s * seqs
         return done - self.now + extra
 
 
@@ -230,15 +252,19 @@ def gc_paused() -> Iterator[None]:
     live until it ends (blocks, requests, timelines), so every collection during it traverses
     live objects in vain, and the older generations' grow with the heap: a third of a plan's
     CPU time went there (2026-11-24, `git show 9de3c0b:docs/benchmarks.md`).
-    Refcounting still frees what is acyclic; the
-    run's own cycles (the block pool's linked free list, the simulator's back references) are
-    collected once it is garbage, at the next collection after the run."""
+    Refcounting still frees what is acyclic (a simulation leaves no cycle). On the way out,
+    what the run allocated moves to the oldest generation at once (``gc.freeze`` and
+    ``unfreeze``, unless the caller froze objects itself): else the first collection after the
+    run would traverse every object still alive from it, the caller's simulator included."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -274,7 +300,7 @@ class DecodeShortcut:
                 return None
         if not run.safe():  # a scheduled step; the scheduler closes the run if it reads it
             return None
-        elapsed = ex.price([], run.contexts())
+        elapsed = ex.price_decode(run)
         finished = run.advance(now, now + elapsed)
         self.num_folded += 1
         eng.num_steps += 1
@@ -405,13 +431,19 @@ class Simulator:
     def _run_events(self, requests: Sequence[SimRequest],
                     progress: Callable[[int], None] | None,
                     stop: Callable[[float], bool] | None) -> SimResult:
-        for r in requests:
-            self._push(r.arrival, ARRIVAL, r)
+        # arrivals are known in advance: a sorted list merged with the heap of the few events
+        # in flight, in the same (time, priority, sequence) order as one heap of both
+        arrivals = sorted((r.arrival, ARRIVAL, next(self._seq), r) for r in requests)
+        heap, pop, a, n_arrivals = self._heap, heapq.heappop, 0, len(arrivals)
         now, n_events, done = 0.0, 0, 0
         core = self.core
         stopped = False
-        while self._heap:
-            now, prio, _, data = heapq.heappop(self._heap)
+        while heap or a < n_arrivals:
+            if a < n_arrivals and (not heap or arrivals[a] < heap[0]):  # (sequences differ)
+                now, prio, _, data = arrivals[a]
+                a += 1
+            else:
+                now, prio, _, data = pop(heap)
             n_events += 1
             if prio == STEP_END:
                 iid, rep = data
@@ -481,22 +513,25 @@ class Simulator:
     def _close(self, iid: str) -> None:
         self.insts[iid].worker.engine.scheduler.close_run()
 
+    def _start_step(self, iid: str, commands: list[Command], now: float) -> None:
+        """A :class:`StartStep`: the instance applies ``commands`` and takes its next step."""
+        inst = self.insts[iid]
+        inst.executor.now = now
+        rep = (self._handle(inst, commands, now) if self.fast_forward
+               else inst.worker.handle(commands, now))
+        if rep.stepped:
+            if self.record_batches:
+                self._batch_log.append((iid, now, rep.batch))
+            self._push(now + rep.elapsed, STEP_END, (iid, rep))
+            self._add_busy(iid, now, rep.elapsed)
+        else:  # nothing to compute: the report takes effect now
+            self.core.step_done(iid, rep, lambda effects: self._run(effects, now))
+
     def _run(self, effects: list[Effect], now: float) -> None:
         """Carry out the driver core's effects at virtual time ``now``."""
         for e in effects:
             if isinstance(e, StartStep):
-                inst = self.insts[e.instance_id]
-                inst.executor.now = now
-                rep = (self._handle(inst, e.commands, now) if self.fast_forward
-                       else inst.worker.handle(e.commands, now))
-                if rep.stepped:
-                    if self.record_batches:
-                        self._batch_log.append((e.instance_id, now, rep.batch))
-                    self._push(now + rep.elapsed, STEP_END, (e.instance_id, rep))
-                    self._add_busy(e.instance_id, now, rep.elapsed)
-                else:  # nothing to compute: the report takes effect now
-                    self.core.step_done(e.instance_id, rep,
-                                        lambda effects: self._run(effects, now))
+                self._start_step(e.instance_id, e.commands, now)
             elif isinstance(e, Transfer):
                 src, dst = self.insts[e.src], self.insts[e.dst]
                 self._close(e.src)
