@@ -3,8 +3,8 @@ building batches, identical to the step-by-step path (``tests/sim/test_fast_forw
 
 It lives here, outside the engine: the scheduler knows it only through one hook,
 :attr:`pdserve.engine.scheduler.Scheduler.open_run` (an :class:`~pdserve.engine.scheduler.OpenRun`
-that the scheduler closes before it reads its running requests). On ``benchmarks/sim_speed.py``'s
-workload (3,000 chatbot requests, 2P+2D) it saves 20-30 % of the simulation's CPU time.
+that the scheduler closes before it reads its running requests). What it saves is measured by
+``benchmarks/sim_speed.py [--step-by-step]`` (docs/benchmarks.md, "Simulator speed").
 """
 
 from __future__ import annotations
