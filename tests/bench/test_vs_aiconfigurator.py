@@ -79,6 +79,17 @@ def test_peer_rows_parse_into_layouts_on_the_cluster() -> None:
         vs.peer_config({}, "afd")
 
 
+def test_moe_row_names_its_attention_dp_and_moe_tp() -> None:
+    # Qwen3-30B-A3B's aggregated choice: attention DP 4 with MoE TP 4 on a 4-GPU worker
+    head = AGG.splitlines()[0].split(",")
+    vals = dict(zip(head, AGG.splitlines()[1].split(",")))
+    vals.update(tp="1", dp="4", moe_tp="4", num_total_gpus="4", bs="28", request_rate="11.245")
+    c = vs.peer_config(vals, "agg")
+    assert c.label == "aggregated 2 × TP1 DP4, MoE TP4"
+    assert (c.tp, c.dp, c.moe_tp, c.moe_ep, c.batch_size) == (1, 4, 4, 1, 28)
+    assert c.req_s == pytest.approx(2 * 11.245)
+
+
 def test_estimate_report_and_saved_files(tmp_path: Path) -> None:
     assert vs.parse_estimate(ESTIMATE) == {"ttft_ms": 3445.69, "tpot_ms": 10.113}
     with pytest.raises(ValueError, match="TTFT"):

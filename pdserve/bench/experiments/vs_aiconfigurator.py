@@ -108,6 +108,9 @@ class PeerConfig:
     tp: int  # agg: the worker's TP; disagg: the decode worker's
     pp: int
     batch_size: int
+    dp: int = 1  # attention data parallelism (MoE models)
+    moe_tp: int = 1
+    moe_ep: int = 1
 
 
 def _int(row: dict[str, str], key: str) -> int:
@@ -121,22 +124,29 @@ def peer_config(row: dict[str, str], mode: str, gpus: int = GPUS) -> PeerConfig:
 
     def par(prefix: str) -> str:
         t, p = _int(row, f"{prefix}tp"), _int(row, f"{prefix}pp")
-        return f"TP{t}" + (f" PP{p}" if p > 1 else "")
+        d = _int(row, f"{prefix}dp") if f"{prefix}dp" in row else 1
+        et, ep = (_int(row, f"{prefix}moe_{k}") if f"{prefix}moe_{k}" in row else 1
+                  for k in ("tp", "ep"))
+        moe = (f" MoE TP{et}" if et > 1 else "") + (f" EP{ep}" if ep > 1 else "")
+        return (f"TP{t}" + (f" PP{p}" if p > 1 else "") + (f" DP{d}" if d > 1 else "")
+                + (f",{moe}" if moe else ""))
 
     if mode not in ("agg", "disagg"):
         raise ValueError(f"mode must be agg or disagg, got {mode!r}")
     reps = gpus // _int(row, "num_total_gpus")
     if mode == "agg":
         tp, pp, bs = _int(row, "tp"), _int(row, "pp"), _int(row, "bs")
+        dp, etp, eep = (_int(row, k) for k in ("dp", "moe_tp", "moe_ep"))
         label = f"aggregated {reps} × {par('')}"
     else:
         tp, pp, bs = _int(row, "(d)tp"), _int(row, "(d)pp"), _int(row, "(d)bs")
+        dp, etp, eep = (_int(row, k) for k in ("(d)dp", "(d)moe_tp", "(d)moe_ep"))
         inner = (f"{_int(row, '(p)workers')}P({par('(p)')}) + "
                  f"{_int(row, '(d)workers')}D({par('(d)')})")
         label = f"disaggregated {reps} × [{inner}]" if reps > 1 else f"disaggregated {inner}"
     return PeerConfig(mode, label, float(row["tokens/s/gpu"]), float(row["tokens/s/user"]),
                       float(row["request_rate"]) * reps, float(row["ttft"]), float(row["tpot"]),
-                      tp, pp, bs)
+                      tp, pp, bs, dp, etp, eep)
 
 
 def parse_topn(text: str, mode: str, gpus: int = GPUS) -> list[PeerConfig]:
@@ -207,10 +217,12 @@ def adapter_static(q: Question, tp: int, batch_size: int) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- pdserve
 def plan_args(q: Question, out_yaml: str, out_json: str, workers: int,
-              gpus: int = GPUS) -> list[str]:
+              gpus: int = GPUS, joint: bool = True) -> list[str]:
     """``pdserve plan``'s arguments for ``q``: the kernel database with the serving path,
-    no rate (the most goodput per GPU on one node of ``gpus``)."""
-    return ["plan", "--aic-system", SYSTEM, "--aic-backend", BACKEND,
+    no rate (the most goodput per GPU on one node of ``gpus``); ``joint=False`` ranks by the
+    estimates from units simulated alone (``--no-joint``: no whole-cluster simulation)."""
+    return ["plan", *([] if joint else ["--no-joint"]), "--aic-system", SYSTEM,
+            "--aic-backend", BACKEND,
             "--step-overhead-ms", f"{SERVING['step_overhead_ms']:g}",
             "--seq-overhead-ms", f"{SERVING['seq_overhead_ms']:g}", "--model", q.model,
             "--workload", f"fixed:input={q.isl},output={q.osl}",
@@ -363,7 +375,7 @@ def _run(cmd: Sequence[str], log: Path, say: Callable[[str], None],
 
 def run_question(q: Question, python: str | None, work: Path, workers: int,
                  parts: set[str], say: Callable[[str], None],
-                 resume: bool = False) -> dict[str, Any]:
+                 resume: bool = False, joint: bool = True) -> dict[str, Any]:
     """Everything of one question (module docstring); each part's raw output under ``work``
     (``resume``: a part whose output is there is read, not run again)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -388,13 +400,16 @@ def run_question(q: Question, python: str | None, work: Path, workers: int,
         row["peer_raw"] = {"topn_csv": topn}
         say(f"aiconfigurator: {choice.label}, {choice.tokens_per_gpu:,.0f} tok/s/GPU")
         if agg and "adapter" in parts:
+            # the peer's aggregated worker; attention DP (MoE) as TP of as many GPUs, which
+            # pdserve's source expresses (it has no attention DP)
             a = agg[0]
+            tp = a.tp * a.dp
             est_log = work / "estimate.log"
-            row["timings_s"]["estimate"] = _run(estimate_command(python, q, a.tp, a.batch_size),
+            row["timings_s"]["estimate"] = _run(estimate_command(python, q, tp, a.batch_size),
                                                 est_log, say, kept(est_log))
             peer_est = parse_estimate(est_log.read_text())
-            ours = adapter_static(q, a.tp, a.batch_size)
-            row["adapter"] = {"tp": a.tp, "batch_size": a.batch_size, "peer": peer_est,
+            ours = adapter_static(q, tp, a.batch_size)
+            row["adapter"] = {"tp": tp, "batch_size": a.batch_size, "peer": peer_est,
                               "pdserve": ours,
                               "error": {k: ours[f"{k}_ms"] / peer_est[f"{k}_ms"] - 1
                                         for k in ("ttft", "tpot")}}
@@ -403,10 +418,11 @@ def run_question(q: Question, python: str | None, work: Path, workers: int,
     if "plan" in parts:
         plan_yaml, plan_json = work / "plan.yaml", work / "plan.json"
         row["timings_s"]["plan"] = _run(
-            pdserve_command(plan_args(q, str(plan_yaml), str(plan_json), workers)),
+            pdserve_command(plan_args(q, str(plan_yaml), str(plan_json), workers,
+                                      joint=joint)),
             work / "plan.log", say, kept(plan_json))
         choice_pd = parse_plan(json.loads(plan_json.read_text()), q.osl)
-        row["pdserve"] = asdict(choice_pd)
+        row["pdserve"] = {**asdict(choice_pd), "joint": joint}
         row["plan_deployment"] = plan_yaml.read_text()
         say(f"pdserve: {choice_pd.label}, {choice_pd.tokens_per_gpu:,.0f} tok/s/GPU "
             f"({choice_pd.goodput_rps:.2f} req/s)")
@@ -435,6 +451,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--work-dir", default="out/vs_aiconfigurator",
                    help="raw outputs of every command, one folder per question")
+    p.add_argument("--no-joint", dest="joint", action="store_false",
+                   help="pdserve plan --no-joint: rank by the units' estimates, simulate no "
+                        "whole cluster (the long run still simulates the choice whole)")
     p.add_argument("--resume", action="store_true",
                    help="read the outputs already in --work-dir instead of running them again")
     p.add_argument("--output-json", default=None,
@@ -469,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         say(q.label)
         row = run_question(q, python, Path(args.work_dir) / k, args.workers, parts, say,
-                           args.resume)
+                           args.resume, args.joint)
         row.update(date=day, commit=rev, system=SYSTEM, backend=BACKEND, gpus=GPUS,
                    serving_path=SERVING)
         path = args.output_json or (f"benchmarks/results/vs_aiconfigurator/"
