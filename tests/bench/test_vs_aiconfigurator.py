@@ -92,6 +92,9 @@ def test_moe_row_names_its_attention_dp_and_moe_tp() -> None:
 
 def test_estimate_report_and_saved_files(tmp_path: Path) -> None:
     assert vs.parse_estimate(ESTIMATE) == {"ttft_ms": 3445.69, "tpot_ms": 10.113}
+    noisy = ("x.py:8: DeprecationWarning: `aiconfigurator cli` is running from the deprecated "
+             "AIConfigurator distribution\n  sys.exit(main())\n" + ESTIMATE)
+    assert vs.peer_report(noisy) == ESTIMATE.rstrip("\n")
     with pytest.raises(ValueError, match="TTFT"):
         vs.parse_estimate("no numbers")
     run = tmp_path / "meta-llama" / "Meta-Llama-3.1-8B_h100_sxm_vllm_isl4000_osl500"
@@ -114,6 +117,9 @@ def test_commands_ask_both_planners_the_same_question() -> None:
     est = vs.estimate_command("py", Q8B, 2, 64)
     assert est[est.index("--estimate-mode") + 1] == "static"
     assert est[est.index("--tp-size") + 1] == "2" and est[est.index("--batch-size") + 1] == "64"
+    assert "--moe-tp-size" not in est
+    moe = vs.estimate_command("py", vs.BY_KEY["qwen-moe"], 4, 28)
+    assert moe[moe.index("--moe-tp-size") + 1] == "4" and moe[moe.index("--moe-ep-size") + 1] == "1"
     plan = vs.plan_args(Q8B, "p.yaml", "p.json", 2)
     assert plan[0] == "plan" and "--rate" not in plan
     f = dict(zip(plan[1::2], plan[2::2]))

@@ -180,11 +180,13 @@ def peer_command(python: str, q: Question, save_dir: str, gpus: int = GPUS) -> l
 
 
 def estimate_command(python: str, q: Question, tp: int, batch_size: int) -> list[str]:
-    """``aiconfigurator cli estimate`` of its static run (one batch, no IFB) at ``tp``."""
+    """``aiconfigurator cli estimate`` of its static run (one batch, no IFB) at ``tp`` (a MoE
+    model's experts at the same TP, no expert parallelism)."""
+    moe = ["--moe-tp-size", str(tp), "--moe-ep-size", "1"] if q.kind == "MoE" else []
     return [python, "-m", PEER_MAIN, "cli", "estimate", "--estimate-mode", "static",
             "--model", q.aic_model, "--system", SYSTEM, "--backend", BACKEND,
             "--isl", str(q.isl), "--osl", str(q.osl), "--batch-size", str(batch_size),
-            "--tp-size", str(tp), "--no-color"]
+            "--tp-size", str(tp), *moe, "--no-color"]
 
 
 def parse_estimate(text: str) -> dict[str, float]:
@@ -196,6 +198,16 @@ def parse_estimate(text: str) -> dict[str, float]:
             raise ValueError(f"no {key} line in the aiconfigurator estimate")
         out[key.lower() + "_ms"] = float(m.group(1).replace(",", ""))
     return out
+
+
+NOISE = ("DeprecationWarning", "deprecated AIConfigurator", "low-fidelity fallback",
+         "sys.exit(main())", "main(sys.argv")
+
+
+def peer_report(text: str) -> str:
+    """aiconfigurator's console output without its per-table deprecation and fallback
+    warnings (what the results file keeps of it)."""
+    return "\n".join(ln for ln in text.splitlines() if not any(n in ln for n in NOISE))
 
 
 def topn_files(save_dir: Path) -> dict[str, Path]:
@@ -397,18 +409,21 @@ def run_question(q: Question, python: str | None, work: Path, workers: int,
         row["peer"] = asdict(choice)
         row["peer_best"] = {"agg": asdict(agg[0]) if agg else None,
                             "disagg": asdict(dis[0]) if dis else None}
-        row["peer_raw"] = {"topn_csv": topn}
+        row["peer_raw"] = {"command": peer_command(python, q, str(save)), "topn_csv": topn,
+                           "stdout": peer_report((work / "peer.log").read_text())}
         say(f"aiconfigurator: {choice.label}, {choice.tokens_per_gpu:,.0f} tok/s/GPU")
         if agg and "adapter" in parts:
-            # the peer's aggregated worker; attention DP (MoE) as TP of as many GPUs, which
-            # pdserve's source expresses (it has no attention DP)
+            # the peer's aggregated worker; attention DP as TP of as many GPUs (pdserve has no
+            # attention DP); a MoE model at TP 1: pdserve's source compiles MoE models with
+            # tp_size only, which aiconfigurator refuses above TP 1 (its MoE TP is not set)
             a = agg[0]
-            tp = a.tp * a.dp
+            tp = 1 if q.kind == "MoE" else a.tp * a.dp
             est_log = work / "estimate.log"
             row["timings_s"]["estimate"] = _run(estimate_command(python, q, tp, a.batch_size),
                                                 est_log, say, kept(est_log))
             peer_est = parse_estimate(est_log.read_text())
             ours = adapter_static(q, tp, a.batch_size)
+            row["peer_raw"]["estimate"] = peer_report(est_log.read_text())
             row["adapter"] = {"tp": tp, "batch_size": a.batch_size, "peer": peer_est,
                               "pdserve": ours,
                               "error": {k: ours[f"{k}_ms"] / peer_est[f"{k}_ms"] - 1
