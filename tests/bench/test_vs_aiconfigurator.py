@@ -135,6 +135,21 @@ def test_commands_ask_both_planners_the_same_question() -> None:
     assert sim[sim.index("--num-requests") + 1] == "1234"
 
 
+def test_cross_check_simulates_the_peers_layout_at_its_rate() -> None:
+    a = vs.parse_topn(AGG, "agg")[0]  # 4 x TP2 at 4 x 7.437 req/s
+    k = vs.cross_args(Q8B, a, 2000, "c.json", serving=False)
+    f = dict(zip(k[1::2], k[2::2]))
+    assert k[0] == "simulate" and "--step-overhead-ms" not in k
+    assert (f["--model"], f["--num-instances"], f["--tp"], f["--pp"]) == ("llama-3.1-8b", "4",
+                                                                         "2", "1")
+    assert f["--rate"] == "29.748" and f["--num-requests"] == "2000"
+    s = vs.cross_args(Q8B, a, 2000, "c.json", serving=True)
+    assert s[s.index("--step-overhead-ms") + 1] == "1.5"
+    assert s[s.index("--seq-overhead-ms") + 1] == "0.09"
+    with pytest.raises(ValueError, match="aggregated"):
+        vs.cross_args(Q8B, vs.parse_topn(DISAGG, "disagg")[0], 10, "c.json", serving=False)
+
+
 def test_long_run_is_five_probe_lengths() -> None:
     # lifetime 1 + 499 x 0.02 = 10.98 s; at 10 req/s the warm-up is 6 lifetimes: 659 requests,
     # then as many judged

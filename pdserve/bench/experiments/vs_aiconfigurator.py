@@ -17,7 +17,10 @@ For every question:
    --seq-overhead-ms 0.09`` without ``--rate`` (the placement with the most goodput per GPU on
    the cluster, aiconfigurator's default mode), open-loop Poisson arrivals, steady-state
    probes, 90 % of requests meeting both SLOs.
-4. **The long run.** ``pdserve simulate --config plan.yaml`` of the chosen placement at its
+4. **The cross check.** aiconfigurator's aggregated choice simulated by pdserve at aiconfigurator's
+   own rate (``--cross-requests``, seed 0), kernels alone and with the serving path: where the
+   two answers part, this says whether queueing and tails or the serving costs part them.
+5. **The long run.** ``pdserve simulate --config plan.yaml`` of the chosen placement at its
    planned goodput for 5 × the probe length (:class:`~pdserve.bench.steady.SteadyState` at that
    rate), its attainment against the same target.
 
@@ -234,9 +237,7 @@ def plan_args(q: Question, out_yaml: str, out_json: str, workers: int,
     no rate (the most goodput per GPU on one node of ``gpus``); ``joint=False`` ranks by the
     estimates from units simulated alone (``--no-joint``: no whole-cluster simulation)."""
     return ["plan", *([] if joint else ["--no-joint"]), "--aic-system", SYSTEM,
-            "--aic-backend", BACKEND,
-            "--step-overhead-ms", f"{SERVING['step_overhead_ms']:g}",
-            "--seq-overhead-ms", f"{SERVING['seq_overhead_ms']:g}", "--model", q.model,
+            "--aic-backend", BACKEND, *serving_flags(), "--model", q.model,
             "--workload", f"fixed:input={q.isl},output={q.osl}",
             "--slo-ttft", f"{q.ttft_s:g}", "--slo-tpot", f"{q.tpot_s:g}",
             "--nodes", "1", "--gpus-per-node", str(gpus), "--workers", str(workers),
@@ -256,6 +257,29 @@ def simulate_args(q: Question, plan_yaml: str, rate: float, num_requests: int,
     return ["simulate", "--config", plan_yaml, "--workload",
             f"fixed:input={q.isl},output={q.osl}", "--slo-ttft", f"{q.ttft_s:g}",
             "--slo-tpot", f"{q.tpot_s:g}", "--rate", f"{rate:.6g}", "--num-requests",
+            str(num_requests), "--seed", "0", "--output-json", out_json, "--no-progress"]
+
+
+def serving_flags() -> list[str]:
+    """The serving-path flags of every pdserve run here."""
+    return ["--step-overhead-ms", f"{SERVING['step_overhead_ms']:g}",
+            "--seq-overhead-ms", f"{SERVING['seq_overhead_ms']:g}"]
+
+
+def cross_args(q: Question, peer: PeerConfig, num_requests: int, out_json: str,
+               serving: bool, gpus: int = GPUS) -> list[str]:
+    """``pdserve simulate`` of aiconfigurator's aggregated choice (``gpus // (tp·pp·dp)``
+    colocated instances of TP ``tp·dp``, chunked prefill) at its own rate: kernels alone, or
+    with the serving path (``serving``). Where the two answers part, this says why."""
+    if peer.mode != "agg":
+        raise ValueError("only an aggregated choice is a colocated deployment")
+    tp = peer.tp * peer.dp
+    return ["simulate", "--model", q.model, "--num-instances", str(gpus // (tp * peer.pp)),
+            "--tp", str(tp), "--pp", str(peer.pp), "--aic-system", SYSTEM,
+            "--aic-backend", BACKEND,
+            *(serving_flags() if serving else []),
+            "--workload", f"fixed:input={q.isl},output={q.osl}", "--slo-ttft", f"{q.ttft_s:g}",
+            "--slo-tpot", f"{q.tpot_s:g}", "--rate", f"{peer.req_s:.6g}", "--num-requests",
             str(num_requests), "--seed", "0", "--output-json", out_json, "--no-progress"]
 
 
@@ -387,7 +411,8 @@ def _run(cmd: Sequence[str], log: Path, say: Callable[[str], None],
 
 def run_question(q: Question, python: str | None, work: Path, workers: int,
                  parts: set[str], say: Callable[[str], None],
-                 resume: bool = False, joint: bool = True) -> dict[str, Any]:
+                 resume: bool = False, joint: bool = True,
+                 cross_requests: int = 2000) -> dict[str, Any]:
     """Everything of one question (module docstring); each part's raw output under ``work``
     (``resume``: a part whose output is there is read, not run again)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -430,6 +455,18 @@ def run_question(q: Question, python: str | None, work: Path, workers: int,
                                         for k in ("ttft", "tpot")}}
             say(f"adapter: TTFT {row['adapter']['error']['ttft']:+.1%}, "
                 f"TPOT {row['adapter']['error']['tpot']:+.1%}")
+    if "cross" in parts and row.get("peer_best", {}).get("agg") and q.kind != "MoE":
+        a = PeerConfig(**row["peer_best"]["agg"])
+        row["cross"] = {}
+        for serving in (False, True):
+            name = "serving" if serving else "kernels"
+            out = work / f"cross_{name}.json"
+            row["timings_s"][f"cross_{name}"] = _run(
+                pdserve_command(cross_args(q, a, cross_requests, str(out), serving)),
+                work / f"cross_{name}.log", say, kept(out))
+            row["cross"][name] = long_run_result(json.loads(out.read_text()))
+            say(f"aiconfigurator's choice at its {a.req_s:.2f} req/s, {name}: "
+                f"{row['cross'][name]['attainment']:.1%}")
     if "plan" in parts:
         plan_yaml, plan_json = work / "plan.yaml", work / "plan.json"
         row["timings_s"]["plan"] = _run(
@@ -460,9 +497,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"Python of aiconfigurator's own venv (default ${ENV})")
     p.add_argument("--questions", default=",".join(q.key for q in QUESTIONS),
                    help=f"comma-separated, of {', '.join(BY_KEY)}")
-    p.add_argument("--parts", default="peer,adapter,plan,long",
+    p.add_argument("--parts", default="peer,adapter,cross,plan,long",
                    help="peer (aiconfigurator cli default), adapter (its static estimate vs "
-                        "ours), plan (pdserve plan), long (the 5x-length simulate)")
+                        "ours), cross (its aggregated choice simulated by pdserve at its rate, "
+                        "kernels alone and with the serving path), plan (pdserve plan), long "
+                        "(the 5x-length simulate)")
+    p.add_argument("--cross-requests", type=int, default=2000,
+                   help="requests of each cross simulation")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--work-dir", default="out/vs_aiconfigurator",
                    help="raw outputs of every command, one folder per question")
@@ -503,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         say(q.label)
         row = run_question(q, python, Path(args.work_dir) / k, args.workers, parts, say,
-                           args.resume, args.joint)
+                           args.resume, args.joint, args.cross_requests)
         row.update(date=day, commit=rev, system=SYSTEM, backend=BACKEND, gpus=GPUS,
                    serving_path=SERVING)
         path = args.output_json or (f"benchmarks/results/vs_aiconfigurator/"
