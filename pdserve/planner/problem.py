@@ -4,6 +4,7 @@ TP and PP degrees a latency source can price and the problem's workload."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -235,10 +236,30 @@ def available_pps(p: Problem, model: ModelConfig, tp: int, span_nodes: bool) -> 
     return [k for k in range(1, limit + 1) if model.num_layers % k == 0]
 
 
-@lru_cache(maxsize=64)
+# recent workloads, bounded by their prompt tokens: each holds every prompt's token ids, and a
+# steady-state probe's request count differs with its rate (64 cached 4,000-token workloads of
+# ~10,000 requests grew a plan worker past 10 GB)
+WORKLOAD_CACHE_TOKENS = 20_000_000
+_workloads: OrderedDict[tuple[Problem, int | None], tuple[Workload, int]] = OrderedDict()
+
+
 def base_workload(p: Problem, num_requests: int | None = None) -> Workload:
     """The problem's workload of ``num_requests`` (default ``p.num_requests``), untimed
-    (``retimed(rate)`` gives each probe's arrivals)."""
+    (``retimed(rate)`` gives each probe's arrivals); the most recent ones are kept while their
+    prompts hold at most :data:`WORKLOAD_CACHE_TOKENS` tokens (the newest always)."""
+    key = (p, num_requests)
+    if key in _workloads:
+        _workloads.move_to_end(key)
+        return _workloads[key][0]
+    w = _make_workload(p, num_requests)
+    _workloads[key] = (w, sum(r.prompt_len for r in w.requests))
+    while len(_workloads) > 1 and \
+            sum(n for _, n in _workloads.values()) > WORKLOAD_CACHE_TOKENS:
+        _workloads.popitem(last=False)
+    return w
+
+
+def _make_workload(p: Problem, num_requests: int | None) -> Workload:
     model = model_config(p.model)
     w = make_workload(p.workload, num_requests or p.num_requests, seed=p.seed, rate=1.0,
                       vocab_size=model.vocab_size, max_model_len=max_model_len(p),
