@@ -118,11 +118,11 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     specs = config.instance_specs(max_len)
     for path in sorted({s.engine.step_log for s in specs if s.engine.step_log}):
         check_log_path(path, "step log")  # a step must never fail on its log
-    simulated = ([f"inter_node_link={config.inter_node_link}"] if config.inter_node_link else [])
-    if len({s.node for s in specs}) > 1:
-        simulated.append(f"gpus_per_node={config.gpus_per_node} (instances on "
-                         f"{len({s.node for s in specs})} nodes)")
-    if simulated:
+    nodes = len({s.node for s in specs})
+    if nodes > 1:  # on one node the layout and inter_node_link say nothing a live run ignores
+        simulated = ([f"inter_node_link={config.inter_node_link}"] if config.inter_node_link
+                     else [])
+        simulated.append(f"gpus_per_node={config.gpus_per_node} (instances on {nodes} nodes)")
         warnings.warn(f"{' and '.join(simulated)} in the spec are simulated only: live, Ray "
                       f"places the instances and KV moves between them at the transport's "
                       f"speed (kv_link alone is emulated)", stacklevel=2)

@@ -101,9 +101,9 @@ def test_a_planned_catalogue_model_asks_for_its_checkpoint(tmp_path: Path) -> No
 
 
 def test_settings_a_live_run_cannot_honour_are_said(tmp_path: Path, model_dir: str) -> None:
-    """``inter_node_link`` and a multi-node ``gpus_per_node`` layout price the simulation; live,
-    Ray places the instances: serving such a file says so (one warning), a one-node file does
-    not."""
+    """A multi-node ``gpus_per_node`` layout and its ``inter_node_link`` price the simulation;
+    live, Ray places the instances: serving such a file says so (one warning), a one-node file
+    (which names an inter-node link too) does not."""
     spec = {"model": model_dir, "strategy": "disaggregated", "num_prefill": 2, "num_decode": 1,
             "gpus_per_node": 2, "prefill_tp": 2, "inter_node_link": "eth-25g"}
     f = tmp_path / "two-nodes.yaml"
@@ -111,7 +111,8 @@ def test_settings_a_live_run_cannot_honour_are_said(tmp_path: Path, model_dir: s
     with pytest.warns(UserWarning, match=r"inter_node_link=.* and gpus_per_node=2 \(instances "
                                          r"on 3 nodes\) in the spec are simulated only"):
         config_from_args(serve_args("--config", str(f), "--backend", "inproc"))
-    one = {"model": model_dir, "strategy": "colocated", "num_instances": 2, "gpus_per_node": 4}
+    one = {"model": model_dir, "strategy": "colocated", "num_instances": 2, "gpus_per_node": 4,
+           "inter_node_link": "eth-25g"}  # what a one-node plan file holds
     f.write_text(yaml.safe_dump(one))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
