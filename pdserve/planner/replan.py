@@ -374,14 +374,14 @@ def add_replan_flags(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--replan-min-requests", type=positive_int, default=20, metavar="N",
                    help="arrivals a window needs before it can report a shift "
                         "(default: %(default)s)")
-    r.add_argument("--replan-profile", metavar="NAME|FILE",
-                   help="latency profile the replanning search simulates with (default: "
-                        "--replan-hardware)")
-    r.add_argument("--replan-hardware", metavar="NAME",
-                   help="hardware spec for the search's roofline model when no profile is "
-                        "given (default: A100-80GB)")
-    r.add_argument("--replan-model", metavar="NAME|DIR",
-                   help="the model the search prices (default: the served model)")
+    for flag, metavar, what in (
+            ("--replan-profile", "NAME|FILE", "latency profile the replanning search simulates "
+                                              "with (default: --replan-hardware)"),
+            ("--replan-hardware", "NAME", "hardware spec for the search's roofline model when "
+                                          "no profile is given (default: A100-80GB)"),
+            ("--replan-model", "NAME|DIR", "the model the search prices (default: the served "
+                                           "model)")):
+        r.add_argument(flag, metavar=metavar, help=what)
     r.add_argument("--replan-slo-ttft", type=positive, default=0.25, metavar="SECONDS",
                    help="TTFT SLO the search plans for (default: %(default)s)")
     r.add_argument("--replan-slo-tpot", type=positive, default=0.1, metavar="SECONDS",

@@ -408,14 +408,14 @@ def add_serving_path_flags(g: Any) -> None:
     """``--step-overhead-ms``, ``--seq-overhead-ms``, ``--request-overhead-ms``: the serving
     path's costs that a latency source leaves out (``SimulationConfig`` names; unset = the
     ``--config`` file's, else 0). ``simulate``, ``plan`` and ``advise`` share them."""
-    g.add_argument("--step-overhead-ms", type=nonnegative, metavar="MS",
-                   help="serving-path cost added to every step (see benchmarks/fidelity.py; "
-                        "pdserve calibrate measures it) (default: 0)")
-    g.add_argument("--seq-overhead-ms", type=nonnegative, metavar="MS",
-                   help="serving-path cost per sequence in a step (default: 0)")
-    g.add_argument("--request-overhead-ms", type=nonnegative, metavar="MS",
-                   help="the front end's fixed cost per request (HTTP, tokenizing, routing, "
-                        "streaming), added to every TTFT and end-to-end latency (default: 0)")
+    for flag, what in (
+            ("--step-overhead-ms", "serving-path cost added to every step (see "
+                                   "benchmarks/fidelity.py; pdserve calibrate measures it)"),
+            ("--seq-overhead-ms", "serving-path cost per sequence in a step"),
+            ("--request-overhead-ms", "the front end's fixed cost per request (HTTP, "
+                                      "tokenizing, routing, streaming), added to every TTFT "
+                                      "and end-to-end latency")):
+        g.add_argument(flag, type=nonnegative, metavar="MS", help=f"{what} (default: 0)")
 
 
 def add_latency_source_flags(g: Any) -> None:
