@@ -12,7 +12,10 @@ slow.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -81,20 +84,44 @@ def advise(base: Problem, slo_scales: Sequence[float], output_scales: Sequence[f
            workers: int | None = None,
            on_unit: Callable[[UnitResult], None] | None = None,
            strategies: Sequence[str] = STRATEGIES,
-           on_cell: Callable[[float, float, AdvicePoint | None], None] | None = None
-           ) -> list[AdvicePoint]:
-    """One :func:`advise_point` per (output scale, SLO scale); ``on_cell(slo_scale,
-    output_scale, None)`` before each cell and ``on_cell(..., point)`` after it."""
-    out = []
-    for f in output_scales:
-        for k in slo_scales:
-            if on_cell is not None:
+           on_cell: Callable[[float, float, AdvicePoint | None], None] | None = None,
+           cells_at_once: int | None = None) -> list[AdvicePoint]:
+    """One :func:`advise_point` per (output scale, SLO scale), in that order; ``on_cell(
+    slo_scale, output_scale, None)`` before each cell and ``on_cell(..., point)`` after it
+    (callbacks are serialised).
+
+    Cells are independent plans. With ``workers`` > 1, ``cells_at_once`` of them (default:
+    the cores over ``workers``, plus one) run side by side, each on its own process pool of
+    ``workers``: one cell's plan leaves cores idle while its last units or whole-placement
+    simulations run, and the next cell fills them. The grid does not depend on it (a plan's
+    results do not depend on its workers, :meth:`UnitCache.get_bounded`)."""
+    cells = [(k, f) for f in output_scales for k in slo_scales]
+    workers = workers or min(2, os.cpu_count() or 1)
+    if cells_at_once is None:
+        cells_at_once = 1 if workers == 1 else (os.cpu_count() or 1) // workers + 1
+    lock = threading.Lock()
+
+    def unit_done(r: UnitResult) -> None:
+        if on_unit is not None:
+            with lock:
+                on_unit(r)
+
+    def one(cell: tuple[float, float]) -> AdvicePoint:
+        k, f = cell
+        if on_cell is not None:
+            with lock:
                 on_cell(k, f, None)
-            p = replace(base, slo=base.slo.scaled(k), output_scale=f)
-            out.append(AdvicePoint(k, f, **advise_point(p, strategies, workers, on_unit)))
-            if on_cell is not None:
-                on_cell(k, f, out[-1])
-    return out
+        p = replace(base, slo=base.slo.scaled(k), output_scale=f)
+        point = AdvicePoint(k, f, **advise_point(p, strategies, workers, unit_done))
+        if on_cell is not None:
+            with lock:
+                on_cell(k, f, point)
+        return point
+
+    if min(cells_at_once, len(cells)) <= 1:
+        return [one(c) for c in cells]
+    with ThreadPoolExecutor(min(cells_at_once, len(cells))) as pool:
+        return list(pool.map(one, cells))
 
 
 def advise_markdown(base: Problem, grid: Sequence[AdvicePoint]) -> str:

@@ -240,8 +240,9 @@ class _Progress:
                             console=Console(stderr=True), disable=not self.tty,
                             transient=True)
         self.clock = time.perf_counter
-        self.t0 = self.cell_t0 = self.clock()
-        self.done_units = self.done_cells = 0
+        self.t0 = self.clock()
+        self.started: dict[str, float] = {}  # cell label -> when it started
+        self.done_units = self.done_cells = self.total_units = 0
         self.task: Any = None
         self.cell_task: Any = None
 
@@ -260,13 +261,15 @@ class _Progress:
             print(text, file=sys.stderr, flush=True)
 
     def start_cell(self, label: str, units: int) -> None:
-        self.cell_t0, self.done_units = self.clock(), 0
-        self.bar.reset(self.task, total=units, description=f"{label}: units")
-        self._line(f"cell {self.done_cells + 1}/{self.cells}: {label}: {units} phase units")
+        """A cell starts (``advise`` runs several at once: the units bar counts them all)."""
+        self.started[label] = self.clock()
+        self.total_units += units
+        self.bar.update(self.task, total=self.total_units)
+        self._line(f"cell {len(self.started)}/{self.cells}: {label}: {units} phase units")
 
     def end_cell(self, label: str, summary: str) -> None:
         self.done_cells += 1
-        took = self.clock() - self.cell_t0
+        took = self.clock() - self.started[label]
         left = (self.clock() - self.t0) / self.done_cells * ((self.cells or 0) - self.done_cells)
         if self.cell_task is not None:
             self.bar.update(self.cell_task, advance=1, description=f"cells (~{left:.0f} s left)")

@@ -4,6 +4,7 @@ TP and PP degrees a latency source can price and the problem's workload."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -241,6 +242,7 @@ def available_pps(p: Problem, model: ModelConfig, tp: int, span_nodes: bool) -> 
 # ~10,000 requests grew a plan worker past 10 GB)
 WORKLOAD_CACHE_TOKENS = 20_000_000
 _workloads: OrderedDict[tuple[Problem, int | None], tuple[Workload, int]] = OrderedDict()
+_workloads_lock = threading.Lock()
 
 
 def base_workload(p: Problem, num_requests: int | None = None) -> Workload:
@@ -248,14 +250,16 @@ def base_workload(p: Problem, num_requests: int | None = None) -> Workload:
     (``retimed(rate)`` gives each probe's arrivals); the most recent ones are kept while their
     prompts hold at most :data:`WORKLOAD_CACHE_TOKENS` tokens (the newest always)."""
     key = (p, num_requests)
-    if key in _workloads:
-        _workloads.move_to_end(key)
-        return _workloads[key][0]
+    with _workloads_lock:  # advise plans its cells in threads
+        if key in _workloads:
+            _workloads.move_to_end(key)
+            return _workloads[key][0]
     w = _make_workload(p, num_requests)
-    _workloads[key] = (w, sum(r.prompt_len for r in w.requests))
-    while len(_workloads) > 1 and \
-            sum(n for _, n in _workloads.values()) > WORKLOAD_CACHE_TOKENS:
-        _workloads.popitem(last=False)
+    with _workloads_lock:
+        _workloads[key] = (w, sum(r.prompt_len for r in w.requests))
+        while len(_workloads) > 1 and \
+                sum(n for _, n in _workloads.values()) > WORKLOAD_CACHE_TOKENS:
+            _workloads.popitem(last=False)
     return w
 
 

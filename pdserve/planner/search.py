@@ -310,7 +310,7 @@ def plan(p: Problem, workers: int | None = None,
 
 
 def _map(cache: UnitCache, fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
-    if cache._pool is not None and len(jobs) > 1:
+    if cache._pool is not None:  # (one job too: see UnitCache.get)
         return list(cache._pool.map(fn, jobs))
     return [fn(j) for j in jobs]
 

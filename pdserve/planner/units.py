@@ -371,8 +371,8 @@ class UnitCache:
         units = list(dict.fromkeys(units))
         todo = [(self.p, u, (incumbents or {}).get(u, 0.0)) for u in units
                 if u not in self.results]
-        if self._pool is not None and len(todo) > 1:
-            for r in self._pool.map(_evaluate, todo):
+        if self._pool is not None:  # (one job too: this thread may share the process with
+            for r in self._pool.map(_evaluate, todo):  # other plans, advise's cells)
                 self._store(r)
         else:
             for job in todo:
