@@ -4,9 +4,10 @@
 runtime serves) + the latency source (a profile file, or a hardware spec for the analytic
 roofline model) + the serving-path overhead. :func:`build_simulator` turns it into a
 :class:`~pdserve.sim.simulator.Simulator`: every instance comes from
-:meth:`ClusterConfig.instance_specs`, its KV pool from :func:`~pdserve.config.kv_cache_blocks`
-on the hardware's memory. :class:`SimTarget` is the benchmark toolkit's ``Target``
-(``pdserve bench|goodput|compare --target sim``); ``pdserve simulate`` uses the same pieces.
+:meth:`ClusterConfig.instance_specs`, its KV pool from
+:func:`~pdserve.config.simulated_kv_blocks` on the hardware's memory (less what a vLLM-like engine
+reserves). :class:`SimTarget` is the benchmark toolkit's ``Target`` (``pdserve
+bench|goodput|compare --target sim``); ``pdserve simulate`` uses the same pieces.
 Records carry the full simulated timeline (also as ``server_timeline``), so the latency
 breakdown works as it does for a live server.
 
@@ -33,7 +34,7 @@ from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.routing import routers_for
-from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
+from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, simulated_kv_blocks
 from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
 from pdserve.request import Timeline
 from pdserve.sim.aic_latency import BACKENDS, AicModel, aic_version
@@ -238,8 +239,8 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
         dtype = s.engine.dtype
         latency = step_model(sim, model, s.tp, s.pp, dtype, s.ep)
         device = device_of(sim, base_model(latency))
-        blocks = kv_cache_blocks(model, s.engine, num_devices=s.num_gpus,
-                                 device_memory_bytes=device.memory_bytes if device else None)
+        blocks = simulated_kv_blocks(model, s.engine, tp=s.tp, pp=s.pp, ep=s.ep,
+                                     device_memory_bytes=device.memory_bytes if device else None)
         instances.append(SimInstance(s.instance_id, s.engine, latency, blocks, s.num_gpus,
                                      s.node))
         devices.append(device)
