@@ -132,17 +132,14 @@ class SimulationConfig:
 # ------------------------------------------------------------------------- building blocks
 def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
                dtype: str, ep: int = 1) -> LatencyModel:
-    """The step-time model of one instance: the profile or the analytic roofline at ``tp``
-    (``ep``: expert parallelism, roofline only),
+    """The step-time model of one instance: the profile, the kernel database or the analytic
+    roofline at ``tp`` (``ep``: expert parallelism, kernel database and roofline only),
     wrapped in a :class:`PipelineModel` when ``pp`` > 1 and in a :class:`DriverOverhead` when
     an overhead is set."""
 
     base: LatencyModel
     if sim.aic_system is not None:
-        if ep > 1:
-            raise ValueError(f"ep={ep}: the aic source has no expert-parallel pricing here; "
-                             f"simulate expert parallelism with --hardware")
-        base = AicModel(model, sim.aic_system, sim.aic_backend, tp, dtype)
+        base = AicModel(model, sim.aic_system, sim.aic_backend, tp, dtype, ep)
     elif sim.profile is not None:
         if ep > 1:
             raise ValueError(f"ep={ep}: a measured profile has no expert-parallel entries; "
