@@ -402,18 +402,20 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
     add_serving_path_flags(g)
 
 
-def add_serving_path_flags(g: Any) -> None:
+def add_serving_path_flags(g: Any, prefix: str = "") -> None:
     """``--step-overhead-ms``, ``--seq-overhead-ms``, ``--request-overhead-ms``: the serving
     path's costs that a latency source leaves out (``SimulationConfig`` names; unset = the
-    ``--config`` file's, else 0). ``simulate``, ``plan`` and ``advise`` share them."""
-    for flag, what in (
-            ("--step-overhead-ms", "serving-path cost added to every step (see "
-                                   "benchmarks/fidelity.py; pdserve calibrate measures it)"),
-            ("--seq-overhead-ms", "serving-path cost per sequence in a step"),
-            ("--request-overhead-ms", "the front end's fixed cost per request (HTTP, "
-                                      "tokenizing, routing, streaming), added to every TTFT "
-                                      "and end-to-end latency")):
-        g.add_argument(flag, type=nonnegative, metavar="MS", help=f"{what} (default: 0)")
+    ``--config`` file's, else 0). ``simulate``, ``plan`` and ``advise`` share them; ``serve``'s
+    replanner takes them as ``--replan-step-overhead-ms``... (``prefix="replan-"``)."""
+    for name, what in (
+            ("step-overhead-ms", "serving-path cost added to every step (see "
+                                 "benchmarks/fidelity.py; pdserve calibrate measures it)"),
+            ("seq-overhead-ms", "serving-path cost per sequence in a step"),
+            ("request-overhead-ms", "the front end's fixed cost per request (HTTP, "
+                                    "tokenizing, routing, streaming), added to every TTFT "
+                                    "and end-to-end latency")):
+        g.add_argument(f"--{prefix}{name}", type=nonnegative, metavar="MS",
+                       help=f"{what} (default: 0)")
 
 
 def add_latency_source_flags(g: Any) -> None:
