@@ -36,8 +36,8 @@ def test_reserve_by_hand() -> None:
             + 16 * per_token                    # CUDA graphs: largest batch 2 x max_num_seqs
             + 0.25 * GiB)                       # non-torch memory
     assert engine_reserved_bytes(TINY, e, device_memory_bytes=GiB) == pytest.approx(want)
-    # TP2: q/k/v/out and the MLP halve (64+16+16+... = 96 < 192), hidden and residual do not;
-    # every GPU reserves its own
+    # TP2: attention (q 32 + k 16 + v 16 + out 32 = 96) and the MLP (192) halve, hidden and
+    # residual do not; every GPU reserves its own
     per_token2 = 2 * (2 * 64 + 192)
     want2 = 2 * (0.5 * (0.27 + 0.0064) * GiB + 1024 * per_token2 + 2 * 8 * 1000 * 4
                  + 16 * per_token2 + 0.25 * GiB)
