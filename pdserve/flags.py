@@ -50,6 +50,9 @@ from pdserve.predict import PREDICTOR_NAMES
 
 _FIELDS = {f.name: (cls, f) for cls in (EngineConfig, CacheConfig, SchedulerConfig)
            for f in fields(cls)}
+# the help of a simulated or planned instance's dtype default (pdserve.sim.target.auto_dtype)
+AUTO_DTYPE = ("auto: the checkpoint's, as a GPU engine serves it: bfloat16 for a bfloat16 model, "
+              "float16 otherwise")
 _CHOICES: dict[str, Iterable[str]] = {"dtype": DTYPES, "admission": sorted(ADMISSIONS),
                                       "policy": sorted(POLICIES)}
 
@@ -306,8 +309,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, model_help: str,
         add_engine_flags(parser, ("role", "prefill_token_target"))
     else:  # the simulator's own default (pdserve.sim.target.auto_dtype)
         add_engine_flags(parser, ("role", "prefill_token_target", "device", "seed"),
-                         {"dtype": "the checkpoint's, as a GPU engine serves it: bfloat16 "
-                                   "for a bfloat16 model, float16 otherwise"})
+                         {"dtype": AUTO_DTYPE})
 
 
 _ECO_FIELDS = tuple(k for k, (group, _) in FLAT_KEYS.items() if group == "macro")

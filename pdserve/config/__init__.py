@@ -8,7 +8,8 @@ One dataclass per layer: :class:`ModelConfig` (architecture facts read from a Hu
 model instance = the three above plus device/dtype/seed) and :class:`ClusterConfig`, **the one
 deployment spec**: roles (count, parallelism, per-role engine settings), routers, KV links and
 node layout. The live runtime and the simulator both build their instances from
-:meth:`ClusterConfig.instance_specs`, and size KV pools with :func:`kv_cache_blocks`.
+:meth:`ClusterConfig.instance_specs`, and size KV pools with :func:`kv_cache_blocks` (a simulated
+instance's with :func:`simulated_kv_blocks`).
 
 Every field that is a command-line flag carries its help text in ``metadata["help"]``;
 :mod:`pdserve.flags` generates the flags from these fields.
@@ -49,7 +50,9 @@ from pdserve.config.engine import (
     EngineConfig,
     SchedulerConfig,
     default_token_budget,
+    engine_reserved_bytes,
     kv_cache_blocks,
+    simulated_kv_blocks,
 )
 from pdserve.config.model import SUPPORTED_ARCHITECTURES, ModelConfig
 
@@ -58,6 +61,7 @@ __all__ = [
     "LENGTH_PREDICTORS", "LINKS_FILE", "ROLES", "SCHEDULING_POLICIES", "STRATEGIES",
     "SUPPORTED_ARCHITECTURES", "CacheConfig", "ClusterConfig", "EngineConfig", "GiB",
     "InstanceSpec", "Link", "MacroConfig", "ModelConfig", "PredictorConfig", "Role", "RoleSpec",
-    "SchedulerConfig", "cdiv", "check_granularity", "default_token_budget", "flip_settings",
-    "get_link", "kv_cache_blocks", "link_catalogue", "load_data_file", "read_text",
+    "SchedulerConfig", "cdiv", "check_granularity", "default_token_budget",
+    "engine_reserved_bytes", "flip_settings", "get_link", "kv_cache_blocks", "link_catalogue",
+    "load_data_file", "read_text", "simulated_kv_blocks",
 ]

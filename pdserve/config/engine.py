@@ -1,6 +1,7 @@
 """One model instance's settings: :class:`CacheConfig` (KV block pool), :class:`SchedulerConfig`
 (iteration scheduler), :class:`EngineConfig` (the two plus device, dtype and seed) and
-:func:`kv_cache_blocks`, the one KV pool formula of the real executor and the simulator."""
+:func:`kv_cache_blocks`, the one KV pool formula of the real executor and the simulator (which
+reserves :func:`engine_reserved_bytes` where the executor measures)."""
 
 from __future__ import annotations
 
@@ -251,6 +252,74 @@ def kv_cache_blocks(model: ModelConfig, engine: EngineConfig, *,
                          f"{where} (budget {budget / 2**20:.1f} MiB, one block is "
                          f"{block_bytes} bytes)")
     return blocks
+
+
+
+# What a GPU engine keeps out of its KV pool besides the weights, per GPU (vLLM's V1
+# ``Worker.determine_available_memory``: ``total × gpu_memory_utilization`` minus the weights, the
+# torch peak of a profile run, the non-torch memory and the CUDA-graph estimate). Constants:
+CUDA_HIDDEN_GIB = (0.27, 0.0064)  # nominal − CUDA's total = a + b × nominal (GiB): vLLM logs
+#   total_gpu_memory 23.58 GiB on a 24 GiB RTX 3090 and 79.22 GiB on an 80 GiB H100
+NON_TORCH_GIB = 0.25  # cuBLAS/NCCL workspaces: vLLM logs non_torch_memory 0.20-0.35 GiB
+CUDA_GRAPH_MAX_TOKENS = 512  # vLLM's largest captured batch: min(2 × max_num_seqs, 512)
+
+
+def _activation_bytes(model: ModelConfig, tokens: int, nbytes: int, tp: int, ep: int) -> int:
+    """Peak intermediates of ``tokens`` tokens through one layer on one of ``tp`` GPUs: the hidden
+    states and residual (full width on every rank) plus the larger of the attention block's
+    (q, k, v and the attention output) and the MLP's (gate/up and the activation's output; a MoE
+    layer's ``num_experts_per_tok`` rows per token, experts split over ``tp // ep``, plus their
+    outputs before the weighted sum)."""
+    m, hd = model, model.head_dim
+    q, kv = m.num_heads * hd // tp, -(-m.num_kv_heads // tp) * hd
+    attn = 2 * q + 2 * kv
+    mlp = (3 if m.family != "opt" else 2) * m.intermediate_size // tp
+    if m.is_moe:
+        routed = m.num_experts_per_tok * (3 * m.moe_intermediate_size // max(1, tp // ep)
+                                          + m.hidden_size)  # + each expert's output rows
+        mlp = max(mlp if m.num_moe_layers < m.num_layers else 0,
+                  routed + 3 * m.shared_expert_intermediate_size // tp)
+    return tokens * nbytes * (2 * m.hidden_size + max(attn, mlp))
+
+
+def engine_reserved_bytes(model: ModelConfig, engine: EngineConfig, *, device_memory_bytes: float,
+                          tp: int = 1, pp: int = 1, ep: int = 1) -> float:
+    """Closed-form estimate of the memory a vLLM-like engine on ``tp × pp`` GPUs of
+    ``device_memory_bytes`` each keeps out of its KV pool beyond the weights — the
+    ``reserved_bytes`` of :func:`kv_cache_blocks` for a simulated instance (the real executor
+    measures its own). Per GPU, on the last pipeline stage (the one that binds: vLLM gives every
+    stage the fewest blocks any stage can hold):
+
+    * ``gpu_memory_utilization`` × the memory CUDA does not expose (:data:`CUDA_HIDDEN_GIB`);
+    * the profile run: :func:`_activation_bytes` of the full token budget, plus the float32 logits
+      of its ``min(max_num_seqs, budget)`` sampled rows and one sampler buffer of that shape;
+    * CUDA graphs: the activations of the largest captured batch (:data:`CUDA_GRAPH_MAX_TOKENS`);
+    * non-torch memory (:data:`NON_TORCH_GIB`).
+
+    Checked against vLLM 0.19's pool for Llama-3.1-8B on an RTX 4090 (tests/sim/test_kv_reserve.py).
+    """
+    sched, nbytes = engine.scheduler, DTYPE_BYTES[engine.dtype]
+    budget = sched.token_budget
+    rows = min(sched.max_num_seqs, budget)
+    graph_tokens = min(CUDA_GRAPH_MAX_TOKENS, 2 * sched.max_num_seqs)
+    a, b = CUDA_HIDDEN_GIB
+    hidden = engine.cache.gpu_memory_utilization * (a * GiB + b * device_memory_bytes)
+    per_gpu = (hidden + _activation_bytes(model, budget, nbytes, tp, ep)
+               + 2 * rows * model.vocab_size * 4
+               + _activation_bytes(model, graph_tokens, nbytes, tp, ep)
+               + NON_TORCH_GIB * GiB)
+    return tp * pp * per_gpu
+
+
+def simulated_kv_blocks(model: ModelConfig, engine: EngineConfig, *,
+                        device_memory_bytes: float | None, tp: int = 1, pp: int = 1,
+                        ep: int = 1) -> int:
+    """KV blocks of a simulated (or planned) instance: :func:`kv_cache_blocks` with
+    :func:`engine_reserved_bytes` reserved on a GPU, ``cpu_kv_gib`` on CPU."""
+    reserved = 0.0 if device_memory_bytes is None else engine_reserved_bytes(
+        model, engine, device_memory_bytes=device_memory_bytes, tp=tp, pp=pp, ep=ep)
+    return kv_cache_blocks(model, engine, device_memory_bytes=device_memory_bytes,
+                           num_devices=tp * pp, reserved_bytes=reserved)
 
 
 _KWARG_TYPES = _kwarg_types()

@@ -20,6 +20,7 @@ from pdserve.bench.metrics import CRITERIA, SLO
 from pdserve.bench.workloads import make_workload
 from pdserve.config import ClusterConfig, Link, load_data_file
 from pdserve.flags import (
+    AUTO_DTYPE,
     add_engine_flags,
     engine_kwargs_from_args,
     link_value,
@@ -163,7 +164,7 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tp", type=positive_int)
     s.add_argument("--max-pp", type=positive_int)
     s.add_argument("--workers", type=positive_int, help="processes (default: up to 2 cores)")
-    add_engine_flags(p, _EXCLUDE, ENGINE_DEFAULTS)
+    add_engine_flags(p, _EXCLUDE, {**ENGINE_DEFAULTS, "dtype": AUTO_DTYPE})
 
 
 def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:

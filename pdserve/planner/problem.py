@@ -19,14 +19,22 @@ from pdserve.sim.aic_latency import BACKENDS, PACKAGE, aic_version
 from pdserve.sim.hardware import get_link
 from pdserve.sim.latency import match_model_key
 from pdserve.sim.model_catalogue import get_model_config
-from pdserve.sim.target import SimulationConfig, base_model, device_of, resolve_profile, step_model
+from pdserve.sim.target import (
+    SimulationConfig,
+    auto_dtype,
+    base_model,
+    device_of,
+    resolve_profile,
+    step_model,
+)
 
 KINDS = ("colocated", "prefill", "decode", "partial")
 STRATEGIES = ("colocated", "disaggregated", "partial")
 AFFINITIES = ("high", "low")
-# engine settings every planned instance gets unless the problem says otherwise (a plan prices
-# the serving dtype; prefix reuse depends on a workload's shared prefixes, which plans ignore)
-ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float16", "enable_prefix_caching": False}
+# engine settings every planned instance gets unless the problem says otherwise (prefix reuse
+# depends on a workload's shared prefixes, which plans ignore); the dtype defaults to the
+# checkpoint's, as simulate's does (Problem.engine_settings, sim.target.auto_dtype)
+ENGINE_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
 SERVING_PATH = ("step_overhead_ms", "seq_overhead_ms", "request_overhead_ms")
 DEFAULT_LM = 512  # DistServe §3.1: 512 tokens saturate an A100 for a 13B model
 
@@ -172,8 +180,10 @@ class Problem:
         return self.nodes * self.gpus_per_node
 
     def engine_settings(self) -> dict[str, Any]:
-        """Shared engine settings with the simulation defaults and the memory override."""
+        """Shared engine settings with the simulation defaults (the dtype the checkpoint's,
+        :func:`~pdserve.sim.target.auto_dtype`) and the memory override."""
         e = {**ENGINE_DEFAULTS, **dict(self.engine)}
+        e.setdefault("dtype", auto_dtype(model_config(self.model)))
         if self.gpu_memory_gib is not None:
             dev = device_memory_gib(self)
             share = e.get("gpu_memory_utilization", 0.9) * self.gpu_memory_gib / dev

@@ -32,11 +32,11 @@ from pdserve.bench.metrics import SLO, RequestRecord, attains
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.config import ClusterConfig
 from pdserve.flags import positive, positive_int
-from pdserve.planner.problem import Problem, available_tps
+from pdserve.planner.problem import SERVING_PATH, Problem, available_tps
 from pdserve.planner.search import plan
 from pdserve.planner.units import Unit, evaluate_unit
 from pdserve.sim.model_catalogue import get_model_config
-from pdserve.sim.target import build_simulator, to_records, to_sim_requests
+from pdserve.sim.target import add_serving_path_flags, build_simulator, to_records, to_sim_requests
 from pdserve.sim.target import simulate as simulate_config
 
 
@@ -382,6 +382,7 @@ def add_replan_flags(parser: argparse.ArgumentParser) -> None:
             ("--replan-model", "NAME|DIR", "the model the search prices (default: the served "
                                            "model)")):
         r.add_argument(flag, metavar=metavar, help=what)
+    add_serving_path_flags(r, prefix="replan-")  # price the steps as the plan did
     r.add_argument("--replan-slo-ttft", type=positive, default=0.25, metavar="SECONDS",
                    help="TTFT SLO the search plans for (default: %(default)s)")
     r.add_argument("--replan-slo-tpot", type=positive, default=0.1, metavar="SECONDS",
@@ -405,7 +406,8 @@ def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
                       (args.replan_hardware or "A100-80GB"),
                       slo=SLO(args.replan_slo_ttft, args.replan_slo_tpot),
                       num_requests=args.replan_num_requests, nodes=1,
-                      gpus_per_node=max(r.tp * r.pp for r in config.roles))
+                      gpus_per_node=max(r.tp * r.pp for r in config.roles),
+                      **{k: getattr(args, f"replan_{k}", None) or 0.0 for k in SERVING_PATH})
 
     available_tps(problem, get_model_config(problem.model))  # an unknown model/profile fails now
     planner = deployed_planner(problem, config)

@@ -12,7 +12,7 @@
 * ``partial`` (EcoServe §4.2.1, PaDG): one macro instance of ``macro_size`` temporal instances.
 
 Per-GPU goodput of a unit = its goodput / its GPUs. A unit whose weights and KV do not fit
-(``kv_cache_blocks`` raises, or the KV cannot hold one longest request) and a unit that misses
+(``simulated_kv_blocks`` raises, or the KV cannot hold one longest request) and a unit that misses
 the SLO even at zero load (each request alone on the instance) are not simulated; a unit whose
 capacity bound is dominated is not simulated, and a unit that fails at the rate tying the best
 per-GPU goodput of its kind so far stops after that probe (:meth:`UnitCache.get_bounded`).

@@ -152,13 +152,16 @@ def _bucket(x: float) -> int:
 @dataclass(frozen=True, eq=False)
 class AicModel(LatencyModel):
     """Kernel-database step times for ``model`` on ``system`` / ``backend`` at ``tp``
-    (module docstring). ``source`` names the database: package, version, system, backend."""
+    (module docstring). A MoE model's experts run ``tp // ep``-way tensor parallel on each of
+    ``ep`` expert-parallel groups (aiconfigurator's ``moe_tp_size`` × ``moe_ep_size`` = ``tp``).
+    ``source`` names the database: package, version, system, backend."""
 
     model: ModelConfig
     system: str
     backend: str = "vllm"
     tp: int = 1
     dtype: str = "float16"
+    ep: int = 1
     engine: Any = field(default=None, repr=False)
     version: str = field(default="", init=False)
     _cache: dict[tuple[Any, ...], float] = field(default_factory=dict, init=False, repr=False)
@@ -175,16 +178,23 @@ class AicModel(LatencyModel):
         known = systems()
         if self.system not in known:
             raise ValueError(f"aic system {self.system!r} is not one of {', '.join(known)}")
+        if self.ep < 1 or self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} must be >= 1 and divide tp={self.tp}")
+        if self.ep > 1 and (not self.model.is_moe or self.model.num_experts % self.ep):
+            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model whose num_experts "
+                             f"({self.model.num_experts}) it divides")
         if self.engine is None:  # compiled once per process, its lookups shared
+            moe = (self.tp // self.ep, self.ep) if self.model.is_moe else None
             object.__setattr__(self, "engine", _compile(aic_model_id(self.model), self.system,
-                                                        self.backend, self.tp))
+                                                        self.backend, self.tp, moe))
             object.__setattr__(self, "_cache", _CACHES.setdefault(id(self.engine), {}))
         object.__setattr__(self, "version", version)
 
     @property
     def source(self) -> str:
         return (f"{PACKAGE} {self.version} kernel database {self.system}/{self.backend} "
-                f"({aic_model_id(self.model)}, tp={self.tp})")
+                f"({aic_model_id(self.model)}, tp={self.tp}"
+                f"{f', ep={self.ep}' if self.ep > 1 else ''})")
 
     def kernel_ms(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
         """aiconfigurator's kernel sum for one step, ms (no serving terms)."""
@@ -224,11 +234,15 @@ _CACHES: dict[int, dict[tuple[Any, ...], float]] = {}
 
 
 @cache
-def _compile(model_id: str, system: str, backend: str, tp: int) -> Any:
+def _compile(model_id: str, system: str, backend: str, tp: int,
+             moe: tuple[int, int] | None = None) -> Any:
+    """aiconfigurator's engine for ``model_id`` at ``tp``; ``moe``: a MoE model's
+    ``(moe_tp_size, moe_ep_size)``, whose product is ``tp``."""
     import logging
 
     from aiconfigurator_core.sdk.engine import EngineHandle
 
     # the package logs every fallback table it loads; keep the simulator's output readable
     logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)
-    return EngineHandle.compile(model_id, system, backend, tp_size=tp)
+    kw = {} if moe is None else {"moe_tp_size": moe[0], "moe_ep_size": moe[1]}
+    return EngineHandle.compile(model_id, system, backend, tp_size=tp, **kw)

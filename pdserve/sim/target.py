@@ -4,9 +4,10 @@
 runtime serves) + the latency source (a profile file, or a hardware spec for the analytic
 roofline model) + the serving-path overhead. :func:`build_simulator` turns it into a
 :class:`~pdserve.sim.simulator.Simulator`: every instance comes from
-:meth:`ClusterConfig.instance_specs`, its KV pool from :func:`~pdserve.config.kv_cache_blocks`
-on the hardware's memory. :class:`SimTarget` is the benchmark toolkit's ``Target``
-(``pdserve bench|goodput|compare --target sim``); ``pdserve simulate`` uses the same pieces.
+:meth:`ClusterConfig.instance_specs`, its KV pool from
+:func:`~pdserve.config.simulated_kv_blocks` on the hardware's memory (less what a vLLM-like engine
+reserves). :class:`SimTarget` is the benchmark toolkit's ``Target`` (``pdserve
+bench|goodput|compare --target sim``); ``pdserve simulate`` uses the same pieces.
 Records carry the full simulated timeline (also as ``server_timeline``), so the latency
 breakdown works as it does for a live server.
 
@@ -33,7 +34,7 @@ from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.routing import routers_for
-from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, kv_cache_blocks
+from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, simulated_kv_blocks
 from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
 from pdserve.request import Timeline
 from pdserve.sim.aic_latency import BACKENDS, AicModel, aic_version
@@ -131,17 +132,14 @@ class SimulationConfig:
 # ------------------------------------------------------------------------- building blocks
 def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
                dtype: str, ep: int = 1) -> LatencyModel:
-    """The step-time model of one instance: the profile or the analytic roofline at ``tp``
-    (``ep``: expert parallelism, roofline only),
+    """The step-time model of one instance: the profile, the kernel database or the analytic
+    roofline at ``tp`` (``ep``: expert parallelism, kernel database and roofline only),
     wrapped in a :class:`PipelineModel` when ``pp`` > 1 and in a :class:`DriverOverhead` when
     an overhead is set."""
 
     base: LatencyModel
     if sim.aic_system is not None:
-        if ep > 1:
-            raise ValueError(f"ep={ep}: the aic source has no expert-parallel pricing here; "
-                             f"simulate expert parallelism with --hardware")
-        base = AicModel(model, sim.aic_system, sim.aic_backend, tp, dtype)
+        base = AicModel(model, sim.aic_system, sim.aic_backend, tp, dtype, ep)
     elif sim.profile is not None:
         if ep > 1:
             raise ValueError(f"ep={ep}: a measured profile has no expert-parallel entries; "
@@ -238,8 +236,8 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
         dtype = s.engine.dtype
         latency = step_model(sim, model, s.tp, s.pp, dtype, s.ep)
         device = device_of(sim, base_model(latency))
-        blocks = kv_cache_blocks(model, s.engine, num_devices=s.num_gpus,
-                                 device_memory_bytes=device.memory_bytes if device else None)
+        blocks = simulated_kv_blocks(model, s.engine, tp=s.tp, pp=s.pp, ep=s.ep,
+                                     device_memory_bytes=device.memory_bytes if device else None)
         instances.append(SimInstance(s.instance_id, s.engine, latency, blocks, s.num_gpus,
                                      s.node))
         devices.append(device)
@@ -404,18 +402,20 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
     add_serving_path_flags(g)
 
 
-def add_serving_path_flags(g: Any) -> None:
+def add_serving_path_flags(g: Any, prefix: str = "") -> None:
     """``--step-overhead-ms``, ``--seq-overhead-ms``, ``--request-overhead-ms``: the serving
     path's costs that a latency source leaves out (``SimulationConfig`` names; unset = the
-    ``--config`` file's, else 0). ``simulate``, ``plan`` and ``advise`` share them."""
-    for flag, what in (
-            ("--step-overhead-ms", "serving-path cost added to every step (see "
-                                   "benchmarks/fidelity.py; pdserve calibrate measures it)"),
-            ("--seq-overhead-ms", "serving-path cost per sequence in a step"),
-            ("--request-overhead-ms", "the front end's fixed cost per request (HTTP, "
-                                      "tokenizing, routing, streaming), added to every TTFT "
-                                      "and end-to-end latency")):
-        g.add_argument(flag, type=nonnegative, metavar="MS", help=f"{what} (default: 0)")
+    ``--config`` file's, else 0). ``simulate``, ``plan`` and ``advise`` share them; ``serve``'s
+    replanner takes them as ``--replan-step-overhead-ms``... (``prefix="replan-"``)."""
+    for name, what in (
+            ("step-overhead-ms", "serving-path cost added to every step (see "
+                                 "benchmarks/fidelity.py; pdserve calibrate measures it)"),
+            ("seq-overhead-ms", "serving-path cost per sequence in a step"),
+            ("request-overhead-ms", "the front end's fixed cost per request (HTTP, "
+                                    "tokenizing, routing, streaming), added to every TTFT "
+                                    "and end-to-end latency")):
+        g.add_argument(f"--{prefix}{name}", type=nonnegative, metavar="MS",
+                       help=f"{what} (default: 0)")
 
 
 def add_latency_source_flags(g: Any) -> None:

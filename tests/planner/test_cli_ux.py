@@ -26,6 +26,25 @@ def test_help_shows_the_engine_defaults_the_planner_applies(capsys):
         assert shown is not None and shown.group(1) == str(settings[name]), name
 
 
+
+@pytest.mark.parametrize(("model", "dtype"), [("llama-3.1-8b", "bfloat16"),
+                                              ("opt-13b", "float16")])
+def test_the_planner_plans_the_checkpoints_dtype(capsys, model, dtype):
+    # the checkpoints' own torch_dtype (Llama 3.1 ships bfloat16, OPT float16), as simulate
+    # serves them; plan --help says so, and a given dtype wins
+    p = Problem(model=model, hardware="A100-80GB")
+    assert p.engine_settings()["dtype"] == dtype
+    dep = unit_mod.unit_deployment(p, unit_mod.Unit("colocated", 1))
+    assert dep["engine"]["dtype"] == dtype
+    assert Problem(model=model, engine={"dtype": "float32"}).engine_settings()["dtype"] == \
+        "float32"
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--dtype {float32,bfloat16,float16} weight and KV dtype (default: auto: the " \
+           "checkpoint's" in text
+
+
 def test_a_rate_beyond_the_capacity_bounds_fails_before_any_simulation(const_profile,
                                                                       monkeypatch):
     p = Problem(model="opt-13b", profile=const_profile({1: 100.0}, decode_ms=20.0,

@@ -32,18 +32,19 @@ def test_units_that_cannot_hold_the_weights_are_pruned_unsimulated():
 
 
 def test_a_kv_cache_smaller_than_the_longest_request_is_pruned():
-    # 3 GiB GPUs: 90 % of it minus OPT-1.3B's 2.63 GB of fp16 weights leaves KV for
-    # (3 x 0.9 x 2^30 - 2,631,593,984) / 196,608 = 1,367 tokens, under one 1,500 + 500-token
-    # request at TP1 (TP2 holds 2 x 3 x 0.9 GiB - weights: 16,127 tokens, enough). The memory
-    # override goes through the one KV formula.
-    p = Problem(model="opt-1.3b", hardware="A100-80GB", gpu_memory_gib=3.0, rate=1.0,
+    # 3.5 GiB GPUs: 90 % of it minus OPT-1.3B's 2.63 GB of fp16 weights and the engine's
+    # reserve (engine_reserved_bytes: ~486 MiB per GPU at a 2,048-token budget) leaves KV for
+    # 1,232 tokens, under one 1,500 + 500-token request at TP1 (TP2: 16,272 tokens, enough).
+    # The memory override goes through the one KV formula. (With 3 GiB, as before the reserve
+    # was modelled, TP1 no longer holds the weights and the reserve at all.)
+    p = Problem(model="opt-1.3b", hardware="A100-80GB", gpu_memory_gib=3.5, rate=1.0,
                 gpus_per_node=2, slo=SLO(1.0, 0.1), workload="fixed:input=1500,output=500")
     r = evaluate_unit(p, Unit("colocated", 1))
-    assert r.pruned == ("does not fit: colocated TP1 PP1 prefill-first: KV cache holds 1360 "
+    assert r.pruned == ("does not fit: colocated TP1 PP1 prefill-first: KV cache holds 1232 "
                         "tokens, fewer than the longest request (2000)")
     from pdserve.planner.units import unit_model
 
-    assert unit_model(p, Unit("colocated", 2)).kv_tokens == 16112  # 1,007 blocks of 16
+    assert unit_model(p, Unit("colocated", 2)).kv_tokens == 16272  # 1,017 blocks of 16
 
 
 def test_an_slo_missed_at_zero_load_is_pruned_unsimulated(const_profile):

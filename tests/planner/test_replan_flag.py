@@ -43,6 +43,38 @@ def test_bad_replanning_settings_fail_before_the_model_loads(argv, spec, needle)
         replanner_from_args(args, cfg)
 
 
+
+def test_the_replanner_prices_steps_with_the_plans_serving_path(monkeypatch):
+    # the plan's --step-overhead-ms / --seq-overhead-ms / --request-overhead-ms, given to
+    # serve as --replan-..., reach the replanning search: its latency source is the plan's
+    import pdserve.planner.replan as replan_mod
+    from pdserve.planner.cli import problem_from_args
+    from pdserve.planner.cli import register as register_plan
+
+    seen = {}
+    monkeypatch.setattr(replan_mod, "deployed_planner",
+                        lambda problem, config: seen.setdefault("problem", problem))
+    terms = ("step-overhead-ms", "1.5", "seq-overhead-ms", "0.09", "request-overhead-ms", "8")
+    serve_args = [f"--replan-{t}" if i % 2 == 0 else t for i, t in enumerate(terms)]
+    args = _args("--model", "opt-13b", "--replan", "--replan-hardware", "H100", *serve_args)
+    assert replanner_from_args(args, ClusterConfig.from_dict({"model": "opt-13b"})) is not None
+    got = seen["problem"]
+    assert (got.step_overhead_ms, got.seq_overhead_ms, got.request_overhead_ms) == \
+        (1.5, 0.09, 8.0)
+    parser = argparse.ArgumentParser()
+    register_plan(parser.add_subparsers(dest="command"))
+    plan_args = [f"--{t}" if i % 2 == 0 else t for i, t in enumerate(terms)]
+    planned = problem_from_args(parser.parse_args(
+        ["plan", "--model", "opt-13b", "--hardware", "H100", "--rate", "1", *plan_args]))
+    assert got.sim_settings() == planned.sim_settings()
+    assert got.latency_source() == planned.latency_source()
+    # unset: no serving-path terms, as plan's default
+    seen.clear()
+    replanner_from_args(_args("--model", "opt-13b", "--replan"),
+                        ClusterConfig.from_dict({"model": "opt-13b"}))
+    assert seen["problem"].latency_source().endswith("no serving-path terms")
+
+
 def test_the_serve_flag_rejects_a_bad_window(capsys):
     from pdserve.cli import main
 

@@ -60,6 +60,29 @@ def test_tensor_parallelism_reaches_the_database(reference: dict) -> None:
     assert a.engine is b.engine and a._cache is b._cache and len(a._cache) > 0
 
 
+
+def test_moe_model_above_tp1_prices_its_experts_as_the_role_says() -> None:
+    # aiconfigurator requires moe_tp_size x moe_ep_size = tp for a MoE model (it refused TP2
+    # when the adapter passed tp alone). The reference is its own engine compiled with the
+    # expert split the role asks for: experts 2-way expert parallel, unsharded
+    _aic()
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    qwen = get_model_config("qwen3-30b-a3b")
+    sim = SimulationConfig(ClusterConfig(model="qwen3-30b-a3b"), aic_system="h100_sxm")
+    tp2 = step_model(sim, qwen, 2, 1, "bfloat16")
+    ep2 = step_model(sim, qwen, 2, 1, "bfloat16", ep=2)
+    assert "(Qwen/Qwen3-30B-A3B, tp=2)" in tp2.source
+    assert "(Qwen/Qwen3-30B-A3B, tp=2, ep=2)" in ep2.source
+    ref = EngineHandle.compile("Qwen/Qwen3-30B-A3B", "h100_sxm", "vllm", tp_size=2,
+                               moe_tp_size=1, moe_ep_size=2)
+    bs, isl = 8, 2048
+    ctx_ms, gen_ms, _ = ref.run_static(batch_size=bs, isl=isl, osl=2)
+    assert 1000 * ep2.prefill_time([isl] * bs) == pytest.approx(ctx_ms, rel=0.10)
+    assert 1000 * ep2.decode_time([isl + 1] * bs) == pytest.approx(gen_ms, rel=0.10)
+    assert tp2.decode_time([isl + 1] * bs) > 0 and tp2.engine is not ep2.engine
+
+
 def test_serving_terms_add_exactly_what_they_say(reference: dict) -> None:
     sim = SimulationConfig(ClusterConfig(model="llama-3.1-8b"), aic_system="h100_sxm",
                            step_overhead_ms=1.5, seq_overhead_ms=0.09)

@@ -70,7 +70,7 @@ from pdserve.bench.report import (
 )
 from pdserve.bench.traces import load_trace
 from pdserve.bench.workloads import Workload, make_workload
-from pdserve.config import ClusterConfig, ModelConfig, kv_cache_blocks
+from pdserve.config import ClusterConfig, ModelConfig, simulated_kv_blocks
 from pdserve.sim.hardware import get_device
 from pdserve.sim.latency import FittedProfile
 from pdserve.sim.model_catalogue import get_model_config
@@ -148,12 +148,13 @@ def chatbot_workload(num_requests: int, seed: int = 0, vocab_size: int = 50272,
 
 # ------------------------------------------------------------------------------ placements
 def kv_blocks(model: ModelConfig, tp: int) -> int:
-    """KV blocks of a TP=``tp`` instance (pdserve.config.kv_cache_blocks, the one formula):
-    its GPUs' memory share minus the fp16 weights."""
+    """KV blocks of a TP=``tp`` instance as the simulator sizes it
+    (pdserve.config.simulated_kv_blocks): its GPUs' memory share minus the fp16 weights and what
+    the engine reserves."""
     engine = ClusterConfig.from_dict({"model": MODEL, "engine": ENGINE}).engine_config(
         model_max_len=MAX_MODEL_LEN)
-    return kv_cache_blocks(model, engine, device_memory_bytes=get_device(DEVICE).memory_bytes,
-                           num_devices=tp)
+    return simulated_kv_blocks(model, engine, tp=tp,
+                               device_memory_bytes=get_device(DEVICE).memory_bytes)
 
 
 def distserve_kv_tokens(path: str, model: str, tp: int) -> int | None:
