@@ -1,7 +1,9 @@
 """Pipeline parallelism (gloo on CPU, ranks as processes): the greedy tokens of a PP2 and a
-TP2 x PP2 instance equal TP1's and transformers', each stage reads only its layers' weights
-(plus the embedding on the first stage and the final norm and head on the last), and KV moves
-between PP2 and PP1 instances unchanged (byte for byte), continuing as it would have."""
+TP2 x PP2 instance running its two virtual engines (two micro-batches in flight) equal TP1's
+and transformers', stage 0 starts a micro-batch before the previous one has come back from the
+last stage, each stage reads only its layers' weights (plus the embedding on the first stage and
+the final norm and head on the last), and KV moves between PP2 and PP1 instances unchanged (byte
+for byte), continuing as it would have."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.model_executor import ModelExecutor
+from pdserve.engine.pipeline import PipelinedEngine, make_engine
 from pdserve.model.parallel import check_live_layout, stage_layers
-from tests.model.helpers import NEW_TOKENS, hf_reference, make_prompts
+from tests.model.helpers import GREEDY, NEW_TOKENS, hf_reference, make_prompts
 from tests.model.test_tensor_parallel import PROMPTS, _continue, _prefill, generate
 
 
@@ -22,6 +25,27 @@ def executor(model_dir: str, tp: int = 1, pp: int = 1, blocks: int = 64) -> Mode
     ex = ModelExecutor(cfg, num_threads=1, tp=tp, pp=pp)
     ex.capture_logits = True
     return ex
+
+
+# six requests: three per virtual engine, so that both lanes have a micro-batch in flight
+LANE_PROMPTS = (3, 37, 90, 20, 55, 8)
+
+
+def generate_lanes(ex: ModelExecutor, prompts: list[list[int]]) -> list[list[int]]:
+    """:func:`generate` through the instance's ``pp`` virtual engines, as a live instance runs
+    (up to ``pp`` micro-batches in flight); every lane computes some of the requests."""
+    eng = make_engine(ex.config, ex)
+    assert isinstance(eng, PipelinedEngine)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step().outputs:
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        eng.check_integrity()
+    assert all(lane.num_steps > 0 for lane in eng.lanes)
+    return [out[f"r{i}"] for i in range(len(prompts))]
 
 
 def test_stage_layers_balanced() -> None:
@@ -40,17 +64,48 @@ _SLOW = pytest.mark.slow  # 4 rank processes: ~25 s each on a busy 2-core machin
     pytest.param("llama", 2, 2, marks=_SLOW), pytest.param("qwen3", 2, 2, marks=_SLOW),
 ], ids=["llama-pp2", "qwen3-pp2", "opt-pp2", "opt-tp2xpp2", "llama-tp2xpp2", "qwen3-tp2xpp2"])
 def test_pp_greedy_equals_tp1_and_transformers(tiny_dirs, hf_models, arch, tp, pp) -> None:
-    prompts = make_prompts(PROMPTS)
+    """With ``pp`` micro-batches in flight (both virtual engines busy)."""
+    prompts = make_prompts(LANE_PROMPTS)
     want = generate(executor(tiny_dirs[arch]), prompts)
-    ex = executor(tiny_dirs[arch], tp, pp)
+    ex = executor(tiny_dirs[arch], tp, pp, blocks=128)
     try:
-        got = generate(ex, prompts)
+        got = generate_lanes(ex, prompts)
     finally:
         ex.close()
+    assert ex.max_in_flight == pp
     assert got == want  # all 64 tokens of each request
     ref = hf_reference(hf_models(arch), prompts)
     assert [t[:NEW_TOKENS] for t in got] == [r.tokens for r in ref]
     assert ex.local_config.num_layers == ex.model_config.num_layers // pp
+
+
+def test_stage0_starts_a_micro_batch_before_the_last_stage_returns_the_previous(
+        tiny_dirs) -> None:
+    """Ordering, not timing: rank 0's event log (``trace``) has stage 0 start the forward of
+    micro-batch j+1 before micro-batch j's logits come back from the last stage — the only
+    message by which rank 0 learns that the last stage has finished j — so two micro-batches
+    are in the pipeline at once. Run one at a time (each step collected before the next
+    starts) the log alternates forward j, logits j, and this fails."""
+    ex = executor(tiny_dirs["llama"], pp=2, blocks=128)
+    ex.trace = []
+    try:
+        generate_lanes(ex, make_prompts(LANE_PROMPTS))
+    finally:
+        ex.close()
+    n = ex.num_submitted
+    log = ex.trace
+    assert sorted(log) == sorted([("forward", j) for j in range(n)]
+                                 + [("logits", j) for j in range(n)])
+    # the pipeline's steady state: forward 0, forward 1, then logits j, forward j + 2, ...
+    steady = [("forward", 0), ("forward", 1)]
+    for j in range(n - 2):
+        steady += [("logits", j), ("forward", j + 2)]
+    k = next((i for i, (a, b) in enumerate(zip(log, steady)) if a != b), len(steady))
+    assert k >= n, f"one micro-batch at a time from event {k} of {len(log)}: {log[:8]}"
+    at = {e: i for i, e in enumerate(log)}
+    overlapped = sum(at[("forward", j + 1)] < at[("logits", j)] for j in range(n - 1))
+    assert overlapped >= n // 2
+    assert ex.num_collected == n and ex.max_in_flight == 2  # rank 0's counters agree
 
 
 def _file_bytes(model_dir: str) -> dict[str, int]:
