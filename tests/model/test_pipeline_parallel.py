@@ -12,11 +12,12 @@ import math
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, cdiv
+from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
 from pdserve.engine.model_executor import ModelExecutor
 from pdserve.engine.pipeline import PipelinedEngine, make_engine
 from pdserve.model.parallel import check_live_layout, stage_layers
-from tests.model.helpers import GREEDY, NEW_TOKENS, hf_reference, make_prompts
+from tests.model.helpers import GREEDY, NEW_TOKENS, HandDriver, hf_reference, make_prompts
 from tests.model.test_tensor_parallel import PROMPTS, _continue, _prefill, generate
 
 
@@ -136,13 +137,14 @@ def test_each_stage_loads_its_layers(tiny_dirs, arch) -> None:
         ex.close()
 
 
-def test_kv_hand_off_between_pp2_and_pp1(tiny_dirs) -> None:
-    """PP2 -> PP1 and PP1 -> PP2: the KV arrives byte-identical (re-exported from the
-    destination it is the source's payload) and the destination continues the request exactly
-    as the source would have."""
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=_SLOW)], ids=["pp2", "tp2xpp2"])
+def test_kv_hand_off_between_pp2_and_pp1(tiny_dirs, tp) -> None:
+    """PP2 (TP1 or TP2 stages) -> PP1 and back: the KV arrives byte-identical (re-exported from
+    the destination it is the source's payload) and the destination continues the request
+    exactly as the source would have."""
     model = tiny_dirs["llama"]
     p1, p2 = make_prompts((45, 70), seed=3)
-    one, two = executor(model, 1, 1, 256), executor(model, 1, 2, 256)
+    one, two = executor(model, 1, 1, 256), executor(model, tp, 2, 256)
     try:
         for src, dst, prompt in ((two, one, p1), (one, two, p2)):
             hd, req, blocks = _prefill(src, prompt)
@@ -154,6 +156,32 @@ def test_kv_hand_off_between_pp2_and_pp1(tiny_dirs) -> None:
             first = hd.tokens[req.request_id][0]
             hd.decode_all([req], NEW_TOKENS)
             assert _continue(dst, prompt, dst_blocks, first) == hd.tokens[req.request_id]
+    finally:
+        two.close()
+
+
+def test_kv_export_behind_micro_batches_in_flight(tiny_dirs) -> None:
+    """A KV export issued while two micro-batches are in the pipeline travels behind them
+    (every rank takes it after their stages): it returns the KV the blocks hold, and the two
+    micro-batches then sample what PP1 samples for them."""
+    model = tiny_dirs["llama"]
+    pa, pb, pc = make_prompts((45, 30, 21), seed=7)
+    one, two = executor(model, 1, 1, 256), executor(model, 1, 2, 256)
+    try:
+        got = []
+        for ex in (one, two):
+            hd = HandDriver(ex)
+            a, b, c = hd.add(pa), hd.add(pb), hd.add(pc)
+            hd.step([(a, None)])
+            blocks = a.block_ids[: cdiv(len(pa), ex.block_size)]
+            fb = ex.submit(ScheduledBatch(1, [ScheduledSeq(b, 0, len(pb), True)]))
+            fc = ex.submit(ScheduledBatch(2, [ScheduledSeq(c, 0, len(pc), True)]))
+            kv = ex.export_kv(blocks)["kv"]
+            sampled = ex.collect(fb).sampled + ex.collect(fc).sampled
+            assert torch.equal(ex.export_kv(blocks)["kv"], kv)
+            got.append((sampled, hd.tokens[a.request_id]))
+        assert two.max_in_flight == 2
+        assert got[1] == got[0]
     finally:
         two.close()
 
