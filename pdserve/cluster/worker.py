@@ -2,9 +2,12 @@
 
 Every driver talks to an instance the same way: ``handle(commands, now)`` applies the commands
 (add, transfer, import, release, abort), reserves KV pulls on a decode instance, runs at most one
-engine step and returns a :class:`StepReport`. Live, the instance's own loop calls it
-(:class:`pdserve.cluster.instances.StepLoop`, in a thread of the driver's process or inside a Ray
-actor); the simulator calls it directly at virtual times. Messages are small
+engine step and returns a :class:`StepReport`. A pipeline-parallel instance's engine is
+:class:`~pdserve.engine.pipeline.PipelinedEngine` (its virtual engines behind the instance's one
+id): its step completes one micro-batch and starts the next, or only starts one. Live, the
+instance's own loop calls it (:class:`pdserve.cluster.instances.StepLoop`, in a thread of the
+driver's process or inside a Ray actor); the simulator calls it directly at virtual times.
+Messages are small
 serializable dataclasses.
 """
 

@@ -10,6 +10,7 @@ from typing import Any
 from pdserve.cluster.worker import AddRequest, InstanceWorker
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
+from pdserve.engine.kv_cache import BlockStored
 from pdserve.engine.pipeline import LaneExecutor, PipelinedEngine, lane_blocks, lane_id
 from pdserve.request import SamplingParams
 from tests.engine.fakes import FakeExecutor, reference_generate
@@ -107,7 +108,7 @@ def test_lane_executor_shifts_kv_block_ids() -> None:
 def test_the_worker_reports_a_pp_instance_as_one() -> None:
     """One id, every block; a step that only started a micro-batch still counts as a step (the
     instance loop steps again at once)."""
-    w = InstanceWorker("pp-0", config(40), FakePipe(40))
+    w = InstanceWorker("pp-0", config(40), FakePipe(40), record_events=True)
     assert isinstance(w.engine, PipelinedEngine) and w.num_kv_blocks == 40
     rep = w.handle([AddRequest("a", [1, 2, 3], greedy(2), 0.0),
                     AddRequest("b", [4, 5, 6], greedy(2), 0.0)], 0.0)
@@ -117,7 +118,11 @@ def test_the_worker_reports_a_pp_instance_as_one() -> None:
     reps = [rep]
     while reps[-1].has_work:
         reps.append(w.handle([], 0.0))
-    tokens = {d.request_id: [] for r in reps for d in r.deltas}
+    # both lanes' block pools report through the instance: a and b's full block (4 tokens)
+    stored = [e for r in reps for e in r.kv_events if isinstance(e, BlockStored)]
+    ta, tb = reference_generate([1, 2, 3], 1), reference_generate([4, 5, 6], 1)
+    assert sorted(e.token_ids for e in stored) == sorted([[1, 2, 3, *ta], [4, 5, 6, *tb]])
+    tokens: dict[str, list[int]] = {d.request_id: [] for r in reps for d in r.deltas}
     for r in reps:
         for d in r.deltas:
             tokens[d.request_id] += d.token_ids
