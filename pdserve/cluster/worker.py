@@ -7,8 +7,7 @@ engine step and returns a :class:`StepReport`. A pipeline-parallel instance's en
 id): its step completes one micro-batch and starts the next, or only starts one. Live, the
 instance's own loop calls it (:class:`pdserve.cluster.instances.StepLoop`, in a thread of the
 driver's process or inside a Ray actor); the simulator calls it directly at virtual times.
-Messages are small
-serializable dataclasses.
+Messages are small serializable dataclasses.
 """
 
 from __future__ import annotations
