@@ -103,13 +103,13 @@ class PipelinedEngine:
                  name: str = "engine") -> None:
         self.config, self.executor, self.tokenizer, self.name = config, executor, tokenizer, name
         self.pp = executor.pp
-        self.lanes = [Engine(config, LaneExecutor(executor, first, n), tokenizer, eos_token_ids,
-                             record_events, lane_id(name, j))
-                      for j, (first, n) in enumerate(lane_blocks(executor.num_kv_blocks,
-                                                                 self.pp))]
+        self._views = [LaneExecutor(executor, first, n)
+                       for first, n in lane_blocks(executor.num_kv_blocks, self.pp)]
+        self.lanes = [Engine(config, v, tokenizer, eos_token_ids, record_events, lane_id(name, j))
+                      for j, v in enumerate(self._views)]
         self.max_model_len = self.lanes[0].max_model_len
-        # (lane, batch, executor handle, when it was scheduled), oldest first
-        self._flight: deque[tuple[Engine, ScheduledBatch, Any, float]] = deque()
+        # (lane number, batch, executor handle, when it was scheduled), oldest first
+        self._flight: deque[tuple[int, ScheduledBatch, Any, float]] = deque()
         self._next = 0  # the lane the next fill tries first
         self.busy_time = 0.0
 
@@ -151,30 +151,30 @@ class PipelinedEngine:
     # ------------------------------------------------------------------ stepping
     def step(self, now: float = 0.0) -> StepResult:
         if len(self._flight) < self.pp:
-            busy = {id(f[0]) for f in self._flight}
+            busy = {f[0] for f in self._flight}
             for k in range(self.pp):
-                lane = self.lanes[(self._next + k) % self.pp]
-                if id(lane) not in busy and lane.has_work():
-                    started = self._begin(lane, now)
+                j = (self._next + k) % self.pp
+                if j not in busy and self.lanes[j].has_work():
+                    started = self._begin(j, now)
                     if started is not None:
-                        self._next = (self._next + k + 1) % self.pp
+                        self._next = (j + 1) % self.pp
                         return StepResult(ScheduledBatch(-1), 0.0, started=started)
         if not self._flight:
             return StepResult(ScheduledBatch(-1), 0.0)
-        lane, batch, handle, t = self._flight.popleft()
-        result = lane.executor.collect(handle)  # type: ignore[attr-defined]
-        res = lane.finish_step(batch, result, t)
+        j, batch, handle, t = self._flight.popleft()
+        result = self._views[j].collect(handle)
+        res = self.lanes[j].finish_step(batch, result, t)
         res.elapsed = max(0.0, t + result.elapsed - now)  # from this step's start
         self.busy_time += res.elapsed
-        if lane.has_work():
-            res.started = self._begin(lane, now + res.elapsed)
+        if self.lanes[j].has_work():
+            res.started = self._begin(j, now + res.elapsed)
         return res
 
-    def _begin(self, lane: Engine, now: float) -> ScheduledBatch | None:
-        got = lane.begin_step(now, lane.executor.submit)  # type: ignore[attr-defined]
+    def _begin(self, j: int, now: float) -> ScheduledBatch | None:
+        got = self.lanes[j].begin_step(now, self._views[j].submit)
         if got is None:
             return None
-        self._flight.append((lane, got[0], got[1], now))
+        self._flight.append((j, got[0], got[1], now))
         return got[0]
 
     # ------------------------------------------------------------------ KV hand-off
