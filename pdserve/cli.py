@@ -106,7 +106,7 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
     par = g.add_argument_group("parallelism")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default: 1)")
     par.add_argument("--pp", type=int, default=1,
-                     help="pipeline stages, one micro-batch in flight at a time (default: 1)")
+                     help="pipeline stages, as many micro-batches in flight (default: 1)")
 
     t = subcommand(sub, "make-tiny-model", _make_tiny,
                    help="write a random tiny model in Hugging Face layout",

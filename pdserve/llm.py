@@ -9,7 +9,7 @@ from typing import Any
 
 from pdserve.checkpoints import resolve_model
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.engine import Engine
+from pdserve.engine.pipeline import make_engine
 from pdserve.request import RequestOutput, SamplingParams
 from pdserve.tokenizer import load_tokenizer
 
@@ -42,7 +42,8 @@ class LLM:
 
         self.executor = ModelExecutor(self.config, tp=tensor_parallel_size,
                                       pp=pipeline_parallel_size)
-        self.engine = Engine(self.config, self.executor, tokenizer=self.tokenizer)
+        # pp > 1: pp virtual engines, micro-batches in flight (pdserve.engine.pipeline)
+        self.engine = make_engine(self.config, self.executor, tokenizer=self.tokenizer)
         self._ids = itertools.count()
 
     def generate(

@@ -2,10 +2,12 @@
 
 Every driver talks to an instance the same way: ``handle(commands, now)`` applies the commands
 (add, transfer, import, release, abort), reserves KV pulls on a decode instance, runs at most one
-engine step and returns a :class:`StepReport`. Live, the instance's own loop calls it
-(:class:`pdserve.cluster.instances.StepLoop`, in a thread of the driver's process or inside a Ray
-actor); the simulator calls it directly at virtual times. Messages are small
-serializable dataclasses.
+engine step and returns a :class:`StepReport`. A pipeline-parallel instance's engine is
+:class:`~pdserve.engine.pipeline.PipelinedEngine` (its virtual engines behind the instance's one
+id): its step completes one micro-batch and starts the next, or only starts one. Live, the
+instance's own loop calls it (:class:`pdserve.cluster.instances.StepLoop`, in a thread of the
+driver's process or inside a Ray actor); the simulator calls it directly at virtual times.
+Messages are small serializable dataclasses.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdserve.config import EngineConfig, SchedulerConfig
-from pdserve.engine.engine import Engine, EngineStats, KVPayload, StepResult
+from pdserve.engine.engine import EngineStats, KVPayload, StepResult
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache import KVEvent
+from pdserve.engine.pipeline import make_engine
 from pdserve.request import RequestStatus, SamplingParams, Timeline
 
 log = logging.getLogger(__name__)
@@ -162,12 +165,12 @@ class InstanceWorker:
         self.log_batches = log_batches  # fill StepReport.batch (tests, parity checks)
         self._reported: dict[str, int] = {}
         self.record_events = record_events  # forward the block pool's KV events in reports
-        self.engine = Engine(config, executor=executor, tokenizer=tokenizer,
-                             record_events=record_events, name=instance_id)
+        # a pipeline-parallel executor gets pp virtual engines (pdserve.engine.pipeline)
+        self.engine = make_engine(config, executor, tokenizer, record_events, instance_id)
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.engine.scheduler.pool.num_blocks
+        return self.engine.num_kv_blocks
 
     def handle(self, commands: list[Command], now: float, step: bool = True,
                shortcut: StepShortcut | None = None) -> StepReport:
@@ -190,7 +193,7 @@ class InstanceWorker:
         elif step and eng.has_work():
             res = eng.step(now)
             rep.elapsed = res.elapsed
-            rep.stepped = not res.batch.empty
+            rep.stepped = not res.batch.empty or res.started is not None
             if self.log_batches:
                 rep.batch = [(s.request_id, s.start, s.num_tokens) for s in res.batch.seqs]
             self._deltas(res, rep)
@@ -198,13 +201,11 @@ class InstanceWorker:
             rep.pulls += eng.reserve_pulls(now + rep.elapsed)
         rep.stats = eng.stats()
         if self.record_events:
-            rep.kv_events = eng.scheduler.pool.take_events()
+            rep.kv_events = eng.take_kv_events()
         rep.has_work = eng.has_work()
         rep.has_unfinished = eng.has_unfinished()
         if self.role == "temporal":
-            s = eng.scheduler
-            rep.phase, rep.phase_switch_time = s.phase, s.phase_switch_time
-            rep.progress = s.decode_progress()
+            rep.phase, rep.phase_switch_time, rep.progress = eng.temporal_state()
         return rep
 
     def _apply(self, cmd: Command, now: float, rep: StepReport) -> None:
@@ -224,13 +225,13 @@ class InstanceWorker:
             elif isinstance(cmd, ImportKV):
                 self._import(cmd, now, rep)
             elif isinstance(cmd, Release):
-                if cmd.request_id in eng.scheduler.held:
+                if eng.holds(cmd.request_id):
                     eng.release(cmd.request_id, now)
             elif isinstance(cmd, Abort):
                 eng.abort(cmd.request_id, now)
                 self._reported.pop(cmd.request_id, None)
             elif isinstance(cmd, SetRole):
-                eng.scheduler.reconfigure(cmd.scheduler)
+                eng.reconfigure(cmd.scheduler)
                 self.role = cmd.role
             else:
                 raise TypeError(f"unknown command {cmd!r}")
@@ -272,7 +273,7 @@ class InstanceWorker:
 
     def _import(self, cmd: ImportKV, now: float, rep: StepReport) -> None:
         payload, rid = cmd.payload, cmd.request_id
-        if rid not in self.engine.scheduler.pulling:
+        if not self.engine.is_pulling(rid):
             return  # aborted while the transfer was in flight
         if isinstance(payload, PullFailed):
             self.engine.abort(rid, now)
@@ -290,7 +291,4 @@ class InstanceWorker:
 
     def check_integrity(self) -> dict[str, int]:
         """Run the block-pool invariants; returns used/total blocks and live requests."""
-        self.engine.check_integrity()
-        s = self.engine.scheduler
-        return {"used_blocks": s.pool.num_used_blocks, "num_blocks": s.pool.num_blocks,
-                "num_requests": s.num_unfinished}
+        return self.engine.integrity()

@@ -9,12 +9,14 @@ duration (measured by a real executor, modelled by the simulator's).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pdserve.config import EngineConfig
-from pdserve.engine.batch import ScheduledBatch
+from pdserve.config import EngineConfig, SchedulerConfig
+from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.executor import Executor
+from pdserve.engine.kv_cache import KVEvent
 from pdserve.engine.logfile import AppendLog
 from pdserve.engine.scheduler import Scheduler
 from pdserve.request import (
@@ -37,6 +39,8 @@ class StepResult:
     requests: list[Request] = field(default_factory=list)
     new_texts: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
+    # a pipelined engine: the micro-batch this step started (it completes in a later step)
+    started: ScheduledBatch | None = None
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -164,7 +168,23 @@ class Engine:
         batch = sched.schedule(now)
         if batch.empty:
             return StepResult(batch, 0.0)
-        result = self.executor.execute(batch)
+        return self.finish_step(batch, self.executor.execute(batch), now)
+
+    def begin_step(self, now: float, submit: Callable[[ScheduledBatch], Any]
+                   ) -> tuple[ScheduledBatch, Any] | None:
+        """The first half of :meth:`step` for a pipelined executor: schedule and hand the batch
+        to ``submit`` (which starts it and returns a handle); ``None`` when nothing is
+        scheduled. No other step of this engine may begin before :meth:`finish_step`."""
+        batch = self.scheduler.schedule(now)
+        if batch.empty:
+            return None
+        return batch, submit(batch)
+
+    def finish_step(self, batch: ScheduledBatch, result: ExecuteResult,
+                    now: float) -> StepResult:
+        """The second half of :meth:`step`: ``batch``, scheduled at ``now``, computed
+        ``result``; the scheduler takes its tokens."""
+        sched = self.scheduler
         self.num_steps += 1
         self.busy_time += result.elapsed
         if self.config.step_log is not None:
@@ -251,6 +271,38 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def integrity(self) -> dict[str, int]:
+        """Run :meth:`check_integrity`; used/total blocks and live requests."""
+        self.check_integrity()
+        s = self.scheduler
+        return {"used_blocks": s.pool.num_used_blocks, "num_blocks": s.pool.num_blocks,
+                "num_requests": s.num_unfinished}
+
+    # ------------------------------------------------------------------ what a worker asks
+    def holds(self, request_id: str) -> bool:
+        """Whether a prefill-role request is held here for a KV pull."""
+        return request_id in self.scheduler.held
+
+    def is_pulling(self, request_id: str) -> bool:
+        """Whether a decode-role request has blocks reserved for its pull."""
+        return request_id in self.scheduler.pulling
+
+    def reconfigure(self, scheduler: SchedulerConfig) -> None:
+        """Take another role's scheduler settings (the engine must be empty)."""
+        self.scheduler.reconfigure(scheduler)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.scheduler.pool.take_events()
+
+    def temporal_state(self) -> tuple[str, float, list[tuple[str, float, int]]]:
+        """A temporal instance's phase, when it began, and its decodes' progress."""
+        s = self.scheduler
+        return s.phase, s.phase_switch_time, s.decode_progress()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.pool.num_blocks
 
 
 def request_output(req: Request, new_ids: list[int], new_text: str) -> RequestOutput:

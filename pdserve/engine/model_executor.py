@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter
-from dataclasses import replace
+from collections import Counter, deque
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -97,9 +97,12 @@ class ModelExecutor:
         ranks (global rank ``stage * tp + r``); each stage loads only its layers' weights (the
         embedding on the first, the final norm and LM head on the last) and holds only its
         layers' KV. A step's hidden states go stage to stage point to point, and the last
-        stage sends the sampled rows' logits to the driver (rank 0, on the first stage). One
-        micro-batch is in flight at a time: a step runs through all stages before the next
-        starts (the simulator's k virtual engines keep k in flight)."""
+        stage sends the sampled rows' logits to the driver (rank 0, on the first stage). Up to
+        ``pp`` micro-batches are in flight: :meth:`submit` runs stage 0 of one and returns
+        before the later stages are done with it, :meth:`collect` waits for its logits and
+        samples (:class:`pdserve.engine.pipeline.PipelinedEngine` drives ``pp`` virtual
+        engines over one such executor). Every message of a PP instance is point to point,
+        stage to stage beside the hidden states, so that stage 0 never waits on a later one."""
         self.config = config
         self.tp, self.pp, self.rank = tp, pp, rank
         self.world = tp * pp
@@ -125,6 +128,11 @@ class ModelExecutor:
         self.block_size = config.cache.block_size
         # serialises the group's collectives: a KV export (another thread) waits for the step
         self._group_lock = threading.Lock() if self.world > 1 else contextlib.nullcontext()
+        # PP: micro-batches submitted / collected so far, the most in flight at once, sends not
+        # yet waited for ((step, work, tensor)), and (``trace = []``) rank 0's event log
+        self.num_submitted = self.num_collected = self.max_in_flight = 0
+        self._outbox: deque[tuple[int, Any, Any]] = deque()
+        self.trace: list[tuple[str, int]] | None = None
         self.loaded_bytes = 0  # checkpoint bytes this rank read
         self.rank_bytes = [0]  # on the driver: every rank's loaded_bytes, in rank order
         if self.world == 1:
@@ -192,10 +200,6 @@ class ModelExecutor:
         self.rank_bytes = [int(t.item()) for t in got] if got is not None else []
         log.info("rank %d/%d (stage %d, layers %d-%d) loaded %.1f MiB of weights", self.rank,
                  self.world, self.stage, lo, hi - 1, counter[0] / 2**20)
-        if self.rank == 0 and self.pp > 1:
-            log.warning("pp=%d: the live pipeline runs one micro-batch at a time (it splits the "
-                        "weights and KV over %d stages, not the work; the simulator keeps %d "
-                        "in flight)", self.pp, self.pp, self.pp)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -262,12 +266,10 @@ class ModelExecutor:
         """One batched forward over ``batch.seqs``; one sampled token per ``seq.sample``."""
         if not batch.seqs:
             return ExecuteResult(sampled=[], elapsed=0.0)
+        if self.pp > 1:  # one micro-batch through the whole pipeline
+            return self.collect(self.submit(batch))
         t0 = time.perf_counter()
-        if self.governor is not None:
-            n = self.governor.threads()
-            if n != torch.get_num_threads():
-                torch.set_num_threads(n)
-            self.thread_steps[n] += 1
+        self._govern()
         sampled: list[int] = []
         logprobs = None
         with self._group_lock, torch.inference_mode():
@@ -286,43 +288,128 @@ class ModelExecutor:
         return ExecuteResult(sampled=sampled, elapsed=time.perf_counter() - t0,
                              logprobs=logprobs)
 
+    def _govern(self) -> None:
+        if self.governor is not None:
+            n = self.governor.threads()
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
+            self.thread_steps[n] += 1
+
     def _forward(self, seqs: Any) -> torch.Tensor | None:
-        """One forward of ``seqs`` on this rank; the logits of the sampled rows (``None`` when
-        none samples)."""
+        """One forward of ``seqs`` on this rank (pp = 1); the logits of the sampled rows
+        (``None`` when none samples)."""
         meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype,
                                          self.sliding_window, decode_kernel=self.decode_kernel)
         meta.workspace = self._gather_workspace(meta.max_gather_blocks)
+        hidden = self.model(meta, self.kv_cache)
+        if not any(s.sample for s in seqs):
+            return None
+        return self.model.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ pipeline (pp > 1)
+    def submit(self, batch: ScheduledBatch, block_offset: int = 0) -> InFlight:
+        """Start ``batch`` (its block ids shifted by ``block_offset``: a virtual engine's share
+        of the cache) down the pipeline: rank 0 posts the receive of its logits, sends its plan
+        on and computes stage 0, then returns while the later stages work. :meth:`collect` it,
+        in the order submitted. With pp = 1 the whole step runs here."""
+        t0 = time.perf_counter()
         if self.pp == 1:
-            hidden = self.model(meta, self.kv_cache)
-            if not any(s.sample for s in seqs):
-                return None
-            return self.model.compute_logits(hidden)
-        # a pipeline stage: hidden states in from the previous stage, out to the next
+            if block_offset:
+                raise ValueError("a block offset needs a pipeline-parallel executor")
+            return InFlight(batch, -1, t0, result=self.execute(batch))
+        self._govern()
+        plan = step_plan(batch.seqs, self.block_size, block_offset)
+        n_sample = sum(1 for s in batch.seqs if s.sample)
+        with self._group_lock, torch.inference_mode():
+            seq = self.num_submitted
+            self.num_submitted += 1
+            self.max_in_flight = max(self.max_in_flight, seq + 1 - self.num_collected)
+            if self.trace is not None:
+                self.trace.append(("forward", seq))
+            work = buf = None
+            if n_sample:  # posted first: the last stage's send never waits for rank 0
+                buf = torch.empty(n_sample, self.model_config.vocab_size, dtype=self.dtype)
+                work = self.group.irecv(buf, self._last_rank, TAG_LOGITS, cpu=True)
+            self._post(("step", seq, plan))
+            self._stage_forward(plan_seqs(plan), seq)
+        return InFlight(batch, seq, t0, work, buf)
+
+    def collect(self, f: InFlight) -> ExecuteResult:
+        """Wait for a submitted micro-batch's logits and sample them."""
+        if f.result is not None:
+            return f.result
+        sampled: list[int] = []
+        logprobs = None
+        if f.work is not None:
+            f.work.wait()
+            with torch.inference_mode():
+                logits = f.logits.to(self.device)
+                rows = [self._sample_row(s.request, logits.shape[-1])
+                        for s in f.batch.seqs if s.sample]
+                if self.capture_logits:
+                    self.last_logits = logits.float().cpu()
+                out = self.sampler(logits, rows)
+                sampled, logprobs = out.token_ids, out.logprobs
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+        self.num_collected += 1
+        if self.trace is not None:
+            self.trace.append(("logits", f.seq))
+        return ExecuteResult(sampled=sampled, elapsed=time.perf_counter() - f.t0,
+                             logprobs=logprobs)
+
+    @property
+    def _last_rank(self) -> int:
+        """TP rank 0 of the last stage: it sends the logits."""
+        return (self.pp - 1) * self.tp
+
+    def _post(self, msg: tuple[Any, ...]) -> None:
+        """Send a message (``(kind, step, ...)``) on down the pipeline: from rank 0 to the other
+        ranks of stage 0 and to the next stage, from any other rank to the next stage."""
+        dsts = list(range(1, self.tp)) if self.rank == 0 else []
+        if not self.last_stage:
+            dsts.append(self.rank + self.tp)
+        for d in dsts:
+            for work, t in self.group.isend_object(msg, d, TAG_MSG):
+                self._outbox.append((msg[1], work, t))
+
+    def _reap(self, seq: int | None = None) -> None:
+        """Wait for this rank's sends of micro-batches before ``seq - pp`` (all when ``None``):
+        their receivers are past them (at most ``pp`` are in flight), so this returns at once
+        and bounds what the outbox holds."""
+        box = self._outbox
+        while box and (seq is None or box[0][0] <= seq - self.pp):
+            box.popleft()[1].wait()
+
+    def _stage_forward(self, seqs: Any, seq: int) -> None:
+        """This rank's stage of micro-batch ``seq``: hidden states in from the previous stage,
+        out to the next (without waiting for it); the last stage sends the logits to rank 0."""
+        self._reap(seq)
+        meta = build_attention_metadata(seqs, self.block_size, self.device, self.dtype,
+                                         self.sliding_window, decode_kernel=self.decode_kernel)
+        meta.workspace = self._gather_workspace(meta.max_gather_blocks)
         if self.stage > 0:
             like = torch.empty(meta.input_ids.shape[0], self.model_config.hidden_size,
                                dtype=self.dtype, device=self.device)
-            hidden = self.model(meta, self.kv_cache, self.group.recv(like, self.rank - self.tp))
+            hidden = self.model(meta, self.kv_cache,
+                                self.group.recv(like, self.rank - self.tp, tag=TAG_HIDDEN))
         else:
             hidden = self.model(meta, self.kv_cache)
         if not self.last_stage:
-            self.group.send(hidden, self.rank + self.tp)
-        if not any(s.sample for s in seqs):
-            return None
-        last = (self.pp - 1) * self.tp  # TP rank 0 of the last stage sends the logits
-        if self.last_stage:
+            hidden = hidden.contiguous()
+            self._outbox.append((seq, self.group.isend(hidden, self.rank + self.tp,
+                                                       TAG_HIDDEN), hidden))
+        elif any(s.sample for s in seqs):
             logits = self.model.compute_logits(hidden)
-            if self.rank == last:
-                self.group.send(logits, 0)
-            return None
-        if self.rank != 0:
-            return None
-        like = torch.empty(meta.sample_indices.shape[0], self.model_config.vocab_size,
-                           dtype=self.dtype, device=self.device)
-        return self.group.recv(like, last)
+            if self.rank == self._last_rank:
+                self.group.send(logits.cpu(), 0, cpu=True, tag=TAG_LOGITS)
 
     # ------------------------------------------------------------------ tensor-parallel group
     def serve_ranks(self) -> None:
         """A rank > 0: follow the driver's steps and KV moves until it stops (or dies)."""
+        if self.pp > 1:
+            self._serve_stage()
+            return
         while True:
             msg = self.group.broadcast_object()
             kind = msg[0]
@@ -331,22 +418,43 @@ class ModelExecutor:
                     self._forward(plan_seqs(msg[1]))
             elif kind == "export":
                 self._export(msg[1])
-            elif kind == "import" and self.pp > 1:
-                like = torch.empty(self.local_config.num_layers, 2,
-                                   self.local_config.num_kv_heads, len(msg[1]),
-                                   *self.kv_cache.shape[4:], dtype=DTYPES[msg[3]])
-                self._import(msg[1], self.group.recv(like, 0, cpu=True))
             elif kind == "import":
                 self._import(msg[1], self.comm.scatter_cpu(None, torch.empty(
                     msg[2], dtype=DTYPES[msg[3]])))
             elif kind == "stop":
                 return
 
+    def _serve_stage(self) -> None:
+        """A rank > 0 of a PP instance: take each message from the rank before it in the
+        pipeline, pass it on, and do its part (a stage of a step, a KV export or import)."""
+        src = self.rank - self.tp if self.stage > 0 else 0
+        while True:
+            msg = self.group.recv_object(src, TAG_MSG)
+            self._post(msg)
+            kind = msg[0]
+            if kind == "step":
+                with torch.inference_mode():
+                    self._stage_forward(plan_seqs(msg[2]), msg[1])
+            elif kind == "export":
+                self.group.send(self._export_local(msg[2]), 0, cpu=True, tag=TAG_KV)
+            elif kind == "import":
+                like = torch.empty(self.local_config.num_layers, 2,
+                                   self.local_config.num_kv_heads, len(msg[2]),
+                                   *self.kv_cache.shape[4:], dtype=DTYPES[msg[3]])
+                self._import(msg[2], self.group.recv(like, 0, cpu=True, tag=TAG_KV))
+            elif kind == "stop":
+                self._reap()
+                return
+
     def close(self) -> None:
         """Stop the other ranks of a group (rank 0; nothing to do for one rank)."""
         if self.rank == 0 and self._procs:
             with contextlib.suppress(Exception), self._group_lock:
-                self.group.broadcast_object(("stop",))
+                if self.pp > 1:
+                    self._post(("stop", self.num_submitted))
+                    self._reap()
+                else:
+                    self.group.broadcast_object(("stop",))
             _stop_ranks(self._procs)
 
     def _gather_workspace(self, num_blocks: int) -> torch.Tensor:
@@ -390,7 +498,9 @@ class ModelExecutor:
         """``{"kv": CPU tensor [layers, 2, kv_heads, len(block_ids), block_size, head_dim], ...}``
         in the cache's dtype, plus the shape facts :meth:`import_kv` checks."""
         with self._group_lock:
-            if self.world > 1:
+            if self.pp > 1:
+                self._post(("export", self.num_submitted, block_ids))
+            elif self.world > 1:
                 self.group.broadcast_object(("export", block_ids))
             kv = self._export(block_ids)
         c = self.model_config
@@ -398,24 +508,25 @@ class ModelExecutor:
                 "block_size": self.block_size, "num_kv_heads": c.num_kv_heads,
                 "head_dim": c.head_dim, "dtype": self.config.dtype}
 
+    def _export_local(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's layers and KV heads of the blocks, on the CPU."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with torch.no_grad():  # not inference_mode: the payload is an ordinary tensor
+            return self.kv_cache.index_select(3, idx).cpu()
+
     def _export(self, block_ids: list[int]) -> torch.Tensor | None:
         """The blocks' KV with every layer and KV head, in order, on rank 0 (the layout of an
         unsharded instance, so that instances of any TP and PP degrees exchange it); ``None``
         on the other ranks."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        with torch.no_grad():  # not inference_mode: the payload is an ordinary tensor
-            kv = self.kv_cache.index_select(3, idx).cpu()
+        kv = self._export_local(block_ids)
         if self.world == 1:
             return kv
-        if self.pp > 1:  # every rank sends its (layers, KV heads) piece to rank 0
-            if self.rank != 0:
-                self.group.send(kv, 0, cpu=True)
-                return None
+        if self.pp > 1:  # on rank 0: every rank sends its (layers, KV heads) piece here
             stages = []
             for s, (lo, hi) in enumerate(self.stages):
                 parts = [kv if s == 0 and r == 0 else self.group.recv(
                     torch.empty(hi - lo, *kv.shape[1:], dtype=kv.dtype), s * self.tp + r,
-                    cpu=True) for r in range(self.tp)]
+                    cpu=True, tag=TAG_KV) for r in range(self.tp)]
                 stages.append(torch.cat(parts[:: self.layout.kv_replicas], dim=2))
             return torch.cat(stages, dim=0)
         gathered = self.comm.gather_cpu(kv)
@@ -436,11 +547,12 @@ class ModelExecutor:
         with self._group_lock:
             if self.pp > 1:  # each rank is sent its own layers' KV heads only
                 dtype = next(k for k, v in DTYPES.items() if v == kv.dtype)
-                self.group.broadcast_object(("import", block_ids, None, dtype))
+                self._post(("import", self.num_submitted, block_ids, dtype))
                 for g in range(1, self.world):
                     s, r = divmod(g, self.tp)
                     self.group.send(kv[slice(*self.stages[s]), :,
-                                       slice(*self.layout.kv_head_range(r))], g, cpu=True)
+                                       slice(*self.layout.kv_head_range(r))], g, cpu=True,
+                                    tag=TAG_KV)
                 kv = kv[slice(*self.stages[0]), :, slice(*self.layout.kv_head_range(0))]
             elif self.tp > 1:  # each rank is sent its own KV heads only
                 parts = [kv[:, :, slice(*self.layout.kv_head_range(r))]
@@ -458,15 +570,36 @@ class ModelExecutor:
 
 
 # ---------------------------------------------------------------------- tensor-parallel ranks
-def step_plan(seqs: Any, block_size: int) -> list[tuple[str, int, int, bool, list[int],
-                                                             list[int]]]:
+# point-to-point tags of a PP instance's group (a message takes two: its size, its bytes)
+TAG_HIDDEN, TAG_LOGITS, TAG_KV, TAG_MSG = 0, 1, 2, 3
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A micro-batch :meth:`ModelExecutor.submit` started: its number, when, and the pending
+    receive of its sampled rows' logits (``result``: already complete, pp = 1)."""
+
+    batch: ScheduledBatch
+    seq: int
+    t0: float
+    work: Any = None
+    logits: Any = None
+    result: ExecuteResult | None = None
+
+
+def step_plan(seqs: Any, block_size: int, block_offset: int = 0
+              ) -> list[tuple[str, int, int, bool, list[int], list[int]]]:
     """What the other ranks need of a step's sequences (sent once per step): request id, start,
-    tokens to compute, whether it samples, those tokens and the block ids they reach."""
+    tokens to compute, whether it samples, those tokens and the block ids they reach (shifted
+    by ``block_offset``)."""
     out = []
     for s in seqs:
         r, end = s.request, s.start + s.num_tokens
+        blocks = r.block_ids[: cdiv(end, block_size)]
+        if block_offset:
+            blocks = [b + block_offset for b in blocks]
         out.append((r.request_id, s.start, s.num_tokens, s.sample,
-                    r.all_token_ids[s.start : end], r.block_ids[: cdiv(end, block_size)]))
+                    r.all_token_ids[s.start : end], blocks))
     return out
 
 

@@ -239,24 +239,57 @@ class Communicator:
         self.cpu.scatter([out], [inputs] if self.rank == 0 else [], opts).wait()
         return out
 
-    def send(self, x: Any, dst: int, cpu: bool = False) -> None:
+    def send(self, x: Any, dst: int, cpu: bool = False, tag: int = 0) -> None:
         """Send ``x`` to rank ``dst`` (point to point: a pipeline stage's hidden states through
         the device group, KV through the CPU group when ``cpu``)."""
         group = self.cpu if cpu else self.dev
         t = time.perf_counter()
-        group.send([x.contiguous()], dst, 0).wait()
+        group.send([x.contiguous()], dst, tag).wait()
         self.seconds += time.perf_counter() - t
 
-    def recv(self, like: Any, src: int, cpu: bool = False) -> Any:
+    def recv(self, like: Any, src: int, cpu: bool = False, tag: int = 0) -> Any:
         """A tensor of ``like``'s shape, dtype and device from rank ``src``."""
         import torch
 
         out = torch.empty_like(like)
         group = self.cpu if cpu else self.dev
         t = time.perf_counter()
-        group.recv([out], src, 0).wait()
+        group.recv([out], src, tag).wait()
         self.seconds += time.perf_counter() - t
         return out
+
+    def isend(self, x: Any, dst: int, tag: int = 0, cpu: bool = False) -> Any:
+        """Start sending ``x`` to ``dst`` under ``tag``; returns the work (``wait()`` it, and keep
+        ``x`` alive, before reusing ``x``). Sends of one tag to one rank arrive in order."""
+        return (self.cpu if cpu else self.dev).send([x], dst, tag)
+
+    def irecv(self, out: Any, src: int, tag: int = 0, cpu: bool = False) -> Any:
+        """Start receiving into ``out`` from ``src`` under ``tag``; returns the work."""
+        return (self.cpu if cpu else self.dev).recv([out], src, tag)
+
+    def isend_object(self, obj: Any, dst: int, tag: int) -> list[tuple[Any, Any]]:
+        """Start sending ``obj`` (pickled) to ``dst``: its size under ``tag``, its bytes under
+        ``tag + 1``; returns the ``(work, tensor)`` pairs to wait for."""
+        import pickle
+
+        import torch
+
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        return [(self.cpu.send([size], dst, tag), size), (self.cpu.send([data], dst, tag + 1),
+                                                          data)]
+
+    def recv_object(self, src: int, tag: int) -> Any:
+        """An object :meth:`isend_object` sent from ``src`` under ``tag``."""
+        import pickle
+
+        import torch
+
+        size = torch.zeros(1, dtype=torch.int64)
+        self.cpu.recv([size], src, tag).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.cpu.recv([data], src, tag + 1).wait()
+        return pickle.loads(data.numpy().tobytes())
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` (pickled), on every rank."""

@@ -12,13 +12,13 @@ between two pipeline-parallel instances each inter-op stage sends its own layers
 (DistServe §4.2's per-segment transfer), so the bytes split over ``min(pp_src, pp_dst)`` links.
 
 **Pipeline parallelism** (DistServe §3.1 Eq. 2, §3.2 Fig. 5): an instance with PP = k keeps up
-to k batches in flight. It runs as k *virtual engines* (vLLM v0's design for PP): k workers, each
-with its own scheduler and ``1/k`` of the instance's KV blocks, that share the k stages of one
-:class:`PipelineStages`. A batch occupies each stage for ``base / k`` (its share of the step) in
-turn, with an activation send between stages; a stage takes the next batch as soon as it is
-free. So with equal stages the pipeline completes a batch every ``base / k`` (k× the
-throughput) while each batch waits one full pass (``base + (k − 1)·send``), and unequal batches
-leave bubbles (§3.3).
+to k batches in flight. It runs as k *virtual engines* (vLLM v0's design for PP; the split is
+:mod:`pdserve.engine.pipeline`'s, as live): k workers, each with its own scheduler and ``1/k``
+of the instance's KV blocks, that share the k stages of one :class:`PipelineStages`. A batch
+occupies each stage for ``base / k`` (its share of the step) in turn, with an activation send
+between stages; a stage takes the next batch as soon as it is free. So with equal stages the
+pipeline completes a batch every ``base / k`` (k× the throughput) while each batch waits one
+full pass (``base + (k − 1)·send``), and unequal batches leave bubbles (§3.3).
 
 Heap key: ``(time, event priority, sequence)`` — priority before sequence, so that at equal
 times step ends (which free resources and emit tokens) precede transfers and arrivals.
@@ -46,6 +46,7 @@ from pdserve.cluster.worker import (
 from pdserve.config import ClusterConfig, EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.engine import Engine, StepResult
+from pdserve.engine.pipeline import lane_blocks, lane_id
 from pdserve.request import SamplingParams, Timeline
 from pdserve.sim.fast_forward import DecodeRun, open_decode_run
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
@@ -364,9 +365,8 @@ class Simulator:
         lanes = [spec]
         if pp > 1:  # k virtual engines over one pipeline (module docstring)
             stages = PipelineStages(pp)
-            lanes = [replace(spec, instance_id=f"{spec.instance_id}.v{j}",
-                             num_kv_blocks=max(1, spec.num_kv_blocks // pp))
-                     for j in range(pp)]
+            lanes = [replace(spec, instance_id=lane_id(spec.instance_id, j), num_kv_blocks=n)
+                     for j, (_, n) in enumerate(lane_blocks(spec.num_kv_blocks, pp))]
         router = role_router(spec.engine.scheduler.role, *self.routers)
         out = []
         for lane in lanes:

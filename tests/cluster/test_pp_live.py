@@ -1,7 +1,7 @@
 """Pipeline-parallel instances served live over HTTP answer exactly as TP1 does: a colocated
-PP2 deployment, a PP2 prefill instance handing its KV (both stages' layers in one payload) to a
-PP1 decode instance, and ``LLM(pipeline_parallel_size=2)``. A killed stage makes its instance
-dead and its requests finish elsewhere (recomputed)."""
+PP2 deployment (two micro-batches in flight), a PP2 prefill instance handing its KV (both
+stages' layers in one payload) to a PP1 decode instance, and ``LLM(pipeline_parallel_size=2)``.
+A killed stage makes its instance dead and its requests finish elsewhere (recomputed)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ async def test_pp2_deployment_answers_as_tp1(model_dir: str, reference: list[str
     async with serving(rt) as url:
         assert await complete_all(url, SHORT) == reference
         await assert_pools_clean(rt)
+    if roles[0]["role"] == "colocated":  # six requests at once: both virtual engines busy
+        ex = rt.instances["colocated-0"].client.worker.engine.executor  # type: ignore[attr-defined]
+        assert ex.max_in_flight == 2
 
 
 def test_llm_pipeline_parallel_size(model_dir: str, reference: list[str]) -> None:  # noqa: F811

@@ -1,7 +1,9 @@
 """Pipeline parallelism (gloo on CPU, ranks as processes): the greedy tokens of a PP2 and a
-TP2 x PP2 instance equal TP1's and transformers', each stage reads only its layers' weights
-(plus the embedding on the first stage and the final norm and head on the last), and KV moves
-between PP2 and PP1 instances unchanged (byte for byte), continuing as it would have."""
+TP2 x PP2 instance running its two virtual engines (two micro-batches in flight) equal TP1's
+and transformers', stage 0 starts a micro-batch before the previous one has come back from the
+last stage, each stage reads only its layers' weights (plus the embedding on the first stage and
+the final norm and head on the last), and KV moves between PP2 and PP1 instances unchanged (byte
+for byte), continuing as it would have."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import math
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, cdiv
+from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
 from pdserve.engine.model_executor import ModelExecutor
+from pdserve.engine.pipeline import PipelinedEngine, make_engine
 from pdserve.model.parallel import check_live_layout, stage_layers
-from tests.model.helpers import NEW_TOKENS, hf_reference, make_prompts
+from tests.model.helpers import GREEDY, NEW_TOKENS, HandDriver, hf_reference, make_prompts
 from tests.model.test_tensor_parallel import PROMPTS, _continue, _prefill, generate
 
 
@@ -22,6 +26,27 @@ def executor(model_dir: str, tp: int = 1, pp: int = 1, blocks: int = 64) -> Mode
     ex = ModelExecutor(cfg, num_threads=1, tp=tp, pp=pp)
     ex.capture_logits = True
     return ex
+
+
+# six requests: three per virtual engine, so that both lanes have a micro-batch in flight
+LANE_PROMPTS = (3, 37, 90, 20, 55, 8)
+
+
+def generate_lanes(ex: ModelExecutor, prompts: list[list[int]]) -> list[list[int]]:
+    """:func:`generate` through the instance's ``pp`` virtual engines, as a live instance runs
+    (up to ``pp`` micro-batches in flight); every lane computes some of the requests."""
+    eng = make_engine(ex.config, ex)
+    assert isinstance(eng, PipelinedEngine)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step().outputs:
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        eng.check_integrity()
+    assert all(lane.num_steps > 0 for lane in eng.lanes)
+    return [out[f"r{i}"] for i in range(len(prompts))]
 
 
 def test_stage_layers_balanced() -> None:
@@ -40,17 +65,48 @@ _SLOW = pytest.mark.slow  # 4 rank processes: ~25 s each on a busy 2-core machin
     pytest.param("llama", 2, 2, marks=_SLOW), pytest.param("qwen3", 2, 2, marks=_SLOW),
 ], ids=["llama-pp2", "qwen3-pp2", "opt-pp2", "opt-tp2xpp2", "llama-tp2xpp2", "qwen3-tp2xpp2"])
 def test_pp_greedy_equals_tp1_and_transformers(tiny_dirs, hf_models, arch, tp, pp) -> None:
-    prompts = make_prompts(PROMPTS)
+    """With ``pp`` micro-batches in flight (both virtual engines busy)."""
+    prompts = make_prompts(LANE_PROMPTS)
     want = generate(executor(tiny_dirs[arch]), prompts)
-    ex = executor(tiny_dirs[arch], tp, pp)
+    ex = executor(tiny_dirs[arch], tp, pp, blocks=128)
     try:
-        got = generate(ex, prompts)
+        got = generate_lanes(ex, prompts)
     finally:
         ex.close()
+    assert ex.max_in_flight == pp
     assert got == want  # all 64 tokens of each request
     ref = hf_reference(hf_models(arch), prompts)
     assert [t[:NEW_TOKENS] for t in got] == [r.tokens for r in ref]
     assert ex.local_config.num_layers == ex.model_config.num_layers // pp
+
+
+def test_stage0_starts_a_micro_batch_before_the_last_stage_returns_the_previous(
+        tiny_dirs) -> None:
+    """Ordering, not timing: rank 0's event log (``trace``) has stage 0 start the forward of
+    micro-batch j+1 before micro-batch j's logits come back from the last stage — the only
+    message by which rank 0 learns that the last stage has finished j — so two micro-batches
+    are in the pipeline at once. Run one at a time (each step collected before the next
+    starts) the log alternates forward j, logits j, and this fails."""
+    ex = executor(tiny_dirs["llama"], pp=2, blocks=128)
+    ex.trace = []
+    try:
+        generate_lanes(ex, make_prompts(LANE_PROMPTS))
+    finally:
+        ex.close()
+    n = ex.num_submitted
+    log = ex.trace
+    assert sorted(log) == sorted([("forward", j) for j in range(n)]
+                                 + [("logits", j) for j in range(n)])
+    # the pipeline's steady state: forward 0, forward 1, then logits j, forward j + 2, ...
+    steady = [("forward", 0), ("forward", 1)]
+    for j in range(n - 2):
+        steady += [("logits", j), ("forward", j + 2)]
+    k = next((i for i, (a, b) in enumerate(zip(log, steady)) if a != b), len(steady))
+    assert k >= n, f"one micro-batch at a time from event {k} of {len(log)}: {log[:8]}"
+    at = {e: i for i, e in enumerate(log)}
+    overlapped = sum(at[("forward", j + 1)] < at[("logits", j)] for j in range(n - 1))
+    assert overlapped >= n // 2
+    assert ex.num_collected == n and ex.max_in_flight == 2  # rank 0's counters agree
 
 
 def _file_bytes(model_dir: str) -> dict[str, int]:
@@ -81,13 +137,14 @@ def test_each_stage_loads_its_layers(tiny_dirs, arch) -> None:
         ex.close()
 
 
-def test_kv_hand_off_between_pp2_and_pp1(tiny_dirs) -> None:
-    """PP2 -> PP1 and PP1 -> PP2: the KV arrives byte-identical (re-exported from the
-    destination it is the source's payload) and the destination continues the request exactly
-    as the source would have."""
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=_SLOW)], ids=["pp2", "tp2xpp2"])
+def test_kv_hand_off_between_pp2_and_pp1(tiny_dirs, tp) -> None:
+    """PP2 (TP1 or TP2 stages) -> PP1 and back: the KV arrives byte-identical (re-exported from
+    the destination it is the source's payload) and the destination continues the request
+    exactly as the source would have."""
     model = tiny_dirs["llama"]
     p1, p2 = make_prompts((45, 70), seed=3)
-    one, two = executor(model, 1, 1, 256), executor(model, 1, 2, 256)
+    one, two = executor(model, 1, 1, 256), executor(model, tp, 2, 256)
     try:
         for src, dst, prompt in ((two, one, p1), (one, two, p2)):
             hd, req, blocks = _prefill(src, prompt)
@@ -99,6 +156,32 @@ def test_kv_hand_off_between_pp2_and_pp1(tiny_dirs) -> None:
             first = hd.tokens[req.request_id][0]
             hd.decode_all([req], NEW_TOKENS)
             assert _continue(dst, prompt, dst_blocks, first) == hd.tokens[req.request_id]
+    finally:
+        two.close()
+
+
+def test_kv_export_behind_micro_batches_in_flight(tiny_dirs) -> None:
+    """A KV export issued while two micro-batches are in the pipeline travels behind them
+    (every rank takes it after their stages): it returns the KV the blocks hold, and the two
+    micro-batches then sample what PP1 samples for them."""
+    model = tiny_dirs["llama"]
+    pa, pb, pc = make_prompts((45, 30, 21), seed=7)
+    one, two = executor(model, 1, 1, 256), executor(model, 1, 2, 256)
+    try:
+        got = []
+        for ex in (one, two):
+            hd = HandDriver(ex)
+            a, b, c = hd.add(pa), hd.add(pb), hd.add(pc)
+            hd.step([(a, None)])
+            blocks = a.block_ids[: cdiv(len(pa), ex.block_size)]
+            fb = ex.submit(ScheduledBatch(1, [ScheduledSeq(b, 0, len(pb), True)]))
+            fc = ex.submit(ScheduledBatch(2, [ScheduledSeq(c, 0, len(pc), True)]))
+            kv = ex.export_kv(blocks)["kv"]
+            sampled = ex.collect(fb).sampled + ex.collect(fc).sampled
+            assert torch.equal(ex.export_kv(blocks)["kv"], kv)
+            got.append((sampled, hd.tokens[a.request_id]))
+        assert two.max_in_flight == 2
+        assert got[1] == got[0]
     finally:
         two.close()
 
