@@ -202,8 +202,11 @@ class FittedProfile(LatencyModel):
         d = _read_json(path)
         if d.get("format") == PROFILE_FORMAT and "by_tp" in d:
             if tp is None or str(tp) not in d["by_tp"]:
+                have = sorted(d["by_tp"], key=int)
+                every = sorted({*have, *([str(tp)] if tp else [])}, key=int)
                 raise ValueError(f"{os.fspath(path)!r} has no tp={tp} profile; measured at "
-                                 f"tp={', '.join(sorted(d['by_tp'], key=int))}")
+                                 f"tp={', '.join(have)} (`pdserve profile --tp "
+                                 f"{','.join(every)}` measures them all into one file)")
             return cls.from_dict(d["by_tp"][str(tp)])
         if d.get("format") == PROFILE_FORMAT:
             return cls.from_dict(d)

@@ -147,7 +147,8 @@ def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
         base = FittedProfile.load(sim.profile, model, tp)
         if base.tp != tp:
             raise ValueError(f"profile {sim.profile!r} was measured at tp={base.tp}, "
-                             f"not tp={tp}")
+                             f"not tp={tp}; measure both with `pdserve profile --tp "
+                             f"{','.join(map(str, sorted({base.tp, tp})))}` (one file)")
     else:
         base = AnalyticModel(model, sim.hardware or DEFAULT_HARDWARE, tp, dtype=dtype, ep=ep)
     latency: LatencyModel = base

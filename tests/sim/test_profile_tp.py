@@ -87,7 +87,8 @@ def test_simulate_refuses_the_profile_at_another_tp(model_dir: str, tp2_profile:
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert err[-1] == (f"pdserve simulate: error: profile {str(tp2_profile)!r} was measured at "
-                       f"tp=2, not tp=1")
+                       f"tp=2, not tp=1; measure both with `pdserve profile --tp 1,2` "
+                       "(one file)")
 
 
 @pytest.mark.parametrize("tp,cpus,says", [
@@ -127,7 +128,8 @@ def test_one_file_prices_each_instance_at_its_own_tp(model_dir: str, tp2_profile
     roles = json.loads(out.read_text())["deployment"]["roles"]
     assert "tp=2" in roles["prefill"]["latency_model"]
     assert "tp=1" in roles["decode"]["latency_model"]
-    with pytest.raises(ValueError, match=r"has no tp=4 profile; measured at tp=1, 2"):
+    with pytest.raises(ValueError, match=r"has no tp=4 profile; measured at tp=1, 2 "
+                       r"\(`pdserve profile --tp 1,2,4` measures them all into one file\)"):
         FittedProfile.load(both, tp=4)
 
 
