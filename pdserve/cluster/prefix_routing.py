@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 PrefillTime = Callable[[int], float]
 _ID = attrgetter("instance_id")
 _INF = float("inf")
+_NEG_INF = float("-inf")
 
 
 def memo_prefill_time(memo: dict[int, float], prefill_time: PrefillTime,
@@ -535,15 +536,27 @@ class PrefixAwareRouter(Router):
     * ``wait_i = Σ W(miss_r)`` over the ``q_i`` requests in front (each priced when routed),
       ``W(m) = PT(m) − a + a·m/B``: what ``m`` tokens add to the steps that carry them — a
       step's fixed cost ``a = 2·PT(1) − PT(2)`` is shared by the up to ``B = batch_tokens``
-      tokens it takes, so ten queued cache hits of 64 tokens cost about one step, not ten;
+      tokens it takes, so ten queued cache hits of 64 tokens cost about one step, not ten —
+      less the head's progress: the time since the oldest of them became the head (routed to
+      an empty queue, or the one before it reached its first token), at most its own ``W`` (a
+      long chunked prefill is partly done when the next request comes; the clock is the
+      requests' arrival);
     * ``ttft_i = wait_i + PT(miss_i)``, the predicted first-token time;
-    * ``cost_i = ttft_i + o·DT_i⁺ + w·A_i·[o·(DT_i⁺ − DT_i) + PT(miss_i)]``: its own decode
+    * ``cost_i = ttft_i + o·DT_i⁺ + w·A_i·[o·(DT_i⁺ − DT_i) + S_i(miss_i)]``: its own decode
       (``DT_i⁺``: a decode step of ``i``'s ``A_i`` requests with it, ``DT_i`` without) and,
       weighted by ``w = decode_weight``, what it costs the others: each of its ``o`` steps is
       longer for them, and its prefill stalls them (those in front decode while it prefills;
       a chunked prefill lengthens each step they take). The queued count too: counting only
       those decoding now sent requests to instances whose queue was about to decode (on one
-      hot prefix, 12 % above round robin's mean latency).
+      hot prefix, 12 % above round robin's mean latency);
+    * the stall is convex: ``S_i(m) = PT(m)·(1 + κ·(wait_i + PT(m)/2)/D)``, the growth, from
+      ``wait_i`` to ``wait_i + PT(m)``, of a decoder's harm ``s + κ·s²/(2D)`` from sitting
+      through ``s`` of prefill (``D = o·DT`` of this request alone: a decoder's span;
+      ``κ = stall_convexity``). The ``A_i`` requests already sit through ``wait_i``, and one
+      more long prefill hurts them more than a first one hurts decoders elsewhere. Linear
+      (``κ = 0``), the cheapest place for a long prompt was the instance with the fewest
+      decoders however much prefill they already sat through: long prompts piled up there and
+      its decoders missed their TPOT (``docs/routing.md``).
 
     The cheapest ``i`` wins (ties take turns: the first tied candidate after the last tie's
     winner, so that equal instances — an idle cluster, one hot prefix everywhere — share
@@ -581,8 +594,12 @@ class PrefixAwareRouter(Router):
                  decode_time: LinearDecodeTime | None = None,
                  step_time: Callable[[list[tuple[int, int]], list[int]], float] | None = None,
                  decode_weight: float = 1.0, promise_stride: int = 16,
-                 batch_tokens: int = 2048, guard: bool = False, max_priced: int = 16) -> None:
+                 batch_tokens: int = 2048, guard: bool = False, max_priced: int = 16,
+                 stall_convexity: float = 3.0) -> None:
         _check(decode_weight >= 0, f"decode_weight must be >= 0, got {decode_weight}")
+        _check(stall_convexity >= 0, f"stall_convexity must be >= 0, got {stall_convexity}")
+        self.stall_convexity = stall_convexity
+        self._now = _NEG_INF  # the decisions' clock: the latest arrival
         _check(batch_tokens >= 1, f"batch_tokens must be >= 1, got {batch_tokens}")
         self.batch_tokens = batch_tokens
         self.guard = guard
@@ -604,8 +621,9 @@ class PrefixAwareRouter(Router):
         self._pt_memo: dict[int, float] = {}
         # per instance: [the requests routed there, oldest first, as (cumulative W, cumulative
         # missed tokens, the block hashes they promise); Σ W routed so far; Σ W of the entries
-        # dropped; Σ missed tokens routed; Σ of those dropped; entries]. The newest ``queued``
-        # of them are the ones in front
+        # dropped; Σ missed tokens routed; Σ of those dropped; entries; when the oldest entry
+        # became the head, i.e. started its prefill]. The newest ``queued`` of them are the
+        # ones in front
         self._queues: dict[str, list] = {}
         self._cands: list[InstanceView] = []
         self._cand_states: list[list] = []
@@ -653,6 +671,8 @@ class PrefixAwareRouter(Router):
         """Drop the entries of ``iid`` older than its ``queued`` newest: they reached their
         first token (about in order), their blocks are cached and the index knows."""
         dq = st[0]
+        if len(dq) > queued:
+            st[6] = self._now  # (the next one's prefill started by now)
         while len(dq) > queued:
             st[2], st[4], keys = dq.popleft()
             st[5] -= 1
@@ -665,7 +685,8 @@ class PrefixAwareRouter(Router):
         if len(last) != len(candidates) or not all(map(is_, last, candidates)):
             self._cands = list(candidates)
             q = self._queues
-            self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0, 0, 0, 0])
+            self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0, 0, 0, 0,
+                                                                 0.0])
                                  for v in candidates]
             self._pos = {v.instance_id: k for k, v in enumerate(candidates)}
         return self._cand_states
@@ -689,12 +710,22 @@ class PrefixAwareRouter(Router):
         return max(wait - self._queued_time(tail), 0.0)
 
     def _wait(self, view: InstanceView) -> float:
-        """Σ PT of the requests in front on ``view`` (the newest ``queued`` routed there)."""
+        """Σ W of the requests in front on ``view`` (the newest ``queued`` routed there), less
+        what the oldest of them has computed since it became the head (:meth:`_left`)."""
         st = self._queues.get(view.instance_id)
         if not st:
             return 0.0
         self._trim(view.instance_id, st, view.queued)
-        return st[1] - st[2] if st[0] else 0.0
+        return self._left(st) if st[0] else 0.0
+
+    def _left(self, st: list) -> float:
+        """The queue's prefill time left: Σ W in front less the head's progress — the time
+        since it became the head (its routing, or the first token of the one before it), at
+        most its own W (a long chunked prefill is partly done when the next request comes)."""
+        wait = st[1] - st[2]
+        if wait > 0:
+            wait -= min(self._now - st[6], st[0][0][0] - st[2])
+        return wait
 
     def _promised_blocks(self, keys: list[int], nblocks: int) -> dict[str, int]:
         """Instance -> leading prompt blocks that requests in flight there will have cached
@@ -758,6 +789,9 @@ class PrefixAwareRouter(Router):
         bs = candidates[0].block_size
         if self.index is None:
             self.index = PrefixIndex(bs)
+        if request.arrival > self._now:
+            self._now = request.arrival
+        now = self._now
         prompt = request.prompt_token_ids
         n = len(prompt)
         hashes = block_hashes(prompt, bs)
@@ -783,6 +817,10 @@ class PrefixAwareRouter(Router):
         dinc = w * out * inc + out * per_seq
         wp_cold = w * pt_cold
         adinc = wp_cold + dinc
+        # the stall's convexity: w·κ/D, D = o·DT of the request alone (a decoder's span)
+        d_alone = out * (dt.base + inc)
+        kd = w * self.stall_convexity / d_alone if d_alone > 0 else 0.0
+        half_cold = pt_cold / 2
         states = self._states(candidates)
         trim = self._trim
         xb = out * per_block
@@ -799,10 +837,13 @@ class PrefixAwareRouter(Router):
                 q = view.queued
                 if st[5] > q:
                     trim(view.instance_id, st, q)
-                waits[k] = wait = st[1] - st[2]
+                wait = st[1] - st[2]
+                if wait > 0:  # less the head's progress (_left)
+                    wait -= min(now - st[6], st[0][0][0] - st[2])
+                waits[k] = wait
                 a = view.active
                 stats = view.stats
-                costs[k] = (wait + own0 + a * adinc
+                costs[k] = (wait + own0 + a * (adinc + kd * pt_cold * (wait + half_cold))
                             + (xb * stats.num_used_blocks if stats is not None else 0.0))
         else:
             waits = []
@@ -815,10 +856,12 @@ class PrefixAwareRouter(Router):
                 if st[5] > q:  # drop what reached its first token
                     trim(view.instance_id, st, q)
                 wait = st[1] - st[2]  # (0 once every entry is dropped: the sums meet)
+                if wait > 0:  # less the head's progress (_left)
+                    wait -= min(now - st[6], st[0][0][0] - st[2])
                 a = view.active
                 stats = view.stats
                 add_wait(wait)
-                add_cost(wait + own0 + a * adinc
+                add_cost(wait + own0 + a * (adinc + kd * pt_cold * (wait + half_cold))
                          + (xb * stats.num_used_blocks if stats is not None else 0.0))
         best_finish = min(waits) + pt_cold
         ps: dict[int, float] = {}
@@ -829,7 +872,9 @@ class PrefixAwareRouter(Router):
                     continue
                 p = pt(n - c * bs if c * bs < n else 1)
                 ps[at] = p
-                costs[at] += (p - pt_cold) * (1.0 + w * candidates[at].active)
+                a = candidates[at].active
+                costs[at] += (p - pt_cold) * (1.0 + a * (w + kd * (waits[at]
+                                                                   + (p + pt_cold) / 2)))
                 if waits[at] + p < best_finish:
                     best_finish = waits[at] + p
         return (waits, costs, best_finish, states, ps, pt_cold, n, keys, lengths, bs)
@@ -843,6 +888,8 @@ class PrefixAwareRouter(Router):
         p = ps.get(k, pt_cold)
         self.decisions["hit" if p < pt_cold else "miss"] += 1
         st = states[k]
+        if not st[0]:  # the head: its prefill starts now
+            st[6] = self._now
         # what it adds to the queue: its prefill less the fixed step cost, but for its share
         # of the step's token budget
         miss = max(n - lengths.get(iid, 0) * bs if lengths else n, 1)

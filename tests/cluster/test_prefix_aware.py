@@ -20,10 +20,10 @@ def views(*ids):
     return [InstanceView(i, "colocated", num_kv_blocks=1000, block_size=BS) for i in ids]
 
 
-def creq(rid, prompt, max_tokens=4):
+def creq(rid, prompt, max_tokens=4, at=0.0):
     return ClusterRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens,
                                                             ignore_eos=True),
-                          Timeline(arrival=0.0))
+                          Timeline(arrival=at))
 
 
 def stored(prompt):
@@ -39,9 +39,9 @@ def router(**kw):
     return PrefixAwareRouter(**kw)
 
 
-def route(r, rid, prompt, cands, max_tokens=4):
+def route(r, rid, prompt, cands, max_tokens=4, at=0.0):
     """``r.select`` plus the controller's bookkeeping (the request is queued there)."""
-    inst = r.select(creq(rid, prompt, max_tokens), cands)
+    inst = r.select(creq(rid, prompt, max_tokens, at), cands)
     inst.queued += 1
     inst.active += 1
     return inst.instance_id
@@ -96,6 +96,32 @@ def test_the_guard_never_starts_a_hit_after_a_prefill_elsewhere_would_end():
     assert route(r, "y", S1 + [5, 6, 7, 8], [a, b, c]) == "c"
 
 
+def test_the_head_of_a_queue_has_been_prefilling_since_it_became_the_head():
+    """a caches S1 and has a fresh 40-token prefill in front, routed at t = 0. At t = 0 a hit
+    there costs 40 + PT(4) = 44 > b's cold 36 -> b; at t = 30 the head has 10 s left:
+    10 + 4 = 14 < 36 -> a. Its progress is at most its own W (t = 100: 0 left, though its
+    first token is not back). Once its first token comes (f0 leaves the queue), f1 is the
+    head from that decision on: t = 120, f1 + y + z = 20 + 4 + 4 left; t = 130, 10 + 4 + 4."""
+    for at, want in ((0.0, "b"), (30.0, "a")):
+        r = router()
+        a, b = cands = views("a", "b")
+        r.on_kv_events("a", stored(S1))
+        route(r, "f0", fresh(0, 40), [a])
+        assert route(r, "x", S1 + [1, 2, 3, 4], cands, at=at) == want
+    r = router()
+    (a,) = views("a")
+    route(r, "f0", fresh(0, 40), [a])
+    r._now = 100.0
+    assert r._wait(a) == 0.0
+    route(r, "f1", fresh(1, 20), [a], at=100.0)
+    route(r, "y", fresh(2, 4), [a], at=100.0)
+    a.queued = 2  # f0's first token came back
+    route(r, "z", fresh(3, 4), [a], at=120.0)
+    assert r._wait(a) == 20 + 4 + 4
+    r._now = 130.0
+    assert r._wait(a) == 10 + 4 + 4
+
+
 def test_queued_prefills_share_steps():
     """PT(n) = 10 + n: a step's fixed cost a = 2·PT(1) − PT(2) = 10, W(m) = m + 10·m/B.
     B = 100: a queued 20-token prefill adds W(20) = 22 (not PT(20) = 30), three 66; a new
@@ -125,6 +151,27 @@ def test_decode_load_and_what_a_prefill_costs_the_decoders():
     assert r.select(creq("x", S1 + [1, 2, 3, 4]), [a, b]).instance_id == "a"
     r = router(decode_time=dt, decode_weight=1.0)  # without the hit: 36+20+[12+108]=176 > 88
     assert r.select(creq("x", S1 + [1, 2, 3, 4]), [a, b]).instance_id == "b"
+
+
+def test_a_prefill_behind_a_queue_stalls_its_decoders_more():
+    """No cache; a decode step costs 1 s (DT = 1), 4 output tokens, so a decoder's span is
+    D = 4; decode_weight 1. a: a 20-token prefill in front and A = 2 (it and one decoder);
+    b: no queue, A = 3. A 36-token prompt x:
+    κ = 0: a 20 + (4 + 36) + 2·36 = 132 < b 0 + 40 + 3·36 = 148 -> a;
+    κ = 1 (stall PT·(1 + κ·(wait + PT/2)/D) per decoder): a 132 + 2·36·(20 + 18)/4 = 816 >
+    b 148 + 3·36·18/4 = 634 -> b: the decoders behind a's queue already sit through 20 s of
+    prefill, and a second one hurts them more than a first one hurts b's."""
+    for kappa, want in ((0.0, "a"), (1.0, "b")):
+        r = router(decode_time=LinearDecodeTime(1.0, 0.0, 0.0), decode_weight=1.0,
+                   stall_convexity=kappa)
+        a, b = views("a", "b")
+        route(r, "f0", fresh(0, 20), [a])
+        a.active, b.active = 2, 3
+        pr = r._price(creq("x", S1 + [1, 2, 3, 4]), [a, b])
+        assert pr[1] == pytest.approx([132.0, 148.0] if kappa == 0 else [816.0, 634.0])
+        assert r.select(creq("x", S1 + [1, 2, 3, 4]), [a, b]).instance_id == want
+    with pytest.raises(ValueError, match="stall_convexity must be >= 0"):
+        router(stall_convexity=-1.0)
 
 
 def test_a_hot_prefix_is_replicated_once_its_holder_queue_costs_more_than_a_copy():
@@ -229,7 +276,7 @@ def test_decisions_match_a_brute_force_of_the_documented_cost():
     rng = random.Random(7)
     dt = LinearDecodeTime(0.5, 0.25, 0.01)
     r = PrefixAwareRouter(prefill_time=lambda n: 2.0 + n, decode_time=dt, decode_weight=0.7,
-                          promise_stride=2, guard=True)
+                          promise_stride=2, guard=True, stall_convexity=2.0)
     cands = views(*"abcdef")
     prefixes = [list(range(1000 * k, 1000 * k + 24)) for k in range(1, 5)]
     for step in range(300):
@@ -259,8 +306,11 @@ def test_decisions_match_a_brute_force_of_the_documented_cost():
             x = v.stats.num_used_blocks * BS if v.stats else 0
             plus = dt(d + 1, x + n + out // 2)
             minus = 0.5 + 0.25 * d + 0.01 * x  # DT_i (also for d = 0: the difference is inc)
-            cost = (waits[v.instance_id] + p + out * plus
-                    + 0.7 * (d * out * (plus - minus) + v.active * p))
+            span = out * (0.5 + 0.25 + 0.01 * (n + out // 2))  # D: o·DT of it alone
+            wt = waits[v.instance_id]
+            cost = (wt + p + out * plus
+                    + 0.7 * (d * out * (plus - minus)
+                             + v.active * p * (1 + 2.0 * (wt + p / 2) / span)))
             rows.append((waits[v.instance_id], waits[v.instance_id] + p, cost))
         finish = min(t for _, t, _ in rows)
         allowed = [k for k, (wt, _, _) in enumerate(rows)
