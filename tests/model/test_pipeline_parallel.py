@@ -17,7 +17,7 @@ from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
 from pdserve.engine.model_executor import ModelExecutor
 from pdserve.engine.pipeline import PipelinedEngine, make_engine
 from pdserve.model.parallel import check_live_layout, stage_layers
-from tests.model.helpers import GREEDY, NEW_TOKENS, HandDriver, hf_reference, make_prompts
+from tests.model.helpers import NEW_TOKENS, HandDriver, hf_reference, make_prompts
 from tests.model.test_tensor_parallel import PROMPTS, _continue, _prefill, generate
 
 
@@ -37,16 +37,9 @@ def generate_lanes(ex: ModelExecutor, prompts: list[list[int]]) -> list[list[int
     (up to ``pp`` micro-batches in flight); every lane computes some of the requests."""
     eng = make_engine(ex.config, ex)
     assert isinstance(eng, PipelinedEngine)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, GREEDY)
-    out: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for o in eng.step().outputs:
-            if o.finished:
-                out[o.request_id] = o.token_ids
-        eng.check_integrity()
+    out = generate(ex, prompts, eng)
     assert all(lane.num_steps > 0 for lane in eng.lanes)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return out
 
 
 def test_stage_layers_balanced() -> None:

@@ -4,6 +4,8 @@ instances of different TP degrees unchanged (byte for byte), continuing as it wo
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -23,8 +25,10 @@ def executor(model_dir: str, tp: int, blocks: int = 64) -> ModelExecutor:
     return ex
 
 
-def generate(ex: ModelExecutor, prompts: list[list[int]]) -> list[list[int]]:
-    eng = Engine(ex.config, ex)
+def generate(ex: ModelExecutor, prompts: list[list[int]], eng: Any = None) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` through ``eng`` (default: one engine over ``ex``), the
+    block pool's integrity checked after every step."""
+    eng = Engine(ex.config, ex) if eng is None else eng
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, GREEDY)
     out: dict[str, list[int]] = {}
@@ -32,6 +36,7 @@ def generate(ex: ModelExecutor, prompts: list[list[int]]) -> list[list[int]]:
         for o in eng.step().outputs:
             if o.finished:
                 out[o.request_id] = o.token_ids
+        eng.check_integrity()
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
