@@ -575,15 +575,16 @@ def check_specs(specs: list[InstanceSpec], model_config: ModelConfig,
                 remote: bool = False) -> None:
     """``ValueError`` naming the role and value when an instance's ``tp``/``pp``/``ep`` cannot
     run live (before anything loads). ``remote``: the ranks run on a Ray cluster's nodes, whose
-    CPUs Ray counts (:func:`wait_for_resources`), not this machine's."""
+    CPUs and GPUs Ray counts (:func:`pdserve.cluster.rank_group.check_placeable`), not this
+    machine's."""
     import sys
 
     from pdserve.model.parallel import check_live_layout  # lazy: torch (pdserve.model)
 
     for s in specs:
-        cpu_ranks = sys.maxsize if remote and not s.engine.device.startswith("cuda") else None
+        ranks = sys.maxsize if remote else None
         try:
-            check_live_layout(model_config, s.tp, s.pp, s.ep, s.engine.device, cpu_ranks)
+            check_live_layout(model_config, s.tp, s.pp, s.ep, s.engine.device, ranks)
         except ValueError as e:
             raise ValueError(f"{s.role} instances: {e}") from None
 

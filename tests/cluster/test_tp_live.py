@@ -148,12 +148,17 @@ async def test_ray_dead_rank_actor_kills_its_instance_and_nothing_leaks(
         dead_pg = dead.client.pg  # type: ignore[attr-defined]
         [victim] = await dead.client.rank_actors()  # type: ignore[attr-defined]
         assert pg_state(dead_pg) == "CREATED" and is_alive(victim)
-        # every CPU is held: a third group times out, removed, naming what it needed
-        with pytest.raises(RuntimeError, match=r"did not free room for its 2 ranks"):
-            rank_group.reserve("extra", 2, 1, "cpu", timeout_s=0.5)
-        with pytest.raises(ValueError, match=r"colocated instances: tp=8 x pp=1 needs 8 "
-                                             r"ranks \(one CPU each\), more than the 4 CPUs"):
-            rank_group.check_placeable([replace(s, tp=8) for s in
+        # the instances hold CPUs: a group one CPU larger than what is free times out and is
+        # removed; one larger than the cluster is refused at once; both name what they need
+        total = int(ray.cluster_resources()["CPU"])
+        free = int(ray.available_resources().get("CPU", 0.0))
+        assert free < total
+        with pytest.raises(RuntimeError, match=rf"did not free room for its {free + 1} ranks"):
+            rank_group.reserve("extra", free + 1, 1, "cpu", timeout_s=0.5)
+        with pytest.raises(ValueError, match=rf"colocated instances: tp={total + 1} x pp=1 "
+                                             rf"needs {total + 1} ranks \(one CPU each\), "
+                                             rf"more than the {total} CPUs"):
+            rank_group.check_placeable([replace(s, tp=total + 1) for s in
                                         cfg.instance_specs(1024)[:1]])
         async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
             on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
