@@ -69,7 +69,7 @@ def batches(prefill: int, decode: int, context: int) -> tuple[ScheduledBatch, Sc
 
 
 def rss_mib(ex: ModelExecutor) -> list[float]:
-    procs = [psutil.Process()] + [psutil.Process(p.pid) for p in ex._procs]
+    procs = [psutil.Process()] + [psutil.Process(p.pid) for p in ex.ranks.procs]
     return [p.memory_info().rss / 2**20 for p in procs]
 
 

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pdserve.cluster import rank_group
+from pdserve.cluster.rank_group import RayRanks
 from pdserve.cluster.worker import Command, ImportKV, InstanceWorker, PullFailed, StepReport
 from pdserve.config import EngineConfig
 from pdserve.tokenizer import load_tokenizer
@@ -31,14 +33,15 @@ POLL_S = 1.0
 
 def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
                 num_threads: int | None = None, record_events: bool = False,
-                tp: int = 1, pp: int = 1) -> InstanceWorker:
+                tp: int = 1, pp: int = 1, ranks: Any = None) -> InstanceWorker:
     """An instance over the real model: loads the weights (and the tokenizer unless given);
     ``record_events``: report the block pool's KV events (for prefix-aware routers); ``tp``,
     ``pp``: tensor-parallel ranks per pipeline stage and stages (this process is the driver
-    rank and starts the others)."""
+    rank and starts the others: child processes, or through ``ranks``, a
+    :class:`~pdserve.engine.model_executor.RankLauncher`)."""
     from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
-    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, pp=pp)
+    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, pp=pp, ranks=ranks)
     return InstanceWorker(instance_id, config, executor,
                           tokenizer=tokenizer if tokenizer is not None
                           else load_tokenizer(config.model), record_events=record_events)
@@ -224,6 +227,10 @@ class InstanceClient:
         """Reach the instance through ``handle`` (one :meth:`portable_handle` returned, moved and
         rebuilt: EcoServe's instance migration) from now on."""
 
+    async def release(self) -> None:
+        """Free what a failed instance still holds on the cluster (a Ray instance's actors
+        and placement group), so that its replacement can be placed; nothing by default."""
+
     async def close(self) -> None:
         pass
 
@@ -309,13 +316,20 @@ class InProcessInstance(InstanceClient):
 class _RayWorker:
     """The actor body: one instance per actor process, one torch thread on CPU, stepped by its
     :class:`StepLoop`'s thread. KV pulls happen in the loop (``ray.get`` of the source's
-    export), before the sans-IO worker sees the command."""
+    export), before the sans-IO worker sees the command. With ``tp * pp`` > 1 it is rank 0 and
+    starts the other ranks as actors in the instance's placement group ``pg``
+    (:mod:`pdserve.cluster.rank_group`)."""
 
     def __init__(self, instance_id: str, config: EngineConfig,
-                 record_events: bool = False, tp: int = 1, pp: int = 1) -> None:
+                 record_events: bool = False, tp: int = 1, pp: int = 1, pg: Any = None) -> None:
+        self.ranks = RayRanks(pg, instance_id) if pg is not None else None
         self.worker = load_worker(instance_id, config, num_threads=1,
-                                  record_events=record_events, tp=tp, pp=pp)
+                                  record_events=record_events, tp=tp, pp=pp, ranks=self.ranks)
         self.loop = StepLoop(self.worker, resolve=_pull)
+
+    def rank_actors(self) -> list[Any]:
+        """The handles of ranks 1 .. of the instance (tests)."""
+        return list(self.ranks.actors) if self.ranks is not None else []
 
     def info(self) -> tuple[str, int, int]:
         w = self.worker
@@ -371,37 +385,55 @@ class RayInstance(InstanceClient):
     """An instance in its own Ray actor (the distributed engine). KV exports stay in the object
     store; the destination actor pulls them by reference."""
 
-    def __init__(self, actor: Any, instance_id: str, info: tuple[str, int, int]) -> None:
+    def __init__(self, actor: Any, instance_id: str, info: tuple[str, int, int],
+                 pg: Any = None) -> None:
         self.actor = actor
         self.instance_id = instance_id
         self.role, self.num_kv_blocks, self.block_size = info
+        self.pg = pg  # the placement group of a tp * pp > 1 instance's ranks
         self._epoch = 0
         self._seq = 0
 
     @staticmethod
     def start_actor(instance_id: str, config: EngineConfig, record_events: bool = False,
-                    tp: int = 1, pp: int = 1) -> Any:
+                    tp: int = 1, pp: int = 1, pg: Any = None) -> Any:
         """Start the actor (it loads the model in the background); returns its handle. A
-        tensor- or pipeline-parallel instance's actor is its driver rank: it holds ``tp * pp``
-        CPUs (GPUs) and starts the other ranks as its child processes."""
+        tensor- or pipeline-parallel instance's actor is its rank 0, in the first bundle of
+        the placement group ``pg`` that holds a CPU (GPU) for each of its ranks
+        (:mod:`pdserve.cluster.rank_group`)."""
         import ray
 
         # max_concurrency=4: the loop's thread steps on its own; the actor's threads serve a
         # report poll, command submissions and KV exports beside it (see InProcessInstance).
         # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), and the actor pins torch to one
         # thread; no runtime_env, so that Ray can reuse its prestarted worker processes.
-        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": tp * pp, "max_concurrency": 4}
+        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 4}
         if config.device.startswith("cuda"):
-            opts["num_gpus"] = tp * pp
+            opts["num_gpus"] = 1
+        if pg is not None:
+            opts["scheduling_strategy"] = rank_group.in_bundle(pg, 0)
         return ray.remote(_RayWorker).options(**opts).remote(instance_id, config, record_events,
-                                                             tp, pp)
+                                                             tp, pp, pg)
 
     @classmethod
     async def create(cls, instance_id: str, config: EngineConfig,
                      record_events: bool = False, tp: int = 1, pp: int = 1) -> RayInstance:
-        actor = cls.start_actor(instance_id, config, record_events, tp, pp)
-        info = await _await(actor.info.remote())
-        return cls(actor, instance_id, info)
+        pg = None
+        if tp * pp > 1:
+            pg = await asyncio.get_running_loop().run_in_executor(
+                None, rank_group.reserve, instance_id, tp, pp, config.device)
+        actor = cls.start_actor(instance_id, config, record_events, tp, pp, pg)
+        try:
+            info = await _await(actor.info.remote())
+        except BaseException:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            if pg is not None:
+                rank_group.release(pg)
+            raise
+        return cls(actor, instance_id, info, pg)
 
     async def open(self, clock: Callable[[], float] = time.time) -> None:
         self._epoch, self._seq = await _await(self.actor.open.remote()), 0
@@ -438,14 +470,25 @@ class RayInstance(InstanceClient):
     def adopt(self, handle: Any) -> None:
         self.actor = handle
 
+    async def rank_actors(self) -> list[Any]:
+        """The actors of ranks 1 .. (tests)."""
+        return await _await(self.actor.rank_actors.remote())
+
     def kill(self) -> None:
         import ray
 
         ray.kill(self.actor, no_restart=True)
 
+    async def release(self) -> None:
+        await self.close()
+
     async def close(self) -> None:
+        """End the actor and its rank actors (removing their placement group); idempotent."""
         with contextlib.suppress(Exception):
             self.kill()
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            rank_group.release(pg)
 
 
 async def _await(ref: Any) -> Any:
@@ -525,5 +568,5 @@ def _resource_message(need: dict[str, float], total: dict[str, float],
                       f"{free.get(k, 0.0):g})" for k, v in need.items())
     why = ("others hold them; free them or wait" if waited
            else "add nodes or lower the instance counts")
-    return (f"the Ray cluster cannot place this deployment's instance actors (one per "
-            f"instance): it needs {parts}; {why}")
+    return (f"the Ray cluster cannot place this deployment's instances (a CPU, or a GPU, per "
+            f"rank): it needs {parts}; {why}")

@@ -36,6 +36,7 @@ from pdserve.cluster.instances import (
     wait_for_resources,
 )
 from pdserve.cluster.macro import MacroRolling
+from pdserve.cluster.rank_group import check_placeable
 from pdserve.cluster.routing import InstanceView, Router, role_router, routers_for
 from pdserve.cluster.scaling import InstanceHandle
 from pdserve.cluster.serving_api import (
@@ -460,6 +461,7 @@ class ClusterRuntime:
                     return  # removed (and shut down) meanwhile
                 log.error("instance %s failed: %s", iid, e)
                 self._run(self.core.instance_failed(iid, self.clock()))
+                self._spawn(inst.client.release())  # room for its replacement
                 if self.make_client is not None and self._running and self.self_heal:
                     self._spawn(self._restart(inst))
                 return
@@ -573,28 +575,31 @@ def check_specs(specs: list[InstanceSpec], model_config: ModelConfig,
                 remote: bool = False) -> None:
     """``ValueError`` naming the role and value when an instance's ``tp``/``pp``/``ep`` cannot
     run live (before anything loads). ``remote``: the ranks run on a Ray cluster's nodes, whose
-    CPUs Ray counts (:func:`wait_for_resources`), not this machine's."""
+    CPUs and GPUs Ray counts (:func:`pdserve.cluster.rank_group.check_placeable`), not this
+    machine's."""
     import sys
 
     from pdserve.model.parallel import check_live_layout  # lazy: torch (pdserve.model)
 
     for s in specs:
-        cpu_ranks = sys.maxsize if remote and not s.engine.device.startswith("cuda") else None
+        ranks = sys.maxsize if remote else None
         try:
-            check_live_layout(model_config, s.tp, s.pp, s.ep, s.engine.device, cpu_ranks)
+            check_live_layout(model_config, s.tp, s.pp, s.ep, s.engine.device, ranks)
         except ValueError as e:
             raise ValueError(f"{s.role} instances: {e}") from None
 
 
 async def start_clients(config: ClusterConfig, specs: list[InstanceSpec], tokenizer: Any,
                         routers: tuple[Router, Router]) -> list[InstanceClient]:
-    """Start the instances of ``specs`` as the deployment's backend runs them: one Ray actor
-    each (Ray already initialised; waits for the CPUs/GPUs, or says what is missing), or
+    """Start the instances of ``specs`` as the deployment's backend runs them: a Ray actor
+    each, and a placement group with an actor per further rank when ``tp * pp`` > 1 (Ray
+    already initialised; waits for the CPUs/GPUs, or says what is missing), or
     in-process workers loaded off the event loop. Workers report KV events when their role's
     router wants them."""
     events = {s.instance_id: role_router(s.role, *routers).wants_kv_events for s in specs}
     loop = asyncio.get_running_loop()
     if config.backend == "ray":
+        check_placeable(specs)  # a layout no node (or the whole cluster) can hold: say so
         need = {"CPU": float(sum(s.tp * s.pp for s in specs))}  # one per rank
         gpus = sum(s.tp * s.pp for s in specs if s.engine.device.startswith("cuda"))
         if gpus:

@@ -15,7 +15,7 @@ import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -77,7 +77,8 @@ class ModelExecutor:
     """
 
     def __init__(self, config: EngineConfig, num_threads: int | None = None, tp: int = 1,
-                 rank: int = 0, address: tuple[str, int] | None = None, pp: int = 1) -> None:
+                 rank: int = 0, address: tuple[str, int] | None = None, pp: int = 1,
+                 ranks: RankLauncher | None = None, own_device: bool = False) -> None:
         """``num_threads``: torch's CPU threads for this process, fixed (a Ray instance actor
         uses 1). ``None``: torch's count; with ``PDSERVE_ADAPTIVE_THREADS=1`` on CPU each step
         runs as many threads as there are idle cores instead, up to torch's count at start
@@ -86,9 +87,13 @@ class ModelExecutor:
         "pdserve vs vLLM CPU").
 
         ``tp > 1``: a tensor-parallel instance (:mod:`pdserve.model.tp`). Rank 0 (the default)
-        is the driver: it starts the other ranks as processes on this machine, sends each of
-        them every step's batch once (:meth:`execute`) and alone samples. A rank started with
-        ``rank > 0`` and the driver's rendezvous ``address`` serves it in :meth:`serve_ranks`.
+        is the driver: it starts the other ranks through ``ranks`` (default
+        :class:`ChildRanks`: processes on this machine; the Ray runtime passes actors in the
+        instance's placement group), sends each of them every step's batch once
+        (:meth:`execute`) and alone samples. A rank started with ``rank > 0`` and the driver's
+        rendezvous ``address`` serves it in :meth:`serve_ranks` (:func:`serve_rank`);
+        ``own_device``: this process was given one CUDA device of its own (a Ray actor's
+        ``num_gpus=1``), which it uses instead of the ``rank``-th from the current one.
         One rank dying fails the next step (the instance is dead). In float32 a TP instance's
         greedy tokens equal TP1's (tests); in bfloat16/float16 the partial products are rounded
         before they are summed, so a near tie between two logits may break the other way.
@@ -108,7 +113,7 @@ class ModelExecutor:
         self.world = tp * pp
         self.stage, self.tp_rank = divmod(rank, tp)
         self.last_stage = self.stage == pp - 1
-        self._procs: list[subprocess.Popen] = []
+        self.ranks: RankLauncher | None = None  # rank 0 of a group: how the others run
         if self.world > 1 and num_threads is None and config.device == "cpu":
             num_threads = max(1, (os.cpu_count() or 1) // self.world)
         self.governor: ThreadGovernor | None = None
@@ -122,7 +127,7 @@ class ModelExecutor:
             base = self.device.index  # rank r of a group takes the r-th device from there
             if base is None:
                 base = torch.cuda.current_device()
-            self.device = torch.device("cuda", base + rank)
+            self.device = torch.device("cuda", base + (0 if own_device else rank))
             torch.cuda.set_device(self.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
@@ -144,7 +149,7 @@ class ModelExecutor:
                                     for p in self.model.parameters())
             self.rank_bytes = [self.loaded_bytes]
         else:
-            self._load_sharded(address)
+            self._load_sharded(address, ranks)
         if self.device.type == "cpu":
             prepack_linears(getattr(self.model, "model", self.model))  # oneDNN layout
         self.eos_token_ids = read_eos_token_ids(config.model, self.model_config)
@@ -161,7 +166,8 @@ class ModelExecutor:
         self.decode_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
                               and cpu_kernels.available())
 
-    def _load_sharded(self, address: tuple[str, int] | None) -> None:
+    def _load_sharded(self, address: tuple[str, int] | None,
+                      ranks: RankLauncher | None) -> None:
         model_dir = resolve_model(self.config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.layout = TPLayout(self.model_config, self.tp, self.tp_rank)
@@ -170,12 +176,11 @@ class ModelExecutor:
         self.local_config = replace(self.layout.local_config(), num_layers=hi - lo)
         store = None
         if self.rank == 0:
+            self.ranks = ranks if ranks is not None else ChildRanks()
             store = master_store(self.world)
-            self._procs = [_start_rank(self.config, self.tp, self.pp, r,
-                                       ("127.0.0.1", store.port),
-                                       torch.get_num_threads() if self.governor is None
-                                       else 1) for r in range(1, self.world)]
-            weakref.finalize(self, _stop_ranks, self._procs, 0.0)
+            self.ranks.start(self.config, self.tp, self.pp, (self.ranks.host, store.port),
+                             torch.get_num_threads() if self.governor is None else 1)
+            weakref.finalize(self, self.ranks.stop, 0.0)
         device = self.config.device
         if self.pp == 1:
             self.comm = self.group = Communicator(self.rank, self.tp, store, address, device)
@@ -447,15 +452,16 @@ class ModelExecutor:
                 return
 
     def close(self) -> None:
-        """Stop the other ranks of a group (rank 0; nothing to do for one rank)."""
-        if self.rank == 0 and self._procs:
+        """Stop the other ranks of a group (rank 0; nothing to do for one rank; once)."""
+        ranks, self.ranks = self.ranks, None
+        if self.rank == 0 and ranks is not None:
             with contextlib.suppress(Exception), self._group_lock:
                 if self.pp > 1:
                     self._post(("stop", self.num_submitted))
                     self._reap()
                 else:
                     self.group.broadcast_object(("stop",))
-            _stop_ranks(self._procs)
+            ranks.stop()
 
     def _gather_workspace(self, num_blocks: int) -> torch.Tensor:
         """A buffer for ``num_blocks`` gathered KV blocks of one layer, reused across layers and
@@ -626,6 +632,55 @@ def plan_seqs(plan: list[tuple[str, int, int, bool, list[int], list[int]]]) -> l
             for rid, start, n, sample, toks, blocks in plan]
 
 
+class RankLauncher(Protocol):
+    """How a group's driver rank (rank 0) runs ranks ``1 .. tp * pp - 1``, each of which
+    calls :func:`serve_rank` with the driver's rendezvous ``address`` and returns when told
+    to stop or when the driver is gone. :class:`ChildRanks` starts them as child processes
+    (the default: offline ``LLM``, ``pdserve generate``, in-process instances); the Ray
+    runtime's is actors in the instance's placement group
+    (:class:`pdserve.cluster.rank_group.RayRanks`)."""
+
+    host: str  # where the other ranks reach rank 0's rendezvous store
+
+    def start(self, config: EngineConfig, tp: int, pp: int, address: tuple[str, int],
+              num_threads: int) -> None: ...
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Wait up to ``wait_s`` for the ranks to end, then end those left."""
+        ...
+
+
+class ChildRanks:
+    """The other ranks as child processes of this one, on this machine."""
+
+    host = "127.0.0.1"
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, config: EngineConfig, tp: int, pp: int, address: tuple[str, int],
+              num_threads: int) -> None:
+        self.procs = [_start_rank(config, tp, pp, r, address, num_threads)
+                      for r in range(1, tp * pp)]
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        _stop_ranks(self.procs, wait_s)
+
+
+def serve_rank(config: EngineConfig, tp: int, pp: int, rank: int, address: tuple[str, int],
+               num_threads: int, own_device: bool = False) -> int:
+    """Load rank ``rank`` of a group and follow its driver until it stops (0) or goes away
+    (1): the body of every rank > 0, a child process or a Ray actor."""
+    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, rank=rank, address=address,
+                             pp=pp, own_device=own_device)
+    try:
+        executor.serve_ranks()
+    except RuntimeError as e:  # the driver went away: the instance is over
+        log.info("rank %d of %d ends: %s", rank, tp * pp, e)
+        return 1
+    return 0
+
+
 def _start_rank(config: EngineConfig, tp: int, pp: int, rank: int, address: tuple[str, int],
                 num_threads: int) -> subprocess.Popen:
     """Rank ``rank`` of a group as a child process (``python -m`` this module: no re-import of
@@ -663,15 +718,7 @@ def _exit_with_parent(interval_s: float = 1.0) -> None:
 
 def _rank_main() -> int:
     _exit_with_parent()
-    config, tp, pp, rank, address, num_threads = pickle.load(sys.stdin.buffer)
-    executor = ModelExecutor(config, num_threads=num_threads, tp=tp, rank=rank, address=address,
-                             pp=pp)
-    try:
-        executor.serve_ranks()
-    except RuntimeError as e:  # the driver went away: the instance is over
-        log.info("rank %d of %d ends: %s", rank, tp * pp, e)
-        return 1
-    return 0
+    return serve_rank(*pickle.load(sys.stdin.buffer))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ async def test_a_dead_stage_kills_its_instance_and_requests_recompute(
                                    "roles": [{"role": "colocated", "count": 2, "pp": 2}]})
     rt = await build_runtime(cfg)
     victim = rt.instances["colocated-0"].client.worker.engine.executor  # type: ignore[attr-defined]
-    assert victim.pp == 2 and len(victim._procs) == 1
+    assert victim.pp == 2 and len(victim.ranks.procs) == 1
     async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
         on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
                         if q.instance == "colocated-0" and len(q.output_token_ids) >= 2]
@@ -69,7 +69,7 @@ async def test_a_dead_stage_kills_its_instance_and_requests_recompute(
 
         tasks = [asyncio.create_task(one(p)) for p in [*prompts(), TEXT]]
         await wait_until(lambda: len(on_0()) >= 1, what="a request decoding on colocated-0")
-        victim._procs[0].kill()
+        victim.ranks.procs[0].kill()
         assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == reference
         assert not rt.instances["colocated-0"].view.alive
         await assert_pools_clean(rt)
@@ -78,13 +78,19 @@ async def test_a_dead_stage_kills_its_instance_and_requests_recompute(
 @pytest.mark.ray
 @pytest.mark.slow
 async def test_ray_prefill_pp2_decode_pp1(model_dir: str, reference: list[str]) -> None:  # noqa: F811
-    """On Ray: the PP2 prefill instance's actor is its driver rank (2 CPUs reserved) and starts
-    the second stage; the decode actor pulls the KV of both stages' layers in one payload."""
+    """On Ray: the PP2 prefill instance's actor is its rank 0 and starts the second stage as
+    an actor in the instance's placement group (a bundle per stage); the decode actor pulls
+    the KV of both stages' layers in one payload."""
     ray = pytest.importorskip("ray")
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
                                    "roles": [{"role": "prefill", "pp": 2}, {"role": "decode"}]})
     try:
         rt = await build_runtime(cfg)
+        prefill = rt.instances["prefill-0"].client
+        assert len(await prefill.rank_actors()) == 1  # type: ignore[attr-defined]
+        pg = prefill.pg  # type: ignore[attr-defined]
+        assert ray.util.placement_group_table(pg)["bundles"] == {0: {"CPU": 1.0},
+                                                                1: {"CPU": 1.0}}
         async with serving(rt) as url:
             assert await complete_all(url, SHORT) == reference
             await assert_pools_clean(rt)

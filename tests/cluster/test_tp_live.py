@@ -4,6 +4,8 @@ instance (KV resharded from two ranks' head ranges into one cache)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdserve.cluster.runtime import build_runtime
@@ -77,7 +79,7 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
 
         tasks = [asyncio.create_task(one(p)) for p in [*prompts(), TEXT]]
         await wait_until(lambda: len(on_0()) >= 1, what="a request decoding on colocated-0")
-        victim._procs[0].kill()
+        victim.ranks.procs[0].kill()
         assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == reference
         assert not dead.view.alive
         back = lambda: rt.instances.get("colocated-0")  # noqa: E731  (absent while restarting)
@@ -90,15 +92,103 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
 @pytest.mark.ray
 @pytest.mark.slow
 async def test_ray_prefill_tp2_decode_tp1(model_dir: str, reference: list[str]) -> None:
-    """On Ray: the TP2 prefill instance's actor is its driver rank (2 CPUs reserved), the
-    decode actor pulls the resharded KV from the object store."""
+    """On Ray: the TP2 prefill instance is its actor (rank 0) and a rank actor in its
+    placement group; the decode actor pulls the resharded KV from the object store."""
     ray = pytest.importorskip("ray")
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
                                    "roles": [{"role": "prefill", "tp": 2}, {"role": "decode"}]})
     try:
         rt = await build_runtime(cfg)
+        prefill = rt.instances["prefill-0"].client
+        assert len(await prefill.rank_actors()) == 1  # type: ignore[attr-defined]
+        assert rt.instances["decode-0"].client.pg is None  # type: ignore[attr-defined]
         async with serving(rt) as url:
             assert await complete_all(url, SHORT) == reference
             await assert_pools_clean(rt)
+    finally:
+        ray.shutdown()
+
+
+def pg_state(pg: object) -> str:
+    import ray
+
+    return ray.util.placement_group_table()[pg.id.hex()]["state"]  # type: ignore[attr-defined]
+
+
+def is_alive(actor: object) -> bool:
+    import ray
+
+    try:
+        return ray.get(actor.ping.remote(), timeout=30)  # type: ignore[attr-defined]
+    except ray.exceptions.RayActorError:
+        return False
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_ray_dead_rank_actor_kills_its_instance_and_nothing_leaks(
+        model_dir: str, reference: list[str]) -> None:
+    """On Ray, kill the rank actor of a TP2 instance mid-run: the instance is dead, its
+    requests finish on the other TP2 instance with the same greedy text, its placement group
+    is removed and it restarts in place. Removing an instance removes its placement group and
+    ends its rank actors; a group the cluster has no room for fails instead of waiting."""
+    import asyncio
+
+    import httpx
+
+    ray = pytest.importorskip("ray")
+    from pdserve.cluster import rank_group
+    from tests.cluster.realstack import wait_until
+
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
+                                   "roles": [{"role": "colocated", "count": 2, "tp": 2}]})
+    try:
+        rt = await build_runtime(cfg)
+        dead = rt.instances["colocated-0"]
+        dead_pg = dead.client.pg  # type: ignore[attr-defined]
+        [victim] = await dead.client.rank_actors()  # type: ignore[attr-defined]
+        assert pg_state(dead_pg) == "CREATED" and is_alive(victim)
+        # the instances hold CPUs: a group one CPU larger than what is free times out and is
+        # removed; one larger than the cluster is refused at once; both name what they need
+        total = int(ray.cluster_resources()["CPU"])
+        free = int(ray.available_resources().get("CPU", 0.0))
+        assert free < total
+        with pytest.raises(RuntimeError, match=rf"did not free room for its {free + 1} ranks"):
+            rank_group.reserve("extra", free + 1, 1, "cpu", timeout_s=0.5)
+        with pytest.raises(ValueError, match=rf"colocated instances: tp={total + 1} x pp=1 "
+                                             rf"needs {total + 1} ranks \(one CPU each\), "
+                                             rf"more than the {total} CPUs"):
+            rank_group.check_placeable([replace(s, tp=total + 1) for s in
+                                        cfg.instance_specs(1024)[:1]])
+        async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
+            on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
+                            if q.instance == "colocated-0" and len(q.output_token_ids) >= 2]
+
+            async def one(p: object) -> str:
+                r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": SHORT,
+                                                          "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            tasks = [asyncio.create_task(one(p)) for p in [*prompts(), TEXT]]
+            await wait_until(lambda: len(on_0()) >= 1, timeout=60,
+                             what="a request decoding on colocated-0")
+            ray.kill(victim, no_restart=True)
+            assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == reference
+            assert not dead.view.alive
+            back = lambda: rt.instances.get("colocated-0")  # noqa: E731
+            await wait_until(lambda: back() is not None and back().view.alive and rt.restarts,
+                             timeout=120, what="the TP2 instance restarted in place")
+            assert [r.instance_id for r in rt.restarts] == ["colocated-0"]
+            assert pg_state(dead_pg) == "REMOVED"
+            await assert_pools_clean(rt)
+
+            gone = rt.instances["colocated-1"].client
+            gone_pg = gone.pg  # type: ignore[attr-defined]
+            [rank] = await gone.rank_actors()  # type: ignore[attr-defined]
+            await rt.remove_instance("colocated-1")
+            assert pg_state(gone_pg) == "REMOVED"
+            assert not is_alive(rank)
+            assert await complete_all(url, SHORT) == reference
     finally:
         ray.shutdown()

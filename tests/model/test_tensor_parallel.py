@@ -154,7 +154,7 @@ def test_ranks_end_with_their_driver(tiny_dirs, tmp_path) -> None:
         "from pdserve.engine.model_executor import ModelExecutor\n"
         f"cfg = EngineConfig(model={tiny_dirs['llama']!r}, cache=CacheConfig(num_kv_blocks=8))\n"
         "ex = ModelExecutor(cfg, num_threads=1, tp=2)\n"
-        "print(ex._procs[0].pid, flush=True)\n"
+        "print(ex.ranks.procs[0].pid, flush=True)\n"
         "time.sleep(300)\n")
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
