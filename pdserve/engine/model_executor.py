@@ -282,12 +282,7 @@ class ModelExecutor:
                 self.group.broadcast_object(("step", step_plan(batch.seqs, self.block_size)))
             logits = self._forward(batch.seqs)
             if logits is not None:
-                rows = [self._sample_row(s.request, logits.shape[-1])
-                        for s in batch.seqs if s.sample]
-                if self.capture_logits:
-                    self.last_logits = logits.float().cpu()
-                out = self.sampler(logits, rows)
-                sampled, logprobs = out.token_ids, out.logprobs
+                sampled, logprobs = self._sample(logits, batch.seqs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return ExecuteResult(sampled=sampled, elapsed=time.perf_counter() - t0,
@@ -348,13 +343,7 @@ class ModelExecutor:
         if f.work is not None:
             f.work.wait()
             with torch.inference_mode():
-                logits = f.logits.to(self.device)
-                rows = [self._sample_row(s.request, logits.shape[-1])
-                        for s in f.batch.seqs if s.sample]
-                if self.capture_logits:
-                    self.last_logits = logits.float().cpu()
-                out = self.sampler(logits, rows)
-                sampled, logprobs = out.token_ids, out.logprobs
+                sampled, logprobs = self._sample(f.logits.to(self.device), f.batch.seqs)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
         self.num_collected += 1
@@ -471,6 +460,14 @@ class ModelExecutor:
             self._workspace = torch.empty(max(need, self._workspace.numel() * 3 // 2),
                                           dtype=self.dtype, device=self.device)
         return self._workspace
+
+    def _sample(self, logits: torch.Tensor, seqs: Any) -> tuple[list[int], Any]:
+        """One token (and its logprobs) per sampling row of ``seqs`` from their ``logits``."""
+        rows = [self._sample_row(s.request, logits.shape[-1]) for s in seqs if s.sample]
+        if self.capture_logits:
+            self.last_logits = logits.float().cpu()
+        out = self.sampler(logits, rows)
+        return out.token_ids, out.logprobs
 
     def _sample_row(self, req: Any, vocab: int | None = None) -> SampleRow:
         p = req.params
