@@ -7,6 +7,11 @@ from typing import Any, Protocol, runtime_checkable
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 
 
+class KVPullError(RuntimeError):
+    """:meth:`Executor.import_kv` could not pull the KV from its source (a source rank died or
+    stopped answering): the transfer failed, the importing instance lives on."""
+
+
 @runtime_checkable
 class Executor(Protocol):
     """Runs scheduled batches against a paged KV cache of ``num_kv_blocks`` blocks.

@@ -93,7 +93,8 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
 @pytest.mark.slow
 async def test_ray_prefill_tp2_decode_tp1(model_dir: str, reference: list[str]) -> None:
     """On Ray: the TP2 prefill instance is its actor (rank 0) and a rank actor in its
-    placement group; the decode actor pulls the resharded KV from the object store."""
+    placement group; the decode actor pulls each prefill rank's KV heads straight from that
+    rank (the direct path: nothing is gathered on the prefill's rank 0)."""
     ray = pytest.importorskip("ray")
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
                                    "roles": [{"role": "prefill", "tp": 2}, {"role": "decode"}]})
@@ -105,6 +106,9 @@ async def test_ray_prefill_tp2_decode_tp1(model_dir: str, reference: list[str]) 
         async with serving(rt) as url:
             assert await complete_all(url, SHORT) == reference
             await assert_pools_clean(rt)
+            decode = rt.instances["decode-0"].client
+            imports = await decode.kv_imports()  # type: ignore[attr-defined]
+            assert imports.get("direct", 0) >= 1 and "funnel" not in imports, imports
     finally:
         ray.shutdown()
 
