@@ -91,18 +91,23 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
 
 @pytest.mark.ray
 @pytest.mark.slow
-async def test_ray_prefill_tp2_decode_tp1(model_dir: str, reference: list[str]) -> None:
-    """On Ray: the TP2 prefill instance is its actor (rank 0) and a rank actor in its
-    placement group; the decode actor pulls each prefill rank's KV heads straight from that
-    rank (the direct path: nothing is gathered on the prefill's rank 0)."""
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)],
+                         ids=["tp2-tp1", "tp1-tp2"])
+async def test_ray_prefill_tp2_decode_tp1(model_dir: str, reference: list[str],
+                                          prefill_tp: int, decode_tp: int) -> None:
+    """On Ray: a TP2 instance is its actor (rank 0) and a rank actor in its placement group;
+    each decode rank pulls its KV heads straight from the prefill ranks that hold them (the
+    direct path: nothing is gathered on either rank 0), both ways."""
     ray = pytest.importorskip("ray")
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
-                                   "roles": [{"role": "prefill", "tp": 2}, {"role": "decode"}]})
+                                   "roles": [{"role": "prefill", "tp": prefill_tp},
+                                             {"role": "decode", "tp": decode_tp}]})
     try:
         rt = await build_runtime(cfg)
-        prefill = rt.instances["prefill-0"].client
-        assert len(await prefill.rank_actors()) == 1  # type: ignore[attr-defined]
-        assert rt.instances["decode-0"].client.pg is None  # type: ignore[attr-defined]
+        for iid, tp in (("prefill-0", prefill_tp), ("decode-0", decode_tp)):
+            client = rt.instances[iid].client
+            assert len(await client.rank_actors()) == tp - 1  # type: ignore[attr-defined]
+            assert (client.pg is None) == (tp == 1)  # type: ignore[attr-defined]
         async with serving(rt) as url:
             assert await complete_all(url, SHORT) == reference
             await assert_pools_clean(rt)
