@@ -27,7 +27,9 @@ class Executor(Protocol):
         ...
 
     def export_kv(self, block_ids: list[int]) -> Any:
-        """Copy the KV of ``block_ids`` (all layers) into a serializable payload."""
+        """The KV of ``block_ids`` (all layers) as a serializable payload: a copy, or a
+        description of where the destination pulls it from (the blocks then stay held until
+        it has imported them)."""
         ...
 
     def import_kv(self, block_ids: list[int], payload: Any) -> None:
