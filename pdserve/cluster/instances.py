@@ -33,7 +33,8 @@ POLL_S = 1.0
 
 def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
                 num_threads: int | None = None, record_events: bool = False,
-                tp: int = 1, pp: int = 1, ranks: Any = None) -> InstanceWorker:
+                tp: int = 1, pp: int = 1, ranks: Any = None,
+                loaded: Callable[[Any], None] | None = None) -> InstanceWorker:
     """An instance over the real model: loads the weights (and the tokenizer unless given);
     ``record_events``: report the block pool's KV events (for prefix-aware routers); ``tp``,
     ``pp``: tensor-parallel ranks per pipeline stage and stages (this process is the driver
@@ -42,6 +43,8 @@ def load_worker(instance_id: str, config: EngineConfig, tokenizer: Any = None,
     from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
     executor = ModelExecutor(config, num_threads=num_threads, tp=tp, pp=pp, ranks=ranks)
+    if loaded is not None:  # the executor, once the ranks are up
+        loaded(executor)
     return InstanceWorker(instance_id, config, executor,
                           tokenizer=tokenizer if tokenizer is not None
                           else load_tokenizer(config.model), record_events=record_events)
@@ -322,9 +325,20 @@ class _RayWorker:
 
     def __init__(self, instance_id: str, config: EngineConfig,
                  record_events: bool = False, tp: int = 1, pp: int = 1, pg: Any = None) -> None:
+        import ray
+
         self.ranks = RayRanks(pg, instance_id) if pg is not None else None
+        self.executor: Any = None
+
+        def loaded(executor: Any) -> None:  # every rank serves and pulls KV slices directly
+            me = ray.get_runtime_context().current_actor
+            others = self.ranks.actors if self.ranks is not None else []
+            rank_group.serve_kv(executor, [me, *others])
+            self.executor = executor
+
         self.worker = load_worker(instance_id, config, num_threads=1,
-                                  record_events=record_events, tp=tp, pp=pp, ranks=self.ranks)
+                                  record_events=record_events, tp=tp, pp=pp, ranks=self.ranks,
+                                  loaded=loaded)
         self.loop = StepLoop(self.worker, resolve=_pull)
 
     def rank_actors(self) -> list[Any]:
@@ -349,6 +363,15 @@ class _RayWorker:
 
     def export_kv(self, request_id: str, first_block: int) -> Any:
         return self.worker.export_kv(request_id, first_block)
+
+    def kv_part(self, block_ids: list[int], layers: tuple[int, int],
+                heads: tuple[int, int]) -> Any:
+        """Rank 0's slice of held blocks, for a decode rank's direct pull."""
+        return self.executor.kv_part(block_ids, layers, heads)
+
+    def kv_imports(self) -> dict[str, int]:
+        """Imports by path (``direct``, ``funnel``) on this instance (tests)."""
+        return dict(self.executor.kv_imports)
 
     def check_integrity(self) -> dict[str, int]:
         with self.loop.step_lock:
@@ -403,11 +426,12 @@ class RayInstance(InstanceClient):
         (:mod:`pdserve.cluster.rank_group`)."""
         import ray
 
-        # max_concurrency=4: the loop's thread steps on its own; the actor's threads serve a
-        # report poll, command submissions and KV exports beside it (see InProcessInstance).
+        # max_concurrency=6: the loop's thread steps on its own; the actor's threads serve a
+        # report poll, command submissions, KV exports and decode ranks' pulls of KV slices
+        # beside it (see InProcessInstance).
         # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), and the actor pins torch to one
         # thread; no runtime_env, so that Ray can reuse its prestarted worker processes.
-        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 4}
+        opts: dict[str, Any] = {"max_restarts": 0, "num_cpus": 1, "max_concurrency": 6}
         if config.device.startswith("cuda"):
             opts["num_gpus"] = 1
         if pg is not None:
@@ -473,6 +497,10 @@ class RayInstance(InstanceClient):
     async def rank_actors(self) -> list[Any]:
         """The actors of ranks 1 .. (tests)."""
         return await _await(self.actor.rank_actors.remote())
+
+    async def kv_imports(self) -> dict[str, int]:
+        """The instance's KV imports by path, ``direct`` or ``funnel`` (tests)."""
+        return await _await(self.actor.kv_imports.remote())
 
     def kill(self) -> None:
         import ray

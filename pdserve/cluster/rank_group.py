@@ -14,7 +14,9 @@ one-rank bundles; a bundle per stage says exactly that)::
 Rank 0 is the instance's actor (:class:`pdserve.cluster.instances.RayInstance`), its
 scheduler and step loop; it starts ranks ``1 .. tp * pp - 1`` as :class:`_RankActor`\\ s in
 its stage's bundle (:class:`RayRanks`, the executor's rank launcher), each running the rank
-loop a child process would (:func:`pdserve.engine.model_executor.serve_rank`). The rank actors
+loop a child process would (:func:`pdserve.engine.model_executor.serve_rank`). Every rank
+serves its own KV slices (``kv_part``) to the ranks of a decode instance, which pull them
+directly (:func:`fetch_kv_parts`), nothing funnelled through rank 0. The rank actors
 are owned by the instance's actor and die with it; removing the placement group ends every
 actor in it. One rank dying fails the instance's next step, so the instance is dead and the
 runtime recomputes its requests elsewhere, as for any dead instance.
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # how long a placement group that fits the cluster may wait for others to free resources
 READY_TIMEOUT_S = 60.0
+# how long a destination rank waits for the KV slices it pulls from a source rank
+FETCH_TIMEOUT_S = 120.0
 
 
 def stage_bundles(tp: int, pp: int, device: str) -> list[dict[str, float]]:
@@ -112,15 +116,49 @@ def in_bundle(pg: Any, stage: int) -> Any:
                                             placement_group_capture_child_tasks=False)
 
 
+def fetch_kv_parts(pieces: list[tuple[Any, list[int], tuple[int, int], tuple[int, int]]]
+                   ) -> list[Any]:
+    """A direct KV hand-off's pieces (source rank actor, block ids, layers, KV heads), each
+    read by that actor's ``kv_part``, all at once; raises when a source rank is dead or does
+    not answer within ``FETCH_TIMEOUT_S`` (the pull fails, the destination lives on)."""
+    import ray
+
+    refs = [actor.kv_part.remote(ids, layers, heads) for actor, ids, layers, heads in pieces]
+    return list(ray.get(refs, timeout=FETCH_TIMEOUT_S))
+
+
+def serve_kv(executor: Any, sources: list[Any] | None) -> None:
+    """Make ``executor`` (one rank of a Ray instance) pull KV straight from other instances'
+    ranks; on rank 0, ``sources`` (every rank's actor, in rank order) makes its exports
+    direct payloads that name them (:meth:`ModelExecutor.export_kv`)."""
+    executor.kv_fetch = fetch_kv_parts
+    if sources is not None:
+        executor.kv_sources = sources
+
+
 class _RankActor:
-    """One rank > 0 of an instance: its shard of the model, following rank 0's steps."""
+    """One rank > 0 of an instance: its shard of the model, following rank 0's steps, and
+    serving its KV slices to the ranks of the instances that pull them."""
+
+    executor: Any = None
 
     def serve(self, config: EngineConfig, tp: int, pp: int, rank: int,
               address: tuple[str, int], num_threads: int) -> int:
         from pdserve.engine.model_executor import serve_rank  # lazy: torch
 
+        def loaded(executor: Any) -> None:
+            serve_kv(executor, None)
+            self.executor = executor
+
         return serve_rank(config, tp, pp, rank, address, num_threads,
-                          own_device=config.device.startswith("cuda"))
+                          own_device=config.device.startswith("cuda"), loaded=loaded)
+
+    def kv_part(self, block_ids: list[int], layers: tuple[int, int],
+                heads: tuple[int, int]) -> Any:
+        """A slice of held blocks (beside ``serve``: see :meth:`ModelExecutor.kv_part`)."""
+        if self.executor is None:
+            raise RuntimeError("this rank has not loaded its model")
+        return self.executor.kv_part(block_ids, layers, heads)
 
     def ping(self) -> bool:
         return True
@@ -144,9 +182,10 @@ class RayRanks:
 
         cuda = config.device.startswith("cuda")
         for r in range(1, tp * pp):
-            # max_concurrency=2: ping() answers beside the long serve() call
+            # max_concurrency=4: ping() and destination ranks' kv_part() calls answer beside
+            # the long serve() call
             actor = ray.remote(_RankActor).options(
-                num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=0, max_concurrency=2,
+                num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=0, max_concurrency=4,
                 scheduling_strategy=in_bundle(self.pg, r // tp)).remote()
             self.actors.append(actor)
             self._runs.append(actor.serve.remote(config, tp, pp, r, address, num_threads))

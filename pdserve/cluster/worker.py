@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import EngineStats, KVPayload, StepResult
-from pdserve.engine.executor import Executor
+from pdserve.engine.executor import Executor, KVPullError
 from pdserve.engine.kv_cache import KVEvent
 from pdserve.engine.pipeline import make_engine
 from pdserve.request import RequestStatus, SamplingParams, Timeline
@@ -275,13 +275,17 @@ class InstanceWorker:
         payload, rid = cmd.payload, cmd.request_id
         if not self.engine.is_pulling(rid):
             return  # aborted while the transfer was in flight
-        if isinstance(payload, PullFailed):
-            self.engine.abort(rid, now)
-            self._reported.pop(rid, None)  # the driver recomputes it elsewhere: forget it here
-            rep.transfer_failures.append((rid, f"KV transfer failed: {payload.message}"))
-            return
-        self.engine.import_kv(payload, now)
-        rep.imported.append(rid)
+        if not isinstance(payload, PullFailed):
+            try:
+                self.engine.import_kv(payload, now)
+            except KVPullError as e:  # a direct pull: a source rank died mid-pull
+                payload = PullFailed(str(e))
+            else:
+                rep.imported.append(rid)
+                return
+        self.engine.abort(rid, now)
+        self._reported.pop(rid, None)  # the driver recomputes it elsewhere: forget it here
+        rep.transfer_failures.append((rid, f"KV transfer failed: {payload.message}"))
 
     def export_kv(self, request_id: str, first_block: int) -> KVPayload:
         return self.engine.export_kv(request_id, first_block)

@@ -7,6 +7,11 @@ from typing import Any, Protocol, runtime_checkable
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 
 
+class KVPullError(RuntimeError):
+    """:meth:`Executor.import_kv` could not pull the KV from its source (a source rank died or
+    stopped answering): the transfer failed, the importing instance lives on."""
+
+
 @runtime_checkable
 class Executor(Protocol):
     """Runs scheduled batches against a paged KV cache of ``num_kv_blocks`` blocks.
@@ -22,7 +27,9 @@ class Executor(Protocol):
         ...
 
     def export_kv(self, block_ids: list[int]) -> Any:
-        """Copy the KV of ``block_ids`` (all layers) into a serializable payload."""
+        """The KV of ``block_ids`` (all layers) as a serializable payload: a copy, or a
+        description of where the destination pulls it from (the blocks then stay held until
+        it has imported them)."""
         ...
 
     def import_kv(self, block_ids: list[int], payload: Any) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -23,6 +24,8 @@ from pdserve.checkpoints import resolve_model
 from pdserve.config import EngineConfig, ModelConfig, cdiv, kv_cache_blocks
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.cpu_threads import ThreadGovernor
+from pdserve.engine.executor import KVPullError
+from pdserve.engine.kv_reshard import reshard_plan
 from pdserve.grammar import GrammarCompiler, GrammarState
 from pdserve.model import cpu_kernels
 from pdserve.model.layers import (
@@ -140,6 +143,12 @@ class ModelExecutor:
         self.trace: list[tuple[str, int]] | None = None
         self.loaded_bytes = 0  # checkpoint bytes this rank read
         self.rank_bytes = [0]  # on the driver: every rank's loaded_bytes, in rank order
+        # direct KV hand-off (set by the Ray runtime, :meth:`export_kv`): on rank 0 the handle
+        # through which each rank of this instance serves :meth:`kv_part`, in rank order; on
+        # every rank, how to fetch pieces from another instance's ranks
+        self.kv_sources: list[Any] | None = None
+        self.kv_fetch: KVFetch | None = None
+        self.kv_imports: Counter[str] = Counter()  # rank 0: imports by path (direct, funnel)
         if self.world == 1:
             self.comm = self.group = Communicator()
             self.model, self.model_config = load_model(config.model, config.dtype,
@@ -415,6 +424,9 @@ class ModelExecutor:
             elif kind == "import":
                 self._import(msg[1], self.comm.scatter_cpu(None, torch.empty(
                     msg[2], dtype=DTYPES[msg[3]])))
+            elif kind == "pull":
+                failed = self._pull(msg[1], msg[2]) is not None
+                self.group.gather_cpu(torch.tensor([int(failed)]))
             elif kind == "stop":
                 return
 
@@ -436,6 +448,9 @@ class ModelExecutor:
                                    self.local_config.num_kv_heads, len(msg[2]),
                                    *self.kv_cache.shape[4:], dtype=DTYPES[msg[3]])
                 self._import(msg[2], self.group.recv(like, 0, cpu=True, tag=TAG_KV))
+            elif kind == "pull":
+                failed = self._pull(msg[2], msg[3]) is not None
+                self.group.send(torch.tensor([int(failed)]), 0, cpu=True, tag=TAG_KV)
             elif kind == "stop":
                 self._reap()
                 return
@@ -498,18 +513,47 @@ class ModelExecutor:
 
     # ------------------------------------------------------------------ KV hand-off
     def export_kv(self, block_ids: list[int]) -> dict[str, Any]:
-        """``{"kv": CPU tensor [layers, 2, kv_heads, len(block_ids), block_size, head_dim], ...}``
-        in the cache's dtype, plus the shape facts :meth:`import_kv` checks."""
+        """The shape facts :meth:`import_kv` checks and either ``"kv"``: the blocks' KV with
+        every layer and KV head, a CPU tensor ``[layers, 2, kv_heads, len(block_ids),
+        block_size, head_dim]`` in the cache's dtype, gathered on rank 0 (the funnel); or, when
+        this instance's ranks serve their own slices (``kv_sources``), ``"sources"``: their
+        handles, this instance's ``tp`` and ``pp`` and the source ``block_ids``, from which each
+        destination rank pulls its part (:meth:`kv_part`) with nothing gathered here. The
+        blocks must stay held until the destination has imported them (the prefill role keeps
+        them until ``Release``)."""
+        c = self.model_config
+        facts = {"num_blocks": len(block_ids), "num_layers": c.num_layers,
+                 "block_size": self.block_size, "num_kv_heads": c.num_kv_heads,
+                 "head_dim": c.head_dim, "dtype": self.config.dtype}
+        if self.kv_sources is not None:
+            return {**facts, "kv": None, "sources": list(self.kv_sources), "tp": self.tp,
+                    "pp": self.pp, "block_ids": list(block_ids)}
         with self._group_lock:
             if self.pp > 1:
                 self._post(("export", self.num_submitted, block_ids))
             elif self.world > 1:
                 self.group.broadcast_object(("export", block_ids))
             kv = self._export(block_ids)
-        c = self.model_config
-        return {"kv": kv, "num_blocks": len(block_ids), "num_layers": c.num_layers,
-                "block_size": self.block_size, "num_kv_heads": c.num_kv_heads,
-                "head_dim": c.head_dim, "dtype": self.config.dtype}
+        return {**facts, "kv": kv}
+
+    def kv_part(self, block_ids: list[int], layers: tuple[int, int],
+                heads: tuple[int, int]) -> torch.Tensor:
+        """Layers ``[layers[0], layers[1])`` and KV heads ``[heads[0], heads[1])`` (model-wide
+        indices, within this rank's) of the blocks, on the CPU: what a destination rank pulls
+        in a direct hand-off. Runs beside the step loop without a lock: it reads only held
+        blocks, which no step writes, and takes no collective."""
+        lo = self.stages[self.stage][0] if self.world > 1 else 0
+        h0 = self.layout.kv_head_range()[0] if self.world > 1 else 0
+        n_layers, n_heads = self.local_config.num_layers, self.local_config.num_kv_heads
+        if not (lo <= layers[0] < layers[1] <= lo + n_layers
+                and h0 <= heads[0] < heads[1] <= h0 + n_heads):
+            raise ValueError(f"rank {self.rank} holds layers {lo}-{lo + n_layers - 1} and KV "
+                             f"heads {h0}-{h0 + n_heads - 1}, not {layers} x {heads}")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with torch.no_grad():
+            part = self.kv_cache[layers[0] - lo : layers[1] - lo, :,
+                                 heads[0] - h0 : heads[1] - h0]
+            return part.index_select(3, idx).cpu()
 
     def _export_local(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's layers and KV heads of the blocks, on the CPU."""
@@ -540,9 +584,17 @@ class ModelExecutor:
 
     def import_kv(self, block_ids: list[int], payload: dict[str, Any]) -> None:
         """Write a payload of :meth:`export_kv` (from any executor of the same model) into
-        ``block_ids``; a different cache dtype is converted."""
-        kv = payload["kv"]
+        ``block_ids``; a different cache dtype is converted. A direct payload (``"sources"``)
+        is pulled by every rank, each taking its own slices from the source ranks that hold
+        them (:func:`pdserve.engine.kv_reshard.reshard_plan`); ``KVPullError`` when any rank's
+        pull failed (a source rank died: the transfer failed, this instance lives on)."""
         c = self.model_config
+        if payload.get("sources") is not None:
+            self._check_facts(block_ids, payload)
+            self._import_direct(block_ids, payload)
+            self.kv_imports["direct"] += 1
+            return
+        kv = payload["kv"]
         want = (c.num_layers, 2, c.num_kv_heads, len(block_ids), *self.kv_cache.shape[4:])
         if tuple(kv.shape) != want:
             raise ValueError(f"KV payload of shape {tuple(kv.shape)} does not fit "
@@ -564,12 +616,71 @@ class ModelExecutor:
                 self.comm.broadcast_object(("import", block_ids, tuple(parts[0].shape), dtype))
                 kv = self.comm.scatter_cpu(parts, parts[0])
             self._import(block_ids, kv)
+        self.kv_imports["funnel"] += 1
+
+    def _check_facts(self, block_ids: list[int], payload: dict[str, Any]) -> None:
+        c = self.model_config
+        want = (len(block_ids), c.num_layers, self.block_size, c.num_kv_heads, c.head_dim)
+        got = tuple(payload[k] for k in ("num_blocks", "num_layers", "block_size",
+                                         "num_kv_heads", "head_dim"))
+        if got != want:
+            raise ValueError(f"KV of (blocks, layers, block size, KV heads, head dim) {got} "
+                             f"does not fit {want} of this cache")
+
+    def _import_direct(self, block_ids: list[int], desc: dict[str, Any]) -> None:
+        """Rank 0 of a direct import: every rank pulls its part; then all report."""
+        with self._group_lock:
+            if self.pp > 1:
+                self._post(("pull", self.num_submitted, block_ids, desc))
+            elif self.world > 1:
+                self.group.broadcast_object(("pull", block_ids, desc))
+            error = self._pull(block_ids, desc)
+            if self.pp > 1:
+                flags = [int(self.group.recv(torch.zeros(1, dtype=torch.int64), g, cpu=True,
+                                             tag=TAG_KV).item()) for g in range(1, self.world)]
+            elif self.world > 1:
+                got = self.group.gather_cpu(torch.tensor([int(error is not None)]))
+                flags = [int(t.item()) for t in (got or [])[1:]]
+            else:
+                flags = []
+        failed = [g + 1 for g, f in enumerate(flags) if f]
+        if error is not None or failed:
+            raise KVPullError(error or f"ranks {failed} failed to pull their KV slices")
+
+    def _pull(self, block_ids: list[int], desc: dict[str, Any]) -> str | None:
+        """Fetch this rank's slices of a direct payload and write them; why not, or ``None``."""
+        c = self.model_config
+        plan = reshard_plan(c.num_layers, c.num_kv_heads, (desc["tp"], desc["pp"]),
+                            (self.tp, self.pp), self.rank)
+        try:
+            if self.kv_fetch is None:
+                raise RuntimeError("this instance cannot pull KV from another one's ranks")
+            got = self.kv_fetch([(desc["sources"][p.src_rank], desc["block_ids"], p.layers,
+                                  p.heads) for p in plan])
+        except Exception as e:  # a source rank died, or no longer answers
+            log.info("rank %d: KV pull failed: %s", self.rank, e)
+            return f"{type(e).__name__}: {e}"
+        rows: list[list[torch.Tensor]] = []
+        for i, (p, t) in enumerate(zip(plan, got, strict=True)):
+            if i == 0 or p.layers != plan[i - 1].layers:
+                rows.append([])
+            rows[-1].append(t)
+        kv = torch.cat([torch.cat(r, dim=2) for r in rows], dim=0)
+        self._import(block_ids, kv)
+        return None
 
     def _import(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Write this rank's KV heads of ``block_ids``."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             self.kv_cache.index_copy_(3, idx, kv.to(self.device, self.dtype))
+
+
+# Fetches the pieces of a direct KV hand-off, each ``(source handle, block ids, layers, KV
+# heads)`` answered by that source rank's :meth:`ModelExecutor.kv_part`, in order (the Ray
+# runtime's: pdserve.cluster.rank_group.fetch_kv_parts).
+KVFetch = Callable[[list[tuple[Any, list[int], tuple[int, int], tuple[int, int]]]],
+                   list[torch.Tensor]]
 
 
 # ---------------------------------------------------------------------- tensor-parallel ranks
@@ -665,11 +776,15 @@ class ChildRanks:
 
 
 def serve_rank(config: EngineConfig, tp: int, pp: int, rank: int, address: tuple[str, int],
-               num_threads: int, own_device: bool = False) -> int:
+               num_threads: int, own_device: bool = False,
+               loaded: Callable[[ModelExecutor], None] | None = None) -> int:
     """Load rank ``rank`` of a group and follow its driver until it stops (0) or goes away
-    (1): the body of every rank > 0, a child process or a Ray actor."""
+    (1): the body of every rank > 0, a child process or a Ray actor. ``loaded`` is called
+    with the rank's executor before it serves (a Ray rank actor serves KV slices from it)."""
     executor = ModelExecutor(config, num_threads=num_threads, tp=tp, rank=rank, address=address,
                              pp=pp, own_device=own_device)
+    if loaded is not None:
+        loaded(executor)
     try:
         executor.serve_ranks()
     except RuntimeError as e:  # the driver went away: the instance is over

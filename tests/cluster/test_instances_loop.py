@@ -120,3 +120,29 @@ def test_a_failed_kv_pull_leaves_no_per_request_state() -> None:
         assert rep.transfer_failures and rep.transfer_failures[0][0] == rid, rep
     assert w._reported == {}
     assert w.check_integrity()["used_blocks"] == 0
+
+
+def test_a_direct_pull_that_fails_on_a_rank_is_a_failed_transfer() -> None:
+    """``KVPullError`` from the executor's import (a source rank died mid-pull) fails the
+    transfer like a failed object-store pull: the request is forgotten here, its blocks are
+    free, and the instance serves the next one."""
+    from pdserve.cluster.worker import AddTransfer, ImportKV
+    from pdserve.engine.engine import KVPayload
+    from pdserve.engine.executor import KVPullError
+
+    class DyingSource(FakeExecutor):
+        def import_kv(self, block_ids: list[int], payload: object) -> None:
+            raise KVPullError("ranks [1] failed to pull their KV slices")
+
+    eng = EngineConfig(cache=CacheConfig(block_size=4, num_kv_blocks=32),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=128,
+                                                 role="decode"))
+    w = InstanceWorker("decode-0", eng, executor=DyingSource(32, 4, VOCAB, 0.001))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    rep = w.handle([AddTransfer("r0", [1, 2, 3, 4, 5], [6], params, 0.0)], 0.0)
+    rep = w.handle([ImportKV("r0", KVPayload("r0", 0, 1, {"sources": ["rank-0"]}))], 0.5)
+    assert rep.imported == []
+    assert rep.transfer_failures == [
+        ("r0", "KV transfer failed: ranks [1] failed to pull their KV slices")]
+    assert w._reported == {}
+    assert w.check_integrity()["used_blocks"] == 0

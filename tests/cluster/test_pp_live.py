@@ -80,7 +80,7 @@ async def test_a_dead_stage_kills_its_instance_and_requests_recompute(
 async def test_ray_prefill_pp2_decode_pp1(model_dir: str, reference: list[str]) -> None:  # noqa: F811
     """On Ray: the PP2 prefill instance's actor is its rank 0 and starts the second stage as
     an actor in the instance's placement group (a bundle per stage); the decode actor pulls
-    the KV of both stages' layers in one payload."""
+    each stage's layers straight from that stage's actor (the direct path)."""
     ray = pytest.importorskip("ray")
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
                                    "roles": [{"role": "prefill", "pp": 2}, {"role": "decode"}]})
@@ -94,5 +94,8 @@ async def test_ray_prefill_pp2_decode_pp1(model_dir: str, reference: list[str]) 
         async with serving(rt) as url:
             assert await complete_all(url, SHORT) == reference
             await assert_pools_clean(rt)
+            decode = rt.instances["decode-0"].client
+            imports = await decode.kv_imports()  # type: ignore[attr-defined]
+            assert imports.get("direct", 0) >= 1 and "funnel" not in imports, imports
     finally:
         ray.shutdown()

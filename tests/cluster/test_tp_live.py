@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.cluster import rank_group
 from pdserve.cluster.runtime import build_runtime
 from pdserve.config import ClusterConfig
 from pdserve.llm import LLM
@@ -91,20 +92,29 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
 
 @pytest.mark.ray
 @pytest.mark.slow
-async def test_ray_prefill_tp2_decode_tp1(model_dir: str, reference: list[str]) -> None:
-    """On Ray: the TP2 prefill instance is its actor (rank 0) and a rank actor in its
-    placement group; the decode actor pulls the resharded KV from the object store."""
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)],
+                         ids=["tp2-tp1", "tp1-tp2"])
+async def test_ray_prefill_tp2_decode_tp1(model_dir: str, reference: list[str],
+                                          prefill_tp: int, decode_tp: int) -> None:
+    """On Ray: a TP2 instance is its actor (rank 0) and a rank actor in its placement group;
+    each decode rank pulls its KV heads straight from the prefill ranks that hold them (the
+    direct path: nothing is gathered on either rank 0), both ways."""
     ray = pytest.importorskip("ray")
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
-                                   "roles": [{"role": "prefill", "tp": 2}, {"role": "decode"}]})
+                                   "roles": [{"role": "prefill", "tp": prefill_tp},
+                                             {"role": "decode", "tp": decode_tp}]})
     try:
         rt = await build_runtime(cfg)
-        prefill = rt.instances["prefill-0"].client
-        assert len(await prefill.rank_actors()) == 1  # type: ignore[attr-defined]
-        assert rt.instances["decode-0"].client.pg is None  # type: ignore[attr-defined]
+        for iid, tp in (("prefill-0", prefill_tp), ("decode-0", decode_tp)):
+            client = rt.instances[iid].client
+            assert len(await client.rank_actors()) == tp - 1  # type: ignore[attr-defined]
+            assert (client.pg is None) == (tp == 1)  # type: ignore[attr-defined]
         async with serving(rt) as url:
             assert await complete_all(url, SHORT) == reference
             await assert_pools_clean(rt)
+            decode = rt.instances["decode-0"].client
+            imports = await decode.kv_imports()  # type: ignore[attr-defined]
+            assert imports.get("direct", 0) >= 1 and "funnel" not in imports, imports
     finally:
         ray.shutdown()
 
@@ -137,7 +147,6 @@ async def test_ray_dead_rank_actor_kills_its_instance_and_nothing_leaks(
     import httpx
 
     ray = pytest.importorskip("ray")
-    from pdserve.cluster import rank_group
     from tests.cluster.realstack import wait_until
 
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
@@ -190,5 +199,59 @@ async def test_ray_dead_rank_actor_kills_its_instance_and_nothing_leaks(
             assert pg_state(gone_pg) == "REMOVED"
             assert not is_alive(rank)
             assert await complete_all(url, SHORT) == reference
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_ray_a_dead_source_rank_fails_the_pull_not_the_decode(model_dir: str) -> None:
+    """Driven by hand on Ray: a TP2 prefill instance holds a request's KV and exports it (a
+    direct payload naming its two ranks); its rank actor dies before the TP1 decode instance
+    pulls. The decode reports a failed transfer (the driver would prefill the request again)
+    and lives on with no block used, nothing imported."""
+    import asyncio
+
+    ray = pytest.importorskip("ray")
+    from pdserve.cluster.instances import RayInstance, init_ray
+    from pdserve.cluster.worker import AddRequest, AddTransfer, ImportKV, StepReport
+
+    async def until(client: RayInstance, what: str, done: object) -> StepReport:
+        for _ in range(600):  # polls, not a clock: each waits for the instance's next report
+            for rep in await client.reports():
+                if done(rep):  # type: ignore[operator]
+                    return rep
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no report with {what}")
+
+    init_ray(None, 3)
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "ray",
+                                   "roles": [{"role": "prefill", "tp": 2}, {"role": "decode"}]})
+    pre_spec, dec_spec = cfg.instance_specs(1024)
+    try:
+        prefill = await RayInstance.create(pre_spec.instance_id, pre_spec.engine, tp=2)
+        decode = await RayInstance.create(dec_spec.instance_id, dec_spec.engine)
+        await prefill.open()
+        await decode.open()
+        prompt, params = prompts()[2], SamplingParams(max_tokens=4, temperature=0)
+        prefill.submit([AddRequest("r0", prompt, params, 0.0)])
+        held = await until(prefill, "r0 held", lambda r: any(d.held for d in r.deltas))
+        first = next(d for d in held.deltas if d.held).token_ids
+        decode.submit([AddTransfer("r0", prompt, first, params, 0.0)])
+        rep = await until(decode, "a pull of r0", lambda r: r.pulls)
+        [(rid, first_block)] = rep.pulls
+        payload, pending = await prefill.send_kv(rid, first_block)
+        await asyncio.wrap_future(pending.future())  # exported: a descriptor, no KV
+        [victim] = await prefill.rank_actors()
+        ray.kill(victim, no_restart=True)
+        decode.submit([ImportKV(rid, payload)])
+        rep = await until(decode, "a failed transfer", lambda r: r.transfer_failures)
+        [(rid, why)] = rep.transfer_failures
+        assert rid == "r0" and why.startswith("KV transfer failed: ") and "Actor" in why, why
+        assert (await decode.check_integrity())["used_blocks"] == 0
+        assert await decode.kv_imports() == {}
+        decode.kill()
+        prefill.kill()
+        rank_group.release(prefill.pg)
     finally:
         ray.shutdown()
