@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import repeat
+from math import exp
 from operator import attrgetter, is_, truediv
 from typing import TYPE_CHECKING
 
@@ -572,6 +573,18 @@ class PrefixAwareRouter(Router):
     and under load that costs more than it saves (docs/routing.md). ``decisions`` counts
     ``late_start``: choices the rule would have redirected.
 
+    **Balance guard** (SGLang's router balances unfinished requests, ``balance_abs`` 64 /
+    ``balance_rel`` 1.5; here the unit is computed prompt tokens): an instance's load ``L_i`` is
+    the missed tokens routed to it, decayed with ``τ`` — the running mean decode span ``D`` of
+    the last ~100 requests, so about the prefill its decoders sit through — plus this request's
+    ``miss_i``. When the cheapest candidate's ``L`` exceeds the least loaded priced candidate's
+    ``L_lo`` by more than ``balance_abs`` (4,096) tokens and ``balance_rel`` (1.25) times, the
+    cheapest candidate with ``L ≤ max(L_lo + balance_abs, balance_rel · L_lo)`` wins instead
+    (``decisions["balanced"]``; ``balance_rel=None``: off). The cost prices the stall a prefill
+    causes the decoders there *now*; greedily, the short requests gathered where many decoders
+    were and the long prompts went to the others, whose decoders then sat through most of the
+    prefill (``docs/routing.md``).
+
     Replication follows from the cost: once a holder's queue costs more than recomputing the
     prefix, the request (and so the prefix) goes to another instance, at whatever load that
     happens — there is no window or trigger to wait for.
@@ -595,8 +608,14 @@ class PrefixAwareRouter(Router):
                  step_time: Callable[[list[tuple[int, int]], list[int]], float] | None = None,
                  decode_weight: float = 1.0, promise_stride: int = 16,
                  batch_tokens: int = 2048, guard: bool = False, max_priced: int = 16,
-                 stall_convexity: float = 3.0) -> None:
+                 stall_convexity: float = 3.0, balance_abs: int = 4096,
+                 balance_rel: float | None = 1.25) -> None:
         _check(decode_weight >= 0, f"decode_weight must be >= 0, got {decode_weight}")
+        _check(balance_abs >= 0, f"balance_abs must be >= 0, got {balance_abs}")
+        _check(balance_rel is None or balance_rel >= 1,
+               f"balance_rel must be >= 1 (or None: no balance guard), got {balance_rel}")
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self._span, self._num_spans = 1.0, 0  # τ: the mean decode span D of recent requests
         _check(stall_convexity >= 0, f"stall_convexity must be >= 0, got {stall_convexity}")
         self.stall_convexity = stall_convexity
         self._now = _NEG_INF  # the decisions' clock: the latest arrival
@@ -622,15 +641,18 @@ class PrefixAwareRouter(Router):
         # per instance: [the requests routed there, oldest first, as (cumulative W, cumulative
         # missed tokens, the block hashes they promise); Σ W routed so far; Σ W of the entries
         # dropped; Σ missed tokens routed; Σ of those dropped; entries; when the oldest entry
-        # became the head, i.e. started its prefill]. The newest ``queued`` of them are the
-        # ones in front
+        # became the head, i.e. started its prefill; the missed tokens routed there decayed
+        # with τ (the balance guard's load), as of the time in the last slot]. The newest
+        # ``queued`` of them are the ones in front
         self._queues: dict[str, list] = {}
         self._cands: list[InstanceView] = []
         self._cand_states: list[list] = []
         self._pos: dict[str, int] = {}
+        self._cand_ids: list[str] = []
         # block hash -> instance -> requests in flight there whose prompt has that block
         self._promised: dict[int, dict[str, int]] = {}
-        self.decisions: dict[str, int] = {"hit": 0, "miss": 0, "late_start": 0, "guarded": 0}
+        self.decisions: dict[str, int] = {"hit": 0, "miss": 0, "late_start": 0, "guarded": 0,
+                                          "balanced": 0}
 
     # ------------------------------------------------------------------ events
     def on_kv_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
@@ -686,9 +708,10 @@ class PrefixAwareRouter(Router):
             self._cands = list(candidates)
             q = self._queues
             self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0, 0, 0, 0,
-                                                                 0.0])
+                                                                 0.0, 0.0, 0.0])
                                  for v in candidates]
             self._pos = {v.instance_id: k for k, v in enumerate(candidates)}
+            self._cand_ids = list(self._pos)
         return self._cand_states
 
     def _queued_time(self, tokens: int, pt_tokens: float | None = None) -> float:
@@ -752,8 +775,10 @@ class PrefixAwareRouter(Router):
         waits, costs, best_finish, states = pr[0], pr[1], pr[2], pr[3]
         low = min(costs)
         k = costs.index(low)
-        if costs.count(low) > 1:  # ties: the first after the last tie's winner
-            num = len(costs)
+        if self.balance_rel is not None:
+            k = self._balance(pr, costs, k)
+        if costs[k] == low and costs.count(low) > 1:  # ties: the first after the last tie's
+            num = len(costs)  # winner
             k = next(j % num for j in range(self._tie, self._tie + num) if costs[j % num] == low)
             self._tie = k + 1
         if waits[k] > best_finish and self._start(states[k], waits[k]) > best_finish:
@@ -766,6 +791,31 @@ class PrefixAwareRouter(Router):
                          if wt <= best_finish or self._start(states[j], wt) <= best_finish),
                         key=costs.__getitem__)
         return self._commit(candidates, k, pr)
+
+    def _balance(self, pr: tuple, costs: list[float], k: int) -> int:
+        """The balance guard: ``k`` (the cheapest) unless its load ``L_k`` — the missed tokens
+        routed to it, decayed with τ, plus what this request would compute there — exceeds the
+        least loaded candidate's ``L_lo`` by more than ``balance_abs`` tokens and
+        ``balance_rel`` times; then the cheapest candidate within those bounds of ``L_lo``. The
+        candidates compared: all of them, or past ``max_priced`` the rotating window (with
+        ``k``)."""
+        states, n, lengths, bs, window = pr[3], pr[6], pr[8], pr[9], pr[11]
+        now, tau, ids = self._now, self._span, self._cand_ids
+        loads = {}
+        for j in (window if window is not None else range(len(costs))):
+            st = states[j]
+            c = lengths.get(ids[j], 0) * bs if lengths else 0
+            loads[j] = st[7] * exp((st[8] - now) / tau) + (n - c if c < n else 1)
+        if k not in loads:
+            st = states[k]
+            c = lengths.get(ids[k], 0) * bs if lengths else 0
+            loads[k] = st[7] * exp((st[8] - now) / tau) + (n - c if c < n else 1)
+        lo = min(loads.values())
+        hi = max(lo + self.balance_abs, lo * self.balance_rel)  # type: ignore[operator]
+        if loads[k] <= hi:
+            return k
+        self.decisions["balanced"] += 1
+        return min((j for j, ld in loads.items() if ld <= hi), key=costs.__getitem__)
 
     def assess(self, request: ClusterRequest, candidates: list[InstanceView],
                chosen: InstanceView) -> dict[str, float]:
@@ -830,6 +880,7 @@ class PrefixAwareRouter(Router):
             off = self._rot % num
             self._rot = off + m
             idx = {(off + j) % num for j in range(m)}
+            priced: list[int] | None = list(idx)  # (the window: the guard's comparison)
             idx.update(pos[i] for i in lengths if i in pos)
             waits, costs = [_INF] * num, [_INF] * num
             for k in idx:
@@ -846,6 +897,7 @@ class PrefixAwareRouter(Router):
                 costs[k] = (wait + own0 + a * (adinc + kd * pt_cold * (wait + half_cold))
                             + (xb * stats.num_used_blocks if stats is not None else 0.0))
         else:
+            priced = None  # (all of them)
             waits = []
             costs = []
             add_wait, add_cost = waits.append, costs.append
@@ -877,7 +929,8 @@ class PrefixAwareRouter(Router):
                                                                    + (p + pt_cold) / 2)))
                 if waits[at] + p < best_finish:
                     best_finish = waits[at] + p
-        return (waits, costs, best_finish, states, ps, pt_cold, n, keys, lengths, bs)
+        return (waits, costs, best_finish, states, ps, pt_cold, n, keys, lengths, bs,
+                d_alone, priced)
 
     def _commit(self, candidates: list[InstanceView], k: int, pr: tuple) -> InstanceView:
         """Record the request as routed to ``candidates[k]`` (its queue entry, its promises)."""
@@ -897,6 +950,12 @@ class PrefixAwareRouter(Router):
         st[3] += miss
         st[0].append((st[1], st[3], tuple(keys)))
         st[5] += 1
+        now = self._now
+        st[7] = st[7] * exp((st[8] - now) / self._span) + miss
+        st[8] = now
+        if pr[10] > 0:  # τ: the running mean of the last ~100 requests' decode spans
+            self._num_spans += 1
+            self._span += (pr[10] - self._span) / min(self._num_spans, 100)
         pm = self._promised
         for h in keys:
             per = pm.get(h)

@@ -2,6 +2,8 @@
 costs are token counts), the start-no-later guard, load-driven replication, promises of
 prefixes still being prefilled, and a small simulated comparison with the load-only routers."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,7 @@ def router(**kw):
     kw.setdefault("decode_time", NO_DECODE)
     kw.setdefault("decode_weight", 0.0)
     kw.setdefault("batch_tokens", 1)  # a step per token: a request starts after all in front
+    kw.setdefault("balance_rel", None)  # the cost alone (the balance guard: its own test)
     return PrefixAwareRouter(**kw)
 
 
@@ -64,7 +67,7 @@ def test_a_hit_wins_until_its_queue_costs_more_than_the_missed_prefill():
     assert r._wait(a) == 20 + 4 + 20
     assert route(r, "y", S1 + [5, 6, 7, 8], cands) == "b"
     # (y computes all of it on b)
-    assert r.decisions == {"hit": 1, "miss": 3, "late_start": 0, "guarded": 0}
+    assert r.decisions == {"hit": 1, "miss": 3, "late_start": 0, "guarded": 0, "balanced": 0}
 
 
 def test_requests_leave_the_queue_in_order_when_their_first_token_comes():
@@ -172,6 +175,27 @@ def test_a_prefill_behind_a_queue_stalls_its_decoders_more():
         assert r.select(creq("x", S1 + [1, 2, 3, 4]), [a, b]).instance_id == want
     with pytest.raises(ValueError, match="stall_convexity must be >= 0"):
         router(stall_convexity=-1.0)
+
+
+def test_the_balance_guard_bounds_the_computed_tokens_of_the_cheapest():
+    """Three fresh 20-token prompts were computed on a (E_a = 60), all past their first token
+    (no queue); b computed nothing. x = S1 + 4 tokens, S1 cached on a: cost a = PT(4) = 4 <
+    b = PT(36) = 36, but L_a = 60 + 4 = 64 > max(L_b + abs, rel · L_b) = max(36 + 10,
+    1.5 · 36) = 54 -> b. With abs = 30 the bound is 66 -> a; and ln 2 later (τ = 1 s: no
+    decode spans yet) E_a = 30, L_a = 34 < L_b -> a."""
+    for abs_, at, want in ((10, 0.0, "b"), (30, 0.0, "a"), (10, math.log(2), "a")):
+        r = router(balance_abs=abs_, balance_rel=1.5)
+        a, b = cands = views("a", "b")
+        r.on_kv_events("a", stored(S1))
+        for k in range(3):
+            route(r, f"f{k}", fresh(k), [a])
+        a.queued = 0
+        assert route(r, "x", S1 + [1, 2, 3, 4], cands, at=at) == want, (abs_, at)
+        assert r.decisions["balanced"] == (want == "b")
+        assert r._queues[want][7] == pytest.approx((60 if want == "a" else 0) * 2 ** -(at > 0)
+                                                   + (4 if want == "a" else 36))
+    with pytest.raises(ValueError, match="balance_rel"):
+        PrefixAwareRouter(balance_rel=0.9)
 
 
 def test_a_hot_prefix_is_replicated_once_its_holder_queue_costs_more_than_a_copy():
