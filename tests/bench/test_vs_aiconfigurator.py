@@ -88,6 +88,12 @@ def test_moe_row_names_its_attention_dp_and_moe_tp() -> None:
     assert c.label == "aggregated 2 × TP1 DP4, MoE TP4"
     assert (c.tp, c.dp, c.moe_tp, c.moe_ep, c.batch_size) == (1, 4, 4, 1, 28)
     assert c.req_s == pytest.approx(2 * 11.245)
+    # pdserve prices it as 2 x TP4 (attention DP as TP, the experts at TP4 as the peer's)
+    assert vs.worker_tp(c) == 4
+    k = vs.cross_args(vs.BY_KEY["qwen-moe"], c, 2000, "c.json", serving=True)
+    f = dict(zip(k[1::2], k[2::2]))
+    assert (f["--model"], f["--num-instances"], f["--tp"], f["--rate"]) == (
+        "qwen3-30b-a3b", "2", "4", "22.49")
 
 
 def test_estimate_report_and_saved_files(tmp_path: Path) -> None:
@@ -214,3 +220,12 @@ def test_peer_estimate_runs() -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     est = vs.parse_estimate(out.stdout + out.stderr)
     assert est["ttft_ms"] > est["tpot_ms"] > 0
+
+
+def test_adapter_prices_the_moe_worker_at_its_tp() -> None:
+    # the peer's Qwen3-30B-A3B worker (TP1 DP4, MoE TP4) as pdserve's TP4 with experts at TP4
+    pytest.importorskip("aiconfigurator_core", reason="optional package (pdserve[aic])",
+                        exc_type=ImportError)
+    q = vs.Question("t", "qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 2000, 4, 1.0, 0.02, "MoE")
+    tp1, tp4 = vs.adapter_static(q, 1, 8), vs.adapter_static(q, 4, 8)
+    assert 0 < tp4["tpot_ms"] < tp1["tpot_ms"] and 0 < tp4["ttft_ms"] < tp1["ttft_ms"]

@@ -182,6 +182,14 @@ def peer_command(python: str, q: Question, save_dir: str, gpus: int = GPUS) -> l
             "--tpot", f"{q.tpot_s * 1000:g}", "--save-dir", save_dir, "--no-color"]
 
 
+def worker_tp(peer: PeerConfig) -> int:
+    """The TP at which pdserve prices the peer's worker: attention DP as TP of as many GPUs
+    (pdserve has no attention DP); a MoE model's experts then at that TP, no EP (``AicModel``:
+    moe_tp = tp / ep), which is the peer's own MoE TP where it is TP·DP (Qwen3-30B-A3B's
+    TP1 DP4, MoE TP4)."""
+    return peer.tp * peer.dp
+
+
 def estimate_command(python: str, q: Question, tp: int, batch_size: int) -> list[str]:
     """``aiconfigurator cli estimate`` of its static run (one batch, no IFB) at ``tp`` (a MoE
     model's experts at the same TP, no expert parallelism)."""
@@ -273,7 +281,7 @@ def cross_args(q: Question, peer: PeerConfig, num_requests: int, out_json: str,
     with the serving path (``serving``). Where the two answers part, this says why."""
     if peer.mode != "agg":
         raise ValueError("only an aggregated choice is a colocated deployment")
-    tp = peer.tp * peer.dp
+    tp = worker_tp(peer)
     return ["simulate", "--model", q.model, "--num-instances", str(gpus // (tp * peer.pp)),
             "--tp", str(tp), "--pp", str(peer.pp), "--aic-system", SYSTEM,
             "--aic-backend", BACKEND,
@@ -438,11 +446,8 @@ def run_question(q: Question, python: str | None, work: Path, workers: int,
                            "stdout": peer_report((work / "peer.log").read_text())}
         say(f"aiconfigurator: {choice.label}, {choice.tokens_per_gpu:,.0f} tok/s/GPU")
         if agg and "adapter" in parts:
-            # the peer's aggregated worker; attention DP as TP of as many GPUs (pdserve has no
-            # attention DP); a MoE model at TP 1: pdserve's source compiles MoE models with
-            # tp_size only, which aiconfigurator refuses above TP 1 (its MoE TP is not set)
             a = agg[0]
-            tp = 1 if q.kind == "MoE" else a.tp * a.dp
+            tp = worker_tp(a)
             est_log = work / "estimate.log"
             row["timings_s"]["estimate"] = _run(estimate_command(python, q, tp, a.batch_size),
                                                 est_log, say, kept(est_log))
@@ -455,7 +460,7 @@ def run_question(q: Question, python: str | None, work: Path, workers: int,
                                         for k in ("ttft", "tpot")}}
             say(f"adapter: TTFT {row['adapter']['error']['ttft']:+.1%}, "
                 f"TPOT {row['adapter']['error']['tpot']:+.1%}")
-    if "cross" in parts and row.get("peer_best", {}).get("agg") and q.kind != "MoE":
+    if "cross" in parts and row.get("peer_best", {}).get("agg"):
         a = PeerConfig(**row["peer_best"]["agg"])
         row["cross"] = {}
         for serving in (False, True):
