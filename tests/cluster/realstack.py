@@ -91,6 +91,25 @@ async def wait_until(cond: Any, timeout: float = 20.0, what: str = "condition") 
         await asyncio.sleep(0.005)
 
 
+async def decoding_on(rt: ClusterRuntime, client: Any, instance_id: str, prompts: list[Any],
+                      max_tokens: int, timeout: float = 20.0) -> list[asyncio.Task[str]]:
+    """Send ``prompts`` as greedy completions through the server's ``client`` (httpx) and return
+    their tasks (each the answer's text) once one of them is decoding on ``instance_id`` (two
+    output tokens or more): the moment a failure test kills that instance's rank."""
+
+    async def one(p: object) -> str:
+        r = await client.post("/v1/completions", json={"prompt": p, "max_tokens": max_tokens,
+                                                       "temperature": 0})
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    tasks = [asyncio.create_task(one(p)) for p in prompts]
+    await wait_until(lambda: any(q.instance == instance_id and len(q.output_token_ids) >= 2
+                                 for q in rt.controller.requests.values()),
+                     timeout, what=f"a request decoding on {instance_id}")
+    return tasks
+
+
 async def assert_pools_clean(runtime: ClusterRuntime) -> None:
     """Drain, then every live instance passes ``check_integrity`` with no block in use."""
     await runtime.drain(timeout=20)

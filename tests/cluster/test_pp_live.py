@@ -11,7 +11,7 @@ from pdserve.cluster.runtime import build_runtime
 from pdserve.config import ClusterConfig
 from pdserve.llm import LLM
 from pdserve.request import SamplingParams
-from tests.cluster.realstack import assert_pools_clean, engine_config, serving
+from tests.cluster.realstack import assert_pools_clean, decoding_on, engine_config, serving
 from tests.cluster.test_runtime_real import SHORT, TEXT, complete_all, prompts
 from tests.cluster.test_tp_live import model_dir, reference  # noqa: F401 - fixtures
 
@@ -50,7 +50,6 @@ async def test_a_dead_stage_kills_its_instance_and_requests_recompute(
 
     import httpx
 
-    from tests.cluster.realstack import wait_until
 
     cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "backend": "inproc",
                                    "roles": [{"role": "colocated", "count": 2, "pp": 2}]})
@@ -58,17 +57,7 @@ async def test_a_dead_stage_kills_its_instance_and_requests_recompute(
     victim = rt.instances["colocated-0"].client.worker.engine.executor  # type: ignore[attr-defined]
     assert victim.pp == 2 and len(victim.ranks.procs) == 1
     async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
-        on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
-                        if q.instance == "colocated-0" and len(q.output_token_ids) >= 2]
-
-        async def one(p: object) -> str:
-            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": SHORT,
-                                                      "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        tasks = [asyncio.create_task(one(p)) for p in [*prompts(), TEXT]]
-        await wait_until(lambda: len(on_0()) >= 1, what="a request decoding on colocated-0")
+        tasks = await decoding_on(rt, c, "colocated-0", [*prompts(), TEXT], SHORT)
         victim.ranks.procs[0].kill()
         assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == reference
         assert not rt.instances["colocated-0"].view.alive

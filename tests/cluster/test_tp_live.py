@@ -13,7 +13,13 @@ from pdserve.cluster.runtime import build_runtime
 from pdserve.config import ClusterConfig
 from pdserve.llm import LLM
 from pdserve.request import SamplingParams
-from tests.cluster.realstack import assert_pools_clean, engine_config, serving, tiny_model
+from tests.cluster.realstack import (
+    assert_pools_clean,
+    decoding_on,
+    engine_config,
+    serving,
+    tiny_model,
+)
 from tests.cluster.test_runtime_real import SHORT, TEXT, complete_all, prompts
 
 
@@ -69,17 +75,7 @@ async def test_a_dead_rank_kills_its_instance_and_requests_recompute(
     dead = rt.instances["colocated-0"]  # the supervisor may restart it in place meanwhile
     victim = dead.client.worker.engine.executor  # type: ignore[attr-defined]
     async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
-        on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
-                        if q.instance == "colocated-0" and len(q.output_token_ids) >= 2]
-
-        async def one(p: object) -> str:
-            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": SHORT,
-                                                      "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"]
-
-        tasks = [asyncio.create_task(one(p)) for p in [*prompts(), TEXT]]
-        await wait_until(lambda: len(on_0()) >= 1, what="a request decoding on colocated-0")
+        tasks = await decoding_on(rt, c, "colocated-0", [*prompts(), TEXT], SHORT)
         victim.ranks.procs[0].kill()
         assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == reference
         assert not dead.view.alive
@@ -170,18 +166,7 @@ async def test_ray_dead_rank_actor_kills_its_instance_and_nothing_leaks(
             rank_group.check_placeable([replace(s, tp=total + 1) for s in
                                         cfg.instance_specs(1024)[:1]])
         async with serving(rt) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
-            on_0 = lambda: [q for q in rt.controller.requests.values()  # noqa: E731
-                            if q.instance == "colocated-0" and len(q.output_token_ids) >= 2]
-
-            async def one(p: object) -> str:
-                r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": SHORT,
-                                                          "temperature": 0})
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["text"]
-
-            tasks = [asyncio.create_task(one(p)) for p in [*prompts(), TEXT]]
-            await wait_until(lambda: len(on_0()) >= 1, timeout=60,
-                             what="a request decoding on colocated-0")
+            tasks = await decoding_on(rt, c, "colocated-0", [*prompts(), TEXT], SHORT, timeout=60)
             ray.kill(victim, no_restart=True)
             assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == reference
             assert not dead.view.alive
