@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.model.parallel import stage_layers
+from pdserve.model.parallel import kv_head_range, stage_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +28,6 @@ class KVPiece:
     src_rank: int
     layers: tuple[int, int]
     heads: tuple[int, int]
-
-
-def kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
-    """The KV heads TP rank ``tp_rank`` of ``tp`` holds (as :class:`TPLayout` says)."""
-    per = max(num_kv_heads // tp, 1)
-    replicas = max(tp // num_kv_heads, 1)
-    first = tp_rank // replicas * per
-    return first, first + per
 
 
 def serving_ranks(num_kv_heads: int, tp: int) -> list[tuple[int, tuple[int, int]]]:

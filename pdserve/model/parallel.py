@@ -25,6 +25,14 @@ from typing import Any
 from pdserve.config import ModelConfig, cdiv
 
 
+def kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """The KV heads ``[lo, hi)`` TP rank ``tp_rank`` of ``tp`` holds: an even split, or (``tp``
+    above the KV heads) head ``tp_rank // (tp / num_kv_heads)`` replicated."""
+    per = max(num_kv_heads // tp, 1)
+    first = tp_rank // max(tp // num_kv_heads, 1) * per
+    return first, first + per
+
+
 @dataclass(frozen=True)
 class TPLayout:
     """What rank ``rank`` of a ``tp``-way tensor-parallel group holds of ``model``."""
@@ -55,9 +63,8 @@ class TPLayout:
         return self.rank * self.heads, (self.rank + 1) * self.heads
 
     def kv_head_range(self, rank: int | None = None) -> tuple[int, int]:
-        r = self.rank if rank is None else rank
-        first = r // self.kv_replicas * self.kv_heads
-        return first, first + self.kv_heads
+        return kv_head_range(self.model.num_kv_heads, self.tp,
+                             self.rank if rank is None else rank)
 
     def kv_owner(self, kv_head: int) -> int:
         """The first rank holding ``kv_head`` (where a KV export reads it)."""
