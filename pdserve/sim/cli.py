@@ -76,6 +76,11 @@ def register(subparsers: Any) -> None:
                         "instances only; several degrees (1,2) are measured one after the "
                         "other into one file, which prices each instance at its own tp "
                         "(prefill TP2 + decode TP1)")
+    p.add_argument("--pp", type=positive_int_list, default=[1], metavar="N[,N...]",
+                   help="measure a pipeline of this many stages (each of --tp ranks; every "
+                        "--tp x --pp layout into one file): each shape as one micro-batch "
+                        "through all stages and as N back to back, fitted to the simulator's "
+                        "pipeline model (whole-model step + measured stage hand-off)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -136,18 +141,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from pdserve.model.parallel import check_live_layout  # lazy: torch
 
     model = ModelConfig.from_dir(args.model)
-    for tp in args.tp:  # every degree, before the first is measured
-        check_live_layout(model, tp, device=args.device)
+    layouts = [(tp, pp) for tp in args.tp for pp in args.pp]
+    for tp, pp in layouts:  # every layout, before the first is measured
+        check_live_layout(model, tp, pp, device=args.device)
     every = [profile_instance(args.model, device=args.device, dtype=args.dtype,
                               quick=args.quick, repeats=args.repeats,
                               max_tokens=args.max_tokens, log=say, progress=not args.quick,
-                              threads=args.threads or None, tp=tp) for tp in args.tp]
+                              threads=args.threads or None, tp=tp, pp=pp)
+             for tp, pp in layouts]
     save_profiles(args.out, every)
-    print(f"wrote {args.out} (tp={','.join(str(tp) for tp in args.tp)})")
+    print(f"wrote {args.out} (tp={','.join(str(tp) for tp in args.tp)}"
+          + (f", pp={','.join(str(pp) for pp in args.pp)})" if args.pp != [1] else ")"))
     for measured in every:
         prof = measured.profile
-        print(f"tp={prof.tp}: {'part':<14}{'samples':>8}{'max err':>10}{'mean err':>10}")
-        for part, e in prof.fit_error.items():
+        name = f"tp={prof.tp}" + (f" pp={prof.pp}" if prof.pp > 1 else "")
+        print(f"{name}: {'part':<14}{'samples':>8}{'max err':>10}{'mean err':>10}")
+        stage = prof.stage.fit_error.items() if prof.stage is not None else ()
+        for part, e in [*prof.fit_error.items(), *((f"stage {k}", e) for k, e in stage)]:
             print(f"      {part:<14}{e['n']:>8}{e['max_rel']:>10.1%}{e['mean_rel']:>10.1%}")
         if prof.tp > 1:
             print("      collectives (rank 0's all-reduce/all-gather, waits included): "

@@ -106,6 +106,11 @@ class FittedProfile(LatencyModel):
       (``simdistserve``) prices a mixed step as the prefill chunks alone; this rule is ≥ that.
       Caveat: a fitted ``c_p`` also carries non-attention curvature, so a short chunk behind a
       long cached prefix is overestimated (docs/fidelity.md: up to 40 % vs the roofline).
+
+    A profile measured on a pipeline (``pdserve profile --pp N``: ``pp`` > 1) is the fit of
+    one micro-batch's pass through all stages; ``stage`` is the fit of the pipeline's stage
+    time (seconds per micro-batch when ``pp`` are in flight). :class:`PipelineModel` splits the
+    two, shape by shape, into its stage compute and hand-off (:func:`pipeline_send`).
     """
 
     prefill: Coeffs
@@ -118,8 +123,13 @@ class FittedProfile(LatencyModel):
     dtype: str = "float16"
     source: str = ""
     fit_error: dict[str, Any] = field(default_factory=dict, compare=False)
+    pp: int = 1
+    stage: FittedProfile | None = None
 
     def __post_init__(self) -> None:
+        if self.pp < 1 or (self.pp > 1) != (self.stage is not None):
+            raise ValueError(f"a pipeline profile (pp={self.pp}) needs its stage fit, and only "
+                             "it has one")
         for name in ("prefill", "decode_small", "decode_large"):
             c = tuple(float(x) for x in getattr(self, name))
             if len(c) != 3:
@@ -176,6 +186,10 @@ class FittedProfile(LatencyModel):
         d = asdict(self)
         for k in ("prefill", "decode_small", "decode_large"):
             d[k] = list(d[k])
+        if self.pp == 1:  # a file without a pipeline reads as before
+            del d["pp"], d["stage"]
+        else:
+            d["stage"] = self.stage.to_dict() if self.stage is not None else None
         return {"format": PROFILE_FORMAT, "version": 1, "units": "s", **d}
 
     @classmethod
@@ -184,7 +198,9 @@ class FittedProfile(LatencyModel):
             raise ValueError(f"not a {PROFILE_FORMAT} document (format={d.get('format')!r})")
         scale = {"s": 1.0, "ms": 1e-3}[d.get("units", "s")]
         kw = {k: d[k] for k in ("decode_threshold", "model", "hardware", "tp", "dtype", "source",
-                                "fit_error") if k in d}
+                                "fit_error", "pp") if k in d}
+        if d.get("stage") is not None:
+            kw["stage"] = cls.from_dict(d["stage"])
         return cls(prefill=_coeffs(d["prefill"], scale),
                    decode_small=_coeffs(d["decode_small"], scale),
                    decode_large=_coeffs(d["decode_large"], scale), **kw)
@@ -196,24 +212,49 @@ class FittedProfile(LatencyModel):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: str | ModelConfig | None = None,
-             tp: int | None = None) -> FittedProfile:
-        """Our format — one profile, or one per TP degree (``by_tp``, ``pdserve profile --tp
-        1,2``: the entry of ``tp``) — or (given ``model`` and ``tp``) a DistServe profile."""
+             tp: int | None = None, pp: int = 1) -> FittedProfile:
+        """Our format — one profile, or one per layout (``by_tp``, ``pdserve profile --tp
+        1,2 [--pp 1,2]``: the entry of ``tp`` and ``pp``, else of ``tp`` measured without a
+        pipeline) — or (given ``model`` and ``tp``) a DistServe profile."""
         d = _read_json(path)
         if d.get("format") == PROFILE_FORMAT and "by_tp" in d:
-            if tp is None or str(tp) not in d["by_tp"]:
-                have = sorted(d["by_tp"], key=int)
-                every = sorted({*have, *([str(tp)] if tp else [])}, key=int)
+            entries = d["by_tp"]
+            key = next((k for k in (layout_key(tp or 1, pp), str(tp)) if k in entries), None)
+            if tp is None or key is None:
+                have = sorted(entries, key=_layout_order)
+                tps = sorted({int(_layout_order(k)[0]) for k in have} | {tp or 1})
                 raise ValueError(f"{os.fspath(path)!r} has no tp={tp} profile; measured at "
                                  f"tp={', '.join(have)} (`pdserve profile --tp "
-                                 f"{','.join(every)}` measures them all into one file)")
-            return cls.from_dict(d["by_tp"][str(tp)])
+                                 f"{','.join(map(str, tps))}` measures them all into one file)")
+            return cls.from_dict(entries[key])
         if d.get("format") == PROFILE_FORMAT:
             return cls.from_dict(d)
         if model is None or tp is None:
             raise ValueError(f"{os.fspath(path)!r} looks like a DistServe profile: pass model "
                              "and tp to pick an entry")
         return cls.from_distserve_json(path, model, tp)
+
+
+def pipeline_send(pass_s: float, stage_s: float, pp: int) -> float:
+    """The hand-off ``send`` between stages that, with every stage computing ``stage_s`` (the
+    pipeline's measured seconds per micro-batch when ``pp`` are in flight), makes one
+    micro-batch's pass through all stages take the measured ``pass_s``: ``pp·stage + (pp −
+    1)·send = pass``. It is negative where the stages are not equal — the driver's stage also
+    plans and samples, so it sets the throughput and the later stages wait less — and bounded
+    below so that a pass takes at least one stage time."""
+    if pp <= 1:
+        return 0.0
+    return max(-stage_s, (pass_s - pp * stage_s) / (pp - 1))
+
+
+def layout_key(tp: int, pp: int = 1) -> str:
+    """A profile file's key for an instance layout: ``"2"`` (tp=2), ``"2x2"`` (tp=2, pp=2)."""
+    return str(tp) if pp == 1 else f"{tp}x{pp}"
+
+
+def _layout_order(key: str) -> tuple[int, int]:
+    tp, _, pp = key.partition("x")
+    return int(tp), int(pp or 1)
 
 
 def _read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -431,6 +472,12 @@ class PipelineModel(LatencyModel):
     Batches of unequal size leave bubbles (DistServe §3.3 "variable prefill length"):
     :func:`pipeline_finish_times` gives when each of a sequence of batches leaves the pipeline.
     DistServe's ``simdistserve`` uses the same per-stage ``time / pp`` (with no send term).
+
+    A ``base`` measured on a pipeline of this ``pp`` (``pdserve profile --pp``,
+    :attr:`measured`) replaces ``base / pp`` and the link by its measured stage time and pass:
+    :meth:`split` gives each stage's compute and the hand-off (:func:`pipeline_send`) that
+    reproduce both; the simulator's stages are free again after their compute, so the stage
+    time is the pipeline's throughput.
     """
 
     base: LatencyModel
@@ -448,19 +495,54 @@ class PipelineModel(LatencyModel):
             return 0.0
         return self.link.min_time(num_tokens * self.model.hidden_size * DTYPE_BYTES[self.dtype])
 
-    def stage_time(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
+    @property
+    def measured(self) -> FittedProfile | None:
+        """The base when it was measured on a pipeline of this ``pp`` (``pdserve profile
+        --pp``): its pass and stage fits price the stages, not ``base / pp`` and the link."""
+        b = self.base
+        if isinstance(b, FittedProfile) and b.pp == self.pp and b.stage is not None:
+            return b
+        return None
+
+    def split(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int],
+              ) -> tuple[float, float]:
+        """``(stage, send)``: what each stage computes of this step, and each hand-off."""
         t = self.base.step_time(prefill_chunks, decode_context_lens)
-        if t == 0.0:
-            return 0.0
+        if t <= 0.0:
+            return 0.0, 0.0
+        m = self.measured
+        if m is not None:
+            assert m.stage is not None
+            stage = m.stage.step_time(prefill_chunks, decode_context_lens)
+            return stage, pipeline_send(t, stage, self.pp)
         tokens = sum(n for _, n in prefill_chunks) + len(decode_context_lens)
-        return t / self.pp + self.send_time(tokens)
+        return t / self.pp, self.send_time(tokens)
+
+    def split_decode_sum(self, batch_size: int, total_context: int
+                         ) -> tuple[float, float] | None:
+        """:meth:`split` of a decode-only step from its batch size and summed context
+        (``None`` where the base needs every context)."""
+        t = self.base.decode_sum_time(batch_size, total_context)
+        if t is None:
+            return None
+        if t <= 0.0:
+            return 0.0, 0.0
+        m = self.measured
+        if m is not None:
+            assert m.stage is not None
+            stage = m.stage.decode_sum_time(batch_size, total_context)
+            if stage is None:
+                return None
+            return stage, pipeline_send(t, stage, self.pp)
+        return t / self.pp, self.send_time(batch_size)
+
+    def stage_time(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
+        stage, send = self.split(prefill_chunks, decode_context_lens)
+        return stage + max(0.0, send) if stage > 0.0 else 0.0
 
     def step_time(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
-        t = self.base.step_time(prefill_chunks, decode_context_lens)
-        if t == 0.0:
-            return 0.0
-        tokens = sum(n for _, n in prefill_chunks) + len(decode_context_lens)
-        return t + (self.pp - 1) * self.send_time(tokens)
+        stage, send = self.split(prefill_chunks, decode_context_lens)
+        return self.pp * stage + (self.pp - 1) * send if stage > 0.0 else 0.0
 
 
 def pipeline_finish_times(stage_times: Sequence[float], pp: int) -> list[float]:

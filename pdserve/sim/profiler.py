@@ -19,6 +19,11 @@ ranks as processes, gloo on CPU, NCCL on CUDA), so the fitted times are those of
 steps, collectives included. The profile carries its ``tp`` (``pdserve simulate`` uses it for
 instances of that degree only) and, per kind of step, the share of the step rank 0 spent in
 all-reduce / all-gather, waits for the other ranks included (``collectives`` in the file).
+
+``pp`` > 1 measures a pipeline of ``pp`` stages (each of ``tp`` ranks): per shape, one
+micro-batch's pass through all stages and the stage time (seconds per micro-batch while the
+pipeline is kept full), each fitted to DistServe's forms; the simulator prices a pp instance
+with both (:meth:`~pdserve.sim.latency.PipelineModel.split`), not with ``step / pp``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import itertools
 import json
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.config import EngineConfig, ModelConfig, cdiv
@@ -35,7 +40,13 @@ from pdserve.engine.batch import ScheduledBatch, ScheduledSeq
 from pdserve.engine.engine import Engine
 from pdserve.request import Request, SamplingParams
 from pdserve.sim.hardware import device_for_cuda_name
-from pdserve.sim.latency import PROFILE_FORMAT, FittedProfile, ProfileSample, fit_profile
+from pdserve.sim.latency import (
+    PROFILE_FORMAT,
+    FittedProfile,
+    ProfileSample,
+    fit_profile,
+    layout_key,
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +85,9 @@ QUICK_GRID = ProfileGrid(
 
 
 def profiling_engine(model_dir: str, device: str, dtype: str, num_blocks: int, block_size: int,
-            max_len: int, tp: int = 1):
+            max_len: int, tp: int = 1, pp: int = 1):
     """An engine on the real executor, as the profiler times it: no prefix caching, a fixed
-    torch thread count on CPU (each rank's, for ``tp`` > 1; close the executor after)."""
+    torch thread count on CPU (each rank's, for ``tp·pp`` > 1; close the executor after)."""
     from pdserve.engine.model_executor import ModelExecutor  # lazy: torch
 
     cfg = EngineConfig.from_kwargs(model_dir, device=device, dtype=dtype, block_size=block_size,
@@ -86,7 +97,7 @@ def profiling_engine(model_dir: str, device: str, dtype: str, num_blocks: int, b
 
     # a fixed thread count: the executor's load-adaptive one would change it between samples
     fixed = torch.get_num_threads() if device == "cpu" else None
-    return Engine(cfg, ModelExecutor(cfg, num_threads=fixed, tp=tp))
+    return Engine(cfg, ModelExecutor(cfg, num_threads=fixed, tp=tp, pp=pp))
 
 
 def measure(engine, sample: ProfileSample, repeats: int, stat: str = "median") -> float:
@@ -98,9 +109,9 @@ def measure(engine, sample: ProfileSample, repeats: int, stat: str = "median") -
 
 
 def measure_split(engine, sample: ProfileSample, repeats: int, stat: str = "median",
-                  ) -> tuple[float, float]:
-    """:func:`measure`'s seconds and the median share of a run rank 0 spent in collectives
-    (0 for one rank)."""
+                  ) -> tuple[float, float, float]:
+    """:func:`measure`'s seconds, the median share of a run rank 0 spent in collectives (0 for
+    one rank) and, on a pipeline, its stage time (:func:`_time_batch`)."""
 
     kv = engine.scheduler.kv
     vocab = engine.vocab_size or 100
@@ -130,21 +141,54 @@ def measure_split(engine, sample: ProfileSample, repeats: int, stat: str = "medi
         r.num_computed_tokens = c - 1
         seqs.append(ScheduledSeq(r, c - 1, 1, True))
     batch = ScheduledBatch(0, seqs)
-    ex = engine.executor
-    comm = getattr(ex, "comm", None)  # the TP group's communicator (seconds in collectives)
-    times, shares = [], []
     try:
-        ex.execute(batch)  # warm-up (allocator, kernels, caches)
-        for _ in range(repeats):
-            c0 = comm.seconds if comm is not None else 0.0
-            t = ex.execute(batch).elapsed
-            times.append(t)
-            shares.append((comm.seconds - c0) / t if comm is not None and t > 0 else 0.0)
+        return _time_batch(engine.executor, batch, repeats, stat)
     finally:
         for r in reqs:
             kv.free(r)
-    return (min(times) if stat == "min" else statistics.median(times),
-            statistics.median(shares))
+
+
+def _time_batch(ex: Any, batch: ScheduledBatch, repeats: int, stat: str,
+                ) -> tuple[float, float, float]:
+    """Seconds of one ``batch`` on ``ex`` (median, or ``stat="min"``), the median share of it
+    rank 0 spent in collectives and, for a pipeline (``ex.pp`` > 1), the seconds per
+    micro-batch of ``n`` copies of it through the full pipeline (the stage time, its
+    throughput: ``(T_n − T_1) / (n − 1)``; 0 for one stage)."""
+    pp = getattr(ex, "pp", 1)
+    comm = getattr(ex, "comm", None)  # the TP group's communicator (seconds in collectives)
+    pick = min if stat == "min" else statistics.median
+    times, shares, bursts = [], [], []
+    ex.execute(batch)  # warm-up (allocator, kernels, caches)
+    for _ in range(repeats):
+        c0 = comm.seconds if comm is not None else 0.0
+        t = ex.execute(batch).elapsed
+        times.append(t)
+        shares.append((comm.seconds - c0) / t if comm is not None and t > 0 else 0.0)
+        if pp > 1:
+            bursts.append(_burst(ex, batch, STAGE_BURST * pp))
+    one = pick(times)
+    stage = max(0.0, (pick(bursts) - one) / (STAGE_BURST * pp - 1)) if pp > 1 else 0.0
+    return one, statistics.median(shares), stage
+
+
+STAGE_BURST = 4  # micro-batches per stage a stage-time measurement runs through the pipeline
+
+
+def _burst(ex: Any, batch: ScheduledBatch, n: int) -> float:
+    """Seconds for ``n`` copies of ``batch`` through a pipeline kept full (``ex.pp`` in
+    flight, the oldest collected before the next is submitted)."""
+    import time
+    from collections import deque
+
+    t0 = time.perf_counter()
+    flying: deque[Any] = deque()
+    for _ in range(n):
+        if len(flying) == ex.pp:
+            ex.collect(flying.popleft())
+        flying.append(ex.submit(batch))
+    while flying:
+        ex.collect(flying.popleft())
+    return time.perf_counter() - t0
 
 
 def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = None,
@@ -160,16 +204,17 @@ def measure_samples(model_dir: str, device: str = "cpu", dtype: str | None = Non
 
     ``threads``: torch CPU threads while measuring, per rank (default 1, as each Ray instance
     actor runs; ``None`` keeps torch's setting)."""
-    return [s for s, _ in _measure_all(model_dir, device, dtype, grid, repeats, block_size,
-                                       log, progress, threads, stat, shapes, tp)]
+    return [s for s, _, _ in _measure_all(model_dir, device, dtype, grid, repeats, block_size,
+                                          log, progress, threads, stat, shapes, tp)]
 
 
 def _measure_all(model_dir: str, device: str, dtype: str | None, grid: ProfileGrid,
                  repeats: int | None, block_size: int, log: Callable[[str], None] | None,
                  progress: bool, threads: int | None, stat: str,
-                 shapes: Sequence[ProfileSample] | None, tp: int,
-                 ) -> list[tuple[ProfileSample, float]]:
-    """:func:`measure_samples`, each sample with its collective share."""
+                 shapes: Sequence[ProfileSample] | None, tp: int, pp: int = 1,
+                 ) -> list[tuple[ProfileSample, float, float]]:
+    """:func:`measure_samples`, each sample (one micro-batch's pass through all stages) with
+    its collective share and, for ``pp`` > 1, the pipeline's stage time."""
     import torch
 
     from pdserve.model.parallel import check_live_layout  # lazy: torch
@@ -179,7 +224,7 @@ def _measure_all(model_dir: str, device: str, dtype: str | None, grid: ProfileGr
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     model = ModelConfig.from_dir(model_dir)
-    check_live_layout(model, tp, device=device)  # before anything loads
+    check_live_layout(model, tp, pp, device=device)  # before anything loads
     if threads is not None and device == "cpu":
         torch.set_num_threads(threads)
     dtype = dtype or ("float32" if device == "cpu" else "float16")
@@ -187,10 +232,11 @@ def _measure_all(model_dir: str, device: str, dtype: str | None, grid: ProfileGr
     shapes = list(shapes) if shapes is not None else grid.shapes(max_len)
     need = max(sum(cdiv(s + n, block_size) for s, n in sh.prefill_chunks)
                + sum(cdiv(c, block_size) for c in sh.decode_context_lens) for sh in shapes)
-    engine = profiling_engine(model_dir, device, dtype, need + 1, block_size, max_len, tp)
+    engine = profiling_engine(model_dir, device, dtype, need + 1, block_size, max_len, tp, pp)
     reps = repeats or grid.repeats
     say = log or (lambda m: None)
-    say(f"profiling {model_dir} on {device} ({dtype}{f', tp={tp}' if tp > 1 else ''}): "
+    say(f"profiling {model_dir} on {device} ({dtype}{f', tp={tp}' if tp > 1 else ''}"
+        f"{f', pp={pp}' if pp > 1 else ''}): "
         f"{len(shapes)} shapes x {reps} repeats")
     samples = []
     from rich.console import Console
@@ -202,12 +248,12 @@ def _measure_all(model_dir: str, device: str, dtype: str | None, grid: ProfileGr
         with bar:
             task = bar.add_task("", total=len(shapes))
             for sh in shapes:
-                t, share = measure_split(engine, sh, reps, stat)
+                t, share, stage = measure_split(engine, sh, reps, stat)
                 samples.append((ProfileSample(sh.prefill_chunks, sh.decode_context_lens, t),
-                                share))
+                                share, stage))
                 bar.update(task, advance=1)
     finally:
-        engine.executor.close()  # the other ranks of a TP instance
+        engine.executor.close()  # the other ranks of a TP/PP instance
     return samples
 
 
@@ -229,13 +275,15 @@ class MeasuredProfile:
 
 
 def save_profiles(path: str, measured: Sequence[MeasuredProfile]) -> None:
-    """One profile's file, or (several TP degrees) one file holding each under ``by_tp``,
-    which :meth:`FittedProfile.load` reads for the instance's ``tp``."""
+    """One profile's file, or (several layouts) one file holding each under ``by_tp`` (keys
+    ``"2"`` for tp=2, ``"2x2"`` for tp=2 pp=2: :func:`~pdserve.sim.latency.layout_key`), which
+    :meth:`FittedProfile.load` reads for the instance's ``tp`` and ``pp``."""
     if len(measured) == 1:
         doc = measured[0].to_dict()
     else:
         doc = {"format": PROFILE_FORMAT, "version": 1,
-               "by_tp": {str(m.profile.tp): m.to_dict() for m in measured}}
+               "by_tp": {layout_key(m.profile.tp, m.profile.pp): m.to_dict()
+                         for m in measured}}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
@@ -247,16 +295,24 @@ def profile_instance(model_dir: str, device: str = "cpu", dtype: str | None = No
                      decode_threshold: int | None = None,
                      log: Callable[[str], None] | None = None,
                      progress: bool = True, threads: int | None = 1, tp: int = 1,
-                     grid: ProfileGrid | None = None) -> MeasuredProfile:
-    """Measure ``model_dir`` on ``device`` as an instance of ``tp`` ranks over the quick or
-    full grid (or ``grid``) and fit a profile at that ``tp`` (see :func:`measure_samples`)."""
+                     grid: ProfileGrid | None = None, pp: int = 1) -> MeasuredProfile:
+    """Measure ``model_dir`` on ``device`` as an instance of ``tp × pp`` ranks over the quick
+    or full grid (or ``grid``) and fit a profile at that layout (see :func:`measure_samples`).
+
+    ``pp`` > 1: every shape is timed as one micro-batch through all stages (the pass: the
+    profile's fit) and as a stream of micro-batches through the full pipeline (the stage time,
+    fitted as the profile's ``stage``), so that ``pdserve simulate`` prices pp instances with
+    this pipeline's measured pass and throughput
+    (:meth:`~pdserve.sim.latency.PipelineModel.split`)."""
     grid = grid or (QUICK_GRID if quick else FULL_GRID)
     if max_tokens is not None:
         grid = ProfileGrid(grid.prefill_lens, grid.prefill_batches, grid.decode_batches,
                            grid.decode_ctx, grid.mixed, max_tokens, grid.repeats)
     measured = _measure_all(model_dir, device, dtype, grid, repeats, block_size, log,
-                            progress, threads, "median", None, tp)
-    samples = [s for s, _ in measured]
+                            progress, threads, "median", None, tp, pp)
+    model = ModelConfig.from_dir(model_dir)
+    dtype = dtype or ("float32" if device == "cpu" else "float16")
+    samples = [s for s, _, _ in measured]
     max_batch = max(len(s.decode_context_lens) for s in samples)
     threshold = decode_threshold or max(max_batch + 1, 2)  # one decode form unless asked
     if device == "cpu":
@@ -267,14 +323,18 @@ def profile_instance(model_dir: str, device: str = "cpu", dtype: str | None = No
         cuda_name = torch.cuda.get_device_name(torch.device(device))
         hw = device_for_cuda_name(cuda_name) or cuda_name  # a catalogue name when there is one
 
-    flags = ("--quick " if quick else "") + (f"--tp {tp} " if tp > 1 else "")
-    prof = fit_profile(samples, threshold, model=ModelConfig.from_dir(model_dir).name,
-                       hardware=hw, tp=tp, dtype=dtype or ("float32" if device == "cpu"
-                                                           else "float16"),
+    flags = (("--quick " if quick else "") + (f"--tp {tp} " if tp > 1 else "")
+             + (f"--pp {pp} " if pp > 1 else ""))
+    prof = fit_profile(samples, threshold, model=model.name, hardware=hw, tp=tp, dtype=dtype,
                        source=f"pdserve profile {flags}{model_dir}")
+    if pp > 1:  # the pass is `prof`; the stage time is fitted beside it
+        stages = [replace(s, seconds=stage) for s, _, stage in measured]
+        prof = replace(prof, pp=pp, stage=fit_profile(
+            stages, threshold, model=model.name, hardware=hw, tp=tp, dtype=dtype,
+            source=f"{prof.source} (stage time)"))
     collectives = {}
     for kind in ("prefill", "decode", "mixed"):
-        shares = [share for s, share in measured if s.kind == kind]
+        shares = [share for s, share, _ in measured if s.kind == kind]
         if shares:
             collectives[kind] = {"n": len(shares), "mean": sum(shares) / len(shares),
                                  "max": max(shares)}

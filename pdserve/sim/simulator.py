@@ -118,7 +118,9 @@ class PipelineStages:
         """A batch enters stage 0 at ``now``; each stage computes it for ``stage_s`` once the
         stage is free, then sends it on (``send_s``; the stage is free again while it sends).
         Returns when the last stage is done: ``now + pp·stage_s + (pp − 1)·send_s`` on an
-        empty pipeline."""
+        empty pipeline. A negative ``send_s`` (a measured pipeline whose first stage, the
+        driver's, costs more than the others: :func:`~pdserve.sim.latency.pipeline_send`)
+        starts the next stage before this one is done."""
         ready = now
         last = len(self.free) - 1
         for s, free in enumerate(self.free):
@@ -153,23 +155,23 @@ class PipelinedExecutor(SimExecutor):
 
     def price_decode(self, run: DecodeRun) -> float:
         n = len(run.ctx)
-        t = self.pipe.base.decode_sum_time(n, run.total_context())
-        if t is None:
+        split = self.pipe.split_decode_sum(n, run.total_context())
+        if split is None:
             return self.price([], run.contexts())
-        return self._through_stages(t, 0 + n, 0 + n)
+        return self._through_stages(*split, 0 + n)
 
     def price(self, prefills: list[tuple[int, int]], decodes: list[int]) -> float:
         """Enters the batch into the shared stages at :attr:`now` (a side effect)."""
-        return self._through_stages(self.pipe.base.step_time(prefills, decodes),
-                                    sum(k for _, k in prefills) + len(decodes),
+        return self._through_stages(*self.pipe.split(prefills, decodes),
                                     len(prefills) + len(decodes))
 
-    def _through_stages(self, t: float, tokens: int, seqs: int) -> float:
-        """A step of ``t`` seconds (unpipelined) computing ``tokens`` tokens of ``seqs``
-        sequences, through the stages from :attr:`now`."""
-        if t <= 0.0:
+    def _through_stages(self, stage_s: float, send_s: float, seqs: int) -> float:
+        """A step that each stage computes for ``stage_s`` and hands on in ``send_s``
+        (:meth:`PipelineModel.split`), of ``seqs`` sequences, through the stages from
+        :attr:`now`."""
+        if stage_s <= 0.0:
             return 0.0
-        done = self.stages.enter(self.now, t / self.pipe.pp, self.pipe.send_time(tokens))
+        done = self.stages.enter(self.now, stage_s, send_s)
         extra = 0.0
         if self.over is not None:
             extra = self.over.overhead_s + self.over.per_seq_s * seqs

@@ -144,11 +144,16 @@ def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
         if ep > 1:
             raise ValueError(f"ep={ep}: a measured profile has no expert-parallel entries; "
                              f"simulate expert parallelism with --hardware")
-        base = FittedProfile.load(sim.profile, model, tp)
+        base = FittedProfile.load(sim.profile, model, tp, pp)
         if base.tp != tp:
             raise ValueError(f"profile {sim.profile!r} was measured at tp={base.tp}, "
                              f"not tp={tp}; measure both with `pdserve profile --tp "
                              f"{','.join(map(str, sorted({base.tp, tp})))}` (one file)")
+        if base.pp not in (1, pp):
+            raise ValueError(f"profile {sim.profile!r} was measured on a pipeline of "
+                             f"pp={base.pp}, not pp={pp}; measure both with `pdserve profile "
+                             f"--tp {tp} --pp {','.join(map(str, sorted({base.pp, pp})))}` "
+                             f"(one file)")
     else:
         base = AnalyticModel(model, sim.hardware or DEFAULT_HARDWARE, tp, dtype=dtype, ep=ep)
     latency: LatencyModel = base
@@ -284,7 +289,7 @@ def _describe_latency(m: LatencyModel) -> str:
         return (f"{_describe_latency(m.base)} + {1000 * m.overhead_s:g} ms per step + "
                 f"{1000 * m.per_seq_s:g} ms per sequence")
     if isinstance(m, FittedProfile):
-        return f"profile {m.source or m.model} tp={m.tp}"
+        return f"profile {m.source or m.model} tp={m.tp}" + (f" pp={m.pp}" if m.pp > 1 else "")
     if isinstance(m, AicModel):
         return m.source
     return repr(m)

@@ -3,11 +3,13 @@ fitted on this machine, for the same workload at several rates (DESIGN.md "Simul
 DistServe Table 2 does the same for its simulator).
 
 For each deployment (colocated: 1 instance; disaggregated: 1 prefill + 1 decode; a ``-tpN``
-suffix makes every instance tensor-parallel over N ranks, e.g. ``colocated-tp2``) the script
+suffix makes every instance tensor-parallel over N ranks, e.g. ``colocated-tp2``, and ``-ppN``
+a pipeline of N stages, e.g. ``colocated-pp2``) the script
 starts ``pdserve serve`` with explicit engine settings (Ray actors, one torch thread per rank),
 replays the workload over HTTP at every rate, and runs the same requests through ``--target sim``
-with the same engine settings and the profile fitted at the deployment's TP degree (``pdserve
-profile --tp N``: the sharded executor's own steps). Per rate it reports SLO attainment of both
+with the same engine settings and the profile fitted at the deployment's layout (``pdserve
+profile --tp N --pp M``: the sharded executor's own steps, and a pipeline's pass and stage
+times). Per rate it reports SLO attainment of both
 (and the difference in points) and the relative error of mean and P90 TTFT and TPOT.
 
     python benchmarks/fidelity.py --output-json out/fidelity.json --plot out/fidelity
@@ -67,10 +69,11 @@ def make_model(path: Path, seed: int) -> str:
     return str(path)
 
 
-def make_profile(model: str, out: Path, quick: bool, tp: int = 1) -> str:
+def make_profile(model: str, out: Path, quick: bool, tp: int = 1, pp: int = 1) -> str:
     if not out.exists():
         cmd = [sys.executable, "-m", "pdserve.cli", "profile", "--model", model, "--out",
-               str(out), "--threads", "1", "--tp", str(tp)] + (["--quick"] if quick else [])
+               str(out), "--threads", "1", "--tp", str(tp), "--pp", str(pp)] + (
+                   ["--quick"] if quick else [])
         con.print(f"[bold]profiling[/] {' '.join(cmd[2:])}")
         subprocess.run(cmd, check=True)
     return str(out)
@@ -174,24 +177,32 @@ def calibrate_overhead(target: HttpTarget, s: Settings, prof: Any,
             "request": request_overhead(lone_records)}
 
 
-def latency_of(setup: SimulationConfig, model: str, dtype: str = "float32", tp: int = 1) -> Any:
-    """The simulator's executor-only step-time model of a TP-``tp`` instance of ``setup``."""
+def latency_of(setup: SimulationConfig, model: str, dtype: str = "float32", tp: int = 1,
+               pp: int = 1) -> Any:
+    """The simulator's executor-only step-time model of a ``tp × pp`` instance of ``setup``."""
 
     return step_model(replace(setup, step_overhead_ms=0.0, seq_overhead_ms=0.0),
-                      ModelConfig.from_dir(model), tp, 1, dtype)
+                      ModelConfig.from_dir(model), tp, pp, dtype)
 
 
-def deployment(name: str) -> tuple[dict[str, Any], int]:
-    """A deployment's spec entries and TP degree from its name: ``colocated``, ``disaggregated``,
-    ``partial``, each optionally with ``-tpN`` (every instance N ranks; one profile prices one
-    degree)."""
+def deployment(name: str) -> tuple[dict[str, Any], tuple[int, int]]:
+    """A deployment's spec entries and layout ``(tp, pp)`` from its name: ``colocated``,
+    ``disaggregated``, ``partial``, each optionally with ``-tpN`` and/or ``-ppN`` (every
+    instance N ranks / N pipeline stages; one profile prices one layout)."""
 
-    strategy, sep, tp = name.partition("-tp")
-    if strategy not in STRATEGIES or (sep and not (tp.isdigit() and int(tp) >= 1)):
+    strategy, *suffixes = name.split("-")
+    layout = {"tp": 1, "pp": 1}
+    for suffix in suffixes:
+        key, n = suffix[:2], suffix[2:]
+        if key not in layout or not (n.isdigit() and int(n) >= 1):
+            strategy = ""  # refused below
+            break
+        layout[key] = int(n)
+    if strategy not in STRATEGIES:
         raise SystemExit(f"unknown deployment {name!r}: one of {', '.join(STRATEGIES)}, "
-                         f"optionally with -tpN (e.g. colocated-tp2)")
-    n = int(tp or 1)
-    return ({"strategy": strategy, "tp": n} if n > 1 else {"strategy": strategy}), n
+                         f"optionally with -tpN and -ppN (e.g. colocated-tp2, colocated-pp2)")
+    entries = {"strategy": strategy, **{k: v for k, v in layout.items() if v > 1}}
+    return entries, (layout["tp"], layout["pp"])
 
 
 def calibrate_from_run(target: HttpTarget, s: Settings, rates: list[float], model: str,
@@ -432,12 +443,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1,
                     help="live runs per rate (the same requests); rows report the mean and "
                          "each error's range")
-    ap.add_argument("--profile", help="fitted profile for the deployments of its TP degree "
+    ap.add_argument("--profile", help="fitted profile for the deployments of its TP/PP layout "
                                       "(default, and for the others: profile the model now)")
     ap.add_argument("--quick-profile", action="store_true")
     ap.add_argument("--strategies", default="colocated,disaggregated",
                     help="comma-separated deployments: colocated, disaggregated, partial, each "
-                         "optionally -tpN (colocated-tp2: one instance of two TP ranks)")
+                         "optionally -tpN and -ppN (colocated-tp2: one instance of two TP "
+                         "ranks; colocated-pp2: one of two pipeline stages)")
     ap.add_argument("--backend", default="ray", choices=("ray", "inproc"),
                     help="ray (default): one actor and one torch thread per instance, as the "
                          "profile is measured; inproc instances share the server process and "
@@ -498,19 +510,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rates = [float(x) for x in args.rates.split(",")]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     layouts = {name: deployment(name) for name in strategies}
-    profiles: dict[int, str] = {}  # TP degree -> fitted profile (--latency profile)
-    if args.profile and not calibrated:  # ours records its tp (a DistServe file counts as TP1)
-
+    profiles: dict[tuple[int, int], str] = {}  # (tp, pp) -> fitted profile (--latency profile)
+    if args.profile and not calibrated:  # ours records its layout (DistServe's counts as TP1)
         path = resolve_profile(args.profile)
-        profiles[int(json.loads(Path(path).read_text()).get("tp", 1))] = path
-    for name, (_, tp) in layouts.items():
-        if calibrated and tp > 1:
+        doc = json.loads(Path(path).read_text())
+        profiles[(int(doc.get("tp", 1)), int(doc.get("pp", 1)))] = path
+    for name, (_, (tp, pp)) in layouts.items():
+        if calibrated and tp * pp > 1:
             raise SystemExit(f"{name}: --latency calibrated fits a TP-1 roofline to the step "
-                             f"log; a TP deployment needs --latency profile")
-        if not calibrated and tp not in profiles:
-            profiles[tp] = make_profile(model, work / ("profile.json" if tp == 1 else
-                                                       f"profile-tp{tp}.json"),
-                                        args.quick_profile, tp)
+                             f"log; a TP/PP deployment needs --latency profile")
+        if not calibrated and (tp, pp) not in profiles:
+            suffix = "".join(f"-{k}{n}" for k, n in (("tp", tp), ("pp", pp)) if n > 1)
+            profiles[(tp, pp)] = make_profile(model, work / f"profile{suffix}.json",
+                                              args.quick_profile, tp, pp)
     engine = {"device": args.device, "dtype": dtype, "block_size": args.block_size,
               "num_kv_blocks": args.num_kv_blocks,
               "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -533,8 +545,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fits: dict[str, dict[str, Any]] = {}
     for strategy in strategies:
         # one deployment spec, served live and simulated
-        entries, tp = layouts[strategy]
-        profile = profiles.get(tp)
+        entries, (tp, pp) = layouts[strategy]
+        profile = profiles.get((tp, pp))
         spec = ClusterConfig.from_dict({"model": model, "engine": engine, **entries,
                                         "backend": args.backend})
         step_log = work / f"steps-{strategy}.jsonl"
@@ -566,7 +578,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         raise SystemExit("--overhead steplog needs --latency calibrated")
                     cal = overhead_from_step_log(Path(fits[strategy]["step_log"]))
                 else:
-                    cal = calibrate_overhead(live, s, latency_of(setup, model, dtype, tp))
+                    cal = calibrate_overhead(live, s, latency_of(setup, model, dtype, tp, pp))
                 cal["method"] = how
                 overheads[strategy] = cal
                 con.print(f"  serving overhead: {1000 * cal['step_s']:.2f} ms per step + "
