@@ -359,6 +359,11 @@ class Controller:
             return []
         log.debug("%s aborted", request_id)
         acts = self._aborts(req)
+        if req.stage == "transfer":  # the source frees its copy now, maybe before a direct
+            # pull has read it all: the decode instance must not cache what it pulled
+            acts = [Send(a.instance_id, Abort(request_id, discard_kv=True))
+                    if isinstance(a, Send) and a.instance_id == req.decode_instance else a
+                    for a in acts]
         self._detach_all(req)
         req.stage, req.finish_reason = "done", "abort"
         req.timeline.finish = now

@@ -73,7 +73,12 @@ class Release:
 
 @dataclass(slots=True)
 class Abort:
+    """End the request here. ``discard_kv``: the client went away while the request's KV was
+    moving here, so its source may have freed (and reused) the blocks a direct pull read from:
+    what was pulled is freed without entering the prefix cache."""
+
     request_id: str
+    discard_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -228,7 +233,7 @@ class InstanceWorker:
                 if eng.holds(cmd.request_id):
                     eng.release(cmd.request_id, now)
             elif isinstance(cmd, Abort):
-                eng.abort(cmd.request_id, now)
+                eng.abort(cmd.request_id, now, discard_kv=cmd.discard_kv)
                 self._reported.pop(cmd.request_id, None)
             elif isinstance(cmd, SetRole):
                 eng.reconfigure(cmd.scheduler)

@@ -150,8 +150,11 @@ class Engine:
                                                p.skip_special_tokens, stop,
                                                p.include_stop_str_in_output)
 
-    def abort(self, request_id: str, now: float = 0.0) -> RequestOutput | None:
-        req = self.scheduler.abort(request_id, now)
+    def abort(self, request_id: str, now: float = 0.0, discard_kv: bool = False
+              ) -> RequestOutput | None:
+        """End the request; ``discard_kv``: keep the KV it imported out of the prefix cache
+        (:meth:`Scheduler.abort`)."""
+        req = self.scheduler.abort(request_id, now, discard_kv)
         return None if req is None else request_output(req, [], "")
 
     def has_unfinished(self) -> bool:

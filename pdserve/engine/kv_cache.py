@@ -265,6 +265,10 @@ class BlockPool:
                     self.events.append(BlockStored([h], parent_hash, list(t), self.block_size))
             parent_hash = h
 
+    def uncache(self, block: Block) -> None:
+        """Drop a cached block's hash (it stays allocated): no lookup finds it again."""
+        self._evict(block)
+
     def _evict(self, block: Block) -> None:
         assert block.block_hash is not None
         del self.cached[block.block_hash]

@@ -125,6 +125,15 @@ class KVCacheManager:
         pool.cache_blocks([blocks[b] for b in req.block_ids[first:last]], hashes[first:last],
                           parts, hashes[first - 1] if first else NO_PARENT)
 
+    def uncache(self, req: Request, num_trusted_tokens: int) -> None:
+        """Take ``req``'s blocks past its first ``num_trusted_tokens`` tokens out of the prefix
+        cache (their content is not to be trusted); the request keeps them until freed."""
+        pool = self.pool
+        for i in req.block_ids[num_trusted_tokens // self.block_size:]:
+            b = pool.blocks[i]
+            if b.block_hash is not None:
+                pool.uncache(b)
+
     def free(self, req: Request) -> None:
         """Release all of ``req``'s blocks, tail first (so its last blocks are evicted first)."""
         blocks = self.pool.blocks

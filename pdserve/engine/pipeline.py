@@ -138,9 +138,10 @@ class PipelinedEngine:
         return self._pick(request_id).add_transfer_request(
             request_id, prompt_token_ids, output_token_ids, params, now, arrival_time, predicted)
 
-    def abort(self, request_id: str, now: float = 0.0) -> RequestOutput | None:
+    def abort(self, request_id: str, now: float = 0.0, discard_kv: bool = False
+              ) -> RequestOutput | None:
         lane = self._find(request_id)
-        return None if lane is None else lane.abort(request_id, now)
+        return None if lane is None else lane.abort(request_id, now, discard_kv)
 
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.lanes)

@@ -315,10 +315,15 @@ class Scheduler:
         req.timeline.finish = now
         self.requests.pop(rid, None)
 
-    def abort(self, request_id: str, now: float) -> Request | None:
+    def abort(self, request_id: str, now: float, discard_kv: bool = False) -> Request | None:
+        """End the request. ``discard_kv``: the blocks it imported (those past its local
+        prefix-cache hit) leave the prefix cache as they are freed — their content came from a
+        pull the source may not have held to the end."""
         self.close_run()
         req = self.requests.get(request_id)
         if req is not None:
+            if discard_kv:
+                self.kv.uncache(req, req.num_cached_tokens)
             self.finish(req, S.FINISHED_ABORTED, now)
         return req
 

@@ -66,6 +66,21 @@ def test_abort_reaches_every_instance_holding_the_request():
     assert all(v.active == 0 and v.pending_tokens == 0 for v in c.instances.values())
 
 
+def test_abort_during_the_transfer_discards_what_the_decode_side_pulled():
+    """The prefill copy is freed at once, maybe before a direct pull has read all of it: the
+    decode instance is told not to keep what it pulled in its prefix cache. After the import
+    (the prefill copy released only then) a plain abort suffices."""
+    c = Controller(views(("p0", "prefill"), ("d0", "decode")))
+    for rid in ("r", "s"):
+        c.on_arrival(rid, [1, 2], P, 0)
+        c.on_report_delta("p0", delta(rid, [3], 1, held=True), 1)
+        c.on_pull("d0", rid, 0, 1.5)
+    c.on_imported("d0", "s", 1.6)
+    assert sorted(c.on_abort("r", 2), key=lambda a: a.instance_id) == [
+        Send("d0", Abort("r", discard_kv=True)), Send("p0", Abort("r"))]
+    assert c.on_abort("s", 2) == [Send("d0", Abort("s"))]
+
+
 def test_instance_failure_recomputes_with_generated_tokens():
     c = Controller(views(("c0", "colocated"), ("c1", "colocated")))
     c.on_arrival("r", [1, 2], P, 0)

@@ -330,3 +330,29 @@ def test_decode_instance_under_memory_pressure_finishes_everything(seed):
     for rid, p in prompts.items():
         assert outs[rid].token_ids == reference_generate(p, lens[rid]), rid
     assert dec.scheduler.pool.num_used_blocks == 0 and pre.scheduler.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("discard", [False, True])
+def test_abort_discarding_pulled_kv_keeps_it_out_of_the_prefix_cache(discard):
+    """A client going away while its KV moved here (``Abort(discard_kv=True)``): the blocks it
+    pulled were maybe read after the source freed them, so they must not serve a later prefix
+    hit; the decode side's own earlier hit stays trusted. A plain abort keeps them cached."""
+    pre, _ = make_engine(num_blocks=16, block_size=4, budget=16, chunked=False, role="prefill")
+    dec, _ = make_engine(num_blocks=16, block_size=4, budget=16, role="decode")
+    base = list(range(1, 9))  # 2 blocks, cached on the decode side by request A
+    for rid, prompt in (("A", base + [40]), ("B", base + list(range(50, 58)) + [60])):
+        pre.add_request(rid, prompt, greedy(3))
+        pre.step(0)
+        dec.add_transfer_request(rid, prompt, pre.scheduler.held[rid].output_token_ids[:1],
+                                 greedy(3))
+        [(_, k)] = dec.reserve_pulls()
+        dec.import_kv(pre.export_kv(rid, k))
+        pre.release(rid)
+        if rid == "A":
+            run(dec)
+    assert k == 2  # B pulled blocks 2-3 only
+    dec.abort("B", 1.0, discard_kv=discard)
+    dec.check_integrity()
+    dec.add_transfer_request("C", base + list(range(50, 58)) + [61], [7], greedy(1))
+    [(_, k)] = dec.reserve_pulls()
+    assert k == (2 if discard else 4)  # blocks found in the decode side's own prefix cache
