@@ -507,34 +507,32 @@ class PipelineModel(LatencyModel):
     def split(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int],
               ) -> tuple[float, float]:
         """``(stage, send)``: what each stage computes of this step, and each hand-off."""
-        t = self.base.step_time(prefill_chunks, decode_context_lens)
-        if t <= 0.0:
-            return 0.0, 0.0
         m = self.measured
-        if m is not None:
-            assert m.stage is not None
-            stage = m.stage.step_time(prefill_chunks, decode_context_lens)
-            return stage, pipeline_send(t, stage, self.pp)
-        tokens = sum(n for _, n in prefill_chunks) + len(decode_context_lens)
-        return t / self.pp, self.send_time(tokens)
+        return self._split(self.base.step_time(prefill_chunks, decode_context_lens),
+                           None if m is None or m.stage is None
+                           else m.stage.step_time(prefill_chunks, decode_context_lens),
+                           sum(n for _, n in prefill_chunks) + len(decode_context_lens))
 
     def split_decode_sum(self, batch_size: int, total_context: int
                          ) -> tuple[float, float] | None:
         """:meth:`split` of a decode-only step from its batch size and summed context
         (``None`` where the base needs every context)."""
         t = self.base.decode_sum_time(batch_size, total_context)
-        if t is None:
+        m = self.measured
+        stage = None if m is None or m.stage is None else m.stage.decode_sum_time(
+            batch_size, total_context)
+        if t is None or (m is not None and stage is None):
             return None
+        return self._split(t, stage, batch_size)
+
+    def _split(self, t: float, stage: float | None, tokens: int) -> tuple[float, float]:
+        """A step of ``t`` seconds unpipelined (the measured pass, when ``stage`` is the
+        measured stage time) as ``(stage, send)``."""
         if t <= 0.0:
             return 0.0, 0.0
-        m = self.measured
-        if m is not None:
-            assert m.stage is not None
-            stage = m.stage.decode_sum_time(batch_size, total_context)
-            if stage is None:
-                return None
+        if stage is not None:
             return stage, pipeline_send(t, stage, self.pp)
-        return t / self.pp, self.send_time(batch_size)
+        return t / self.pp, self.send_time(tokens)
 
     def stage_time(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
         stage, send = self.split(prefill_chunks, decode_context_lens)
