@@ -129,7 +129,7 @@ class KVCacheManager:
         """Take ``req``'s blocks past its first ``num_trusted_tokens`` tokens out of the prefix
         cache (their content is not to be trusted); the request keeps them until freed."""
         pool = self.pool
-        for i in req.block_ids[num_trusted_tokens // self.block_size:]:
+        for i in req.block_ids[max(num_trusted_tokens, 0) // self.block_size:]:
             b = pool.blocks[i]
             if b.block_hash is not None:
                 pool.uncache(b)
