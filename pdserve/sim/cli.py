@@ -78,9 +78,10 @@ def register(subparsers: Any) -> None:
                         "(prefill TP2 + decode TP1)")
     p.add_argument("--pp", type=positive_int_list, default=[1], metavar="N[,N...]",
                    help="measure a pipeline of this many stages (each of --tp ranks; every "
-                        "--tp x --pp layout into one file): each shape as one micro-batch "
-                        "through all stages and as N back to back, fitted to the simulator's "
-                        "pipeline model (whole-model step + measured stage hand-off)")
+                        "--tp x --pp layout into one file): each shape as one micro-batch's "
+                        "pass through all stages and as the stage time of a pipeline kept "
+                        "full (4N micro-batches, N in flight), both fitted; simulate prices "
+                        "pp=N instances with them")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -177,9 +179,6 @@ STAGE_BURST = 4  # micro-batches per stage a stage-time measurement runs through
 def _burst(ex: Any, batch: ScheduledBatch, n: int) -> float:
     """Seconds for ``n`` copies of ``batch`` through a pipeline kept full (``ex.pp`` in
     flight, the oldest collected before the next is submitted)."""
-    import time
-    from collections import deque
-
     t0 = time.perf_counter()
     flying: deque[Any] = deque()
     for _ in range(n):

@@ -17,7 +17,7 @@ from pdserve.sim import profiler
 from pdserve.sim.latency import FittedProfile, PipelineModel, pipeline_send
 from pdserve.sim.simulator import PipelineStages
 
-from .test_profile_tp import TINY_GRID, live_children
+from .test_profile_tp import TINY_GRID, quick_profile
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def pp2_profile(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("profile") / "pp2.json"
-    before = live_children()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(profiler, "QUICK_GRID", TINY_GRID)
-        assert main(["profile", "--model", model_dir, "--pp", "2", "--quick",
-                     "--out", str(out)]) == 0
-    assert not live_children() - before  # the other stage's rank stopped
+    assert not quick_profile(model_dir, out, "--pp", "2")  # the other stage's rank stopped
     return out
 
 

@@ -37,15 +37,21 @@ def live_children() -> set[int]:
 LEFT_OVER: set[int] = set()  # processes the profile run started and did not stop
 
 
-@pytest.fixture(scope="module")
-def tp2_profile(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("profile") / "tp2.json"
+def quick_profile(model_dir: str, out: Path, *flags: str) -> set[int]:
+    """``pdserve profile --quick`` of ``model_dir`` over :data:`TINY_GRID` into ``out``; the
+    processes it started and did not stop."""
     before = live_children()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(profiler, "QUICK_GRID", TINY_GRID)
-        assert main(["profile", "--model", model_dir, "--tp", "2", "--quick",
+        assert main(["profile", "--model", model_dir, *flags, "--quick",
                      "--out", str(out)]) == 0
-    LEFT_OVER.update(live_children() - before)
+    return live_children() - before
+
+
+@pytest.fixture(scope="module")
+def tp2_profile(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("profile") / "tp2.json"
+    LEFT_OVER.update(quick_profile(model_dir, out, "--tp", "2"))
     return out
 
 
