@@ -27,7 +27,7 @@ from pdserve.bench.goodput import (
 )
 from pdserve.bench.metrics import SLO, RequestRecord, Summary, attainment, meets, summarize
 from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
-from pdserve.bench.steady import SteadyState, confidence
+from pdserve.bench.steady import SteadyState, confidence, until_confident
 from pdserve.bench.targets import Target
 from pdserve.bench.workloads import Workload, make_workload
 
@@ -158,14 +158,15 @@ def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
     """Runs one probe per rate by the steady-state rule (:mod:`pdserve.bench.steady`): as many
     requests as the rule asks at that rate (``base`` when it has that many, else the same
     workload and seed with more), the attainment and the verdict's confidence from the
-    requests after the warm-up in arrival order."""
+    requests after the warm-up in arrival order; a pass confident or the probe extended
+    (:func:`~pdserve.bench.steady.until_confident`)."""
     if s.slo is None:
         raise ValueError("a goodput search needs an SLO (--slo-ttft and --slo-tpot)")
-    slo, rule = s.slo, s.steady()
-    life = rule.lifetime(slo, sum(r.output_len for r in base.requests) / max(len(base), 1))
+    slo = s.slo
+    life = SteadyState.lifetime(slo, sum(r.output_len for r in base.requests) / max(len(base), 1))
     workloads = {len(base.requests): base}
 
-    def run_at_rate(rate: float) -> AttainmentResult:
+    def run_at(rate: float, rule: SteadyState) -> AttainmentResult:
         n = rule.num_requests(rate, life)
         if n not in workloads:
             workloads[n] = build_workload(target, replace(s, num_requests=n), rate)
@@ -188,11 +189,15 @@ def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
                                 {**_details(run), "num_requests": len(recs),
                                  "judged": len(judged), "confidence": conf})
 
+    def run_at_rate(rate: float) -> AttainmentResult:  # a pass confident or extended
+        return until_confident(s.steady(), lambda rule: run_at(rate, rule))
+
     return run_at_rate
 
 
 def _best(runs: list[Run], goodput: float) -> Run | None:
-    return next((r for r in runs if r.rate == goodput and goodput > 0), None)
+    """The run the goodput was judged on (an extended probe's last)."""
+    return next((r for r in reversed(runs) if r.rate == goodput and goodput > 0), None)
 
 
 def find_goodput(target: Target, s: Settings, hi: float, lo: float | None = None,

@@ -12,7 +12,9 @@ A probe judges ``n`` requests, those after its warm-up in arrival order (the ste
   an empty start only flatters a server), and
 * it **passes** as soon as ``n - max_miss`` judged requests are known to meet the SLO (the
   whole run then attains at least as much: its warm-up requests met an emptier server; the
-  full run checks it anyway),
+  full run checks it anyway) — unless ``pass_early`` is off, as it is when a pass must be
+  confident (:func:`pdserve.bench.steady.until_confident`: the batch means that give a pass
+  its confidence need every judged request),
 
 whatever the rest of the run does, so the simulation can stop there with the same verdict
 (:meth:`pdserve.sim.simulator.Simulator.run`'s ``stop``). A request's fate is known
@@ -55,15 +57,18 @@ def max_misses(n: int, target: float) -> int:
 
 class AttainmentWatch:
     """``stop`` callback for :meth:`Simulator.run` (module docstring). ``kind``: which SLO a
-    request must meet, ``prefill`` (TTFT), ``decode`` (TPOT) or ``both``;
+    request must meet, ``prefill`` (TTFT), ``decode`` (TPOT) or ``both``; ``pass_early``:
+    whether it may stop on a pass (else only on a fail);
     ``request_overhead_s``: the front end's cost per request, added to every token's time as
     the client's record has it."""
 
     def __init__(self, sim: Simulator, requests: Sequence[SimRequest], slo: SLO, kind: str,
-                 target: float, warmup: int = 0, request_overhead_s: float = 0.0) -> None:
+                 target: float, warmup: int = 0, request_overhead_s: float = 0.0,
+                 pass_early: bool = True) -> None:
         if kind not in ("prefill", "decode", "both"):
             raise ValueError(f"kind must be prefill, decode or both, got {kind!r}")
         self.sim, self.slo, self.kind, self.target = sim, slo, kind, target
+        self.pass_early = pass_early
         self.delay = request_overhead_s
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)  # = event order
         every = [requests[i] for i in order]
@@ -121,7 +126,7 @@ class AttainmentWatch:
             self.ttft_ptr = ptr
         if self.misses > self.max_miss or self.all_misses > self.all_max_miss:
             self.verdict = False
-        elif self.oks >= self.need_ok:
+        elif self.oks >= self.need_ok and self.pass_early:
             self.verdict = True
         else:
             return False

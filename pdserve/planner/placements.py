@@ -23,6 +23,7 @@ from pdserve.planner.units import (
     link_dict,
     probe_requests,
     run_probe,
+    steady_probe,
 )
 from pdserve.sim.simulator import gc_paused
 
@@ -248,10 +249,13 @@ def research_pairs(p: Problem, cache: UnitCache, results: list[UnitResult]
 
 def simulate_goodput(p: Problem, dep: Mapping[str, Any], hi: float) -> tuple[float, list[Any]]:
     """Goodput (both SLOs per request) of a whole deployment, by the rate search."""
-    def at_rate(rate: float) -> AttainmentResult:
+    def probe(q: Problem, rate: float) -> AttainmentResult:
         with gc_paused():
-            w = base_workload(p, probe_requests(p, rate))
-            return run_probe(p, dep, w.retimed(rate).requests, rate, "both", p.early_probes)
+            w = base_workload(q, probe_requests(q, rate))
+            return run_probe(q, dep, w.retimed(rate).requests, rate, "both", p.early_probes)
+
+    def at_rate(rate: float) -> AttainmentResult:
+        return steady_probe(p, lambda q: probe(q, rate))
 
     g = search_goodput(at_rate, hi=hi, precision=p.precision * hi, max_probes=p.max_probes,
                        growth=1.6, num_gpus=ClusterConfig.from_dict(dep).num_gpus)

@@ -80,6 +80,7 @@ class Problem:
     traces_dir: str | None = None
     output_scale: float = 1.0  # every output length times this (the advisor's length ratio)
     horizon: float = DEFAULT_STEADY.horizon  # lifetimes a probe's arrivals span (steady())
+    min_confidence: float = DEFAULT_STEADY.min_confidence  # of a pass, else extended (steady())
     macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
     early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
     criterion: str = "both"  # "distserve": P90 TTFT and P90 TPOT checked separately
@@ -132,7 +133,8 @@ class Problem:
 
     def steady(self) -> SteadyState:
         """The steady-state rule of every probe (:mod:`pdserve.bench.steady`)."""
-        return SteadyState(self.horizon, self.num_requests)
+        return SteadyState(self.horizon, self.num_requests,
+                           min_confidence=self.min_confidence)
 
     def source(self) -> dict[str, Any]:
         """The latency source alone, as ``simulation:`` keys (``SimulationConfig`` names)."""

@@ -34,7 +34,7 @@ from typing import Any
 
 from pdserve.bench.goodput import AttainmentResult, search_goodput
 from pdserve.bench.metrics import SLO, RequestRecord, attainment, meets
-from pdserve.bench.steady import SteadyState, confidence
+from pdserve.bench.steady import SteadyState, confidence, until_confident
 from pdserve.bench.workloads import Workload
 from pdserve.config import ClusterConfig, Link
 from pdserve.planner.early import AttainmentWatch
@@ -268,7 +268,8 @@ def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate:
     if early and not distserve:  # (the watch decides per request: the "both" criterion)
         watch = AttainmentWatch(built.simulator, sreqs, p.slo,
                                 kind if kind in ("prefill", "decode") else "both", p.target,
-                                warm, p.request_overhead_ms / 1000)
+                                warm, p.request_overhead_ms / 1000,
+                                pass_early=rule.min_confidence <= 0)
     result = built.simulator.run(sreqs, None, watch)
     details: dict[str, Any] = {"num_requests": len(sreqs)}
     if result.stopped:
@@ -290,6 +291,14 @@ def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate:
     v = rule.verdict(oks, p.target, whole)
     details.update(judged=v.judged, confidence=v.confidence)
     return AttainmentResult(rate, v.attainment, v.passed, details)
+
+
+def steady_probe(p: Problem, probe: Callable[[Problem], AttainmentResult]) -> AttainmentResult:
+    """A probe by the steady-state rule, a pass confident or extended
+    (:func:`pdserve.bench.steady.until_confident`): ``probe(q)`` runs it on ``q``, ``p`` with
+    the (extended) rule's horizon and judged minimum."""
+    return until_confident(p.steady(), lambda rule: probe(
+        replace(p, horizon=rule.horizon, num_requests=rule.min_judged)))
 
 
 def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
@@ -315,10 +324,15 @@ def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
         return res
 
     def at_rate(rate: float) -> AttainmentResult:
-        with gc_paused():  # a probe builds millions of objects and no reference cycle
-            dep = unit_deployment(p, u, *decode_feed(p, rate))
-            w = unit_workload(p, u, rate)
-            return run_probe(p, dep, w.retimed(rate).requests, rate, u.kind, p.early_probes)
+        dep = unit_deployment(p, u, *decode_feed(p, rate))
+
+        def probe(q: Problem) -> AttainmentResult:
+            with gc_paused():  # a probe builds millions of objects and no reference cycle
+                w = unit_workload(q, u, rate)
+                return run_probe(q, dep, w.retimed(rate).requests, rate, u.kind,
+                                 p.early_probes)
+
+        return steady_probe(p, probe)
 
     def row(q: Any, phase: str) -> dict[str, Any]:
         return {"rate": q.rate, "attainment": q.attainment, "passed": q.passed, "phase": phase,

@@ -98,3 +98,68 @@ def test_rule_arithmetic():
     assert (v.attainment, v.passed) == (0.85, False)
     with pytest.raises(ValueError, match="horizon"):
         SteadyState(horizon=0)
+
+
+def _stand_in(confidences: dict[float, float], passed: bool = True):
+    """A probe whose verdict at horizon ``h`` has confidence ``confidences[h]``; records the
+    rules it was called with."""
+    from pdserve.bench.goodput import AttainmentResult
+
+    calls: list[SteadyState] = []
+
+    def probe(rule: SteadyState) -> AttainmentResult:
+        calls.append(rule)
+        return AttainmentResult(1.0, 0.91, passed, {"confidence": confidences[rule.horizon]})
+
+    return probe, calls
+
+
+def test_an_uncertain_pass_is_extended_until_confident_by_hand():
+    """Rule 6: a pass at confidence 0.6 is run again at twice the horizon and judged minimum;
+    its confident pass there is the verdict."""
+    from pdserve.bench.steady import until_confident
+
+    probe, calls = _stand_in({12.0: 0.6, 24.0: 0.95})
+    res = until_confident(SteadyState(), probe)
+    assert [(c.horizon, c.min_judged) for c in calls] == [(12.0, 300), (24.0, 600)]
+    assert res.passed and res.details["extensions"] == 1 and "uncertain" not in res.details
+
+
+def test_a_pass_uncertain_at_the_longest_probe_fails():
+    from pdserve.bench.steady import until_confident
+
+    probe, calls = _stand_in({12.0: 0.6, 24.0: 0.7, 48.0: 0.89})
+    res = until_confident(SteadyState(), probe)
+    assert [c.horizon for c in calls] == [12.0, 24.0, 48.0]  # extensions=2: 4 x the length
+    assert not res.passed and res.details["uncertain"] and res.details["extensions"] == 2
+
+
+def test_fails_and_confident_passes_are_not_extended():
+    from pdserve.bench.steady import until_confident
+
+    for passed, conf in ((False, 0.5), (True, 0.9)):
+        probe, calls = _stand_in({12.0: conf}, passed)
+        res = until_confident(SteadyState(), probe)
+        assert len(calls) == 1 and res.passed is passed and res.details["extensions"] == 0
+    probe, calls = _stand_in({12.0: 0.5})  # min_confidence 0: every pass taken (the old rule)
+    assert until_confident(SteadyState(min_confidence=0.0), probe).passed and len(calls) == 1
+
+
+def test_episodes_longer_than_the_probe_make_its_pass_uncertain():
+    """The long-context plan's case (module docstring, rule 6): judged requests that meet the
+    SLO in calm stretches and miss in bursts attain above the target on average, but their
+    batch means spread so far that the pass is not confident, while the same attainment spread
+    evenly is."""
+    rule = SteadyState()
+    calm, burst = [True] * 50, [True] * 27 + [False] * 23  # 100 % and 54 % batches
+    episodes = (calm * 4 + burst) * 2   # 10 batches of 50: 90.8 %
+    even = ([True] * 45 + [False] * 4 + [True]) * 10  # 10 batches of 50: 92 % each
+    a, b = rule.verdict(episodes, 0.9), rule.verdict(even, 0.9)
+    # by hand: batch means 1 (x 8) and 0.54 (x 2), standard error sqrt(0.33856 / 9 / 10) =
+    # 0.0613, z = 0.008 / 0.0613 = 0.13: confidence 0.552 (the binomial se would give 0.73)
+    assert a.passed and a.attainment == pytest.approx(0.908)
+    assert a.confidence == pytest.approx(0.552, abs=2e-3)
+    assert a.confidence < rule.min_confidence
+    # the binomial se sqrt(0.92 x 0.08 / 500) = 0.0121, z = 1.649: 0.950, taken
+    assert b.passed and b.confidence == pytest.approx(0.950, abs=2e-3)
+    assert b.confidence >= rule.min_confidence
