@@ -683,11 +683,11 @@ class PrefixAwareRouter(Router):
         for h in keys:
             per = promised.get(h)
             if per is not None:
-                k = per.get(iid, 0) - 1
-                if k > 0:
-                    per[iid] = k
-                else:
-                    per.pop(iid, None)
+                k = per.get(iid, 0)
+                if k > 1:
+                    per[iid] = k - 1
+                elif k:
+                    del per[iid]
                     if not per:
                         del promised[h]
 
@@ -704,9 +704,9 @@ class PrefixAwareRouter(Router):
                 self._unpromise(iid, keys)
 
     def _states(self, candidates: list[InstanceView]) -> list[list]:
-        """The candidates' queue states, in order (kept while the same views come)."""
-        last = self._cands
-        if len(last) != len(candidates) or not all(map(is_, last, candidates)):
+        """The candidates' queue states, in order (kept while the same views come, or views equal
+        field by field: they name the same instances in the same order)."""
+        if self._cands != candidates:
             self._cands = list(candidates)
             q = self._queues
             self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0, 0, 0, 0,
