@@ -836,8 +836,9 @@ class PrefixAwareRouter(Router):
         bs = candidates[0].block_size
         if self.index is None:
             self.index = PrefixIndex(bs)
-        if request.arrival > self._now:
-            self._now = request.arrival
+        arrival = request.arrival  # (a property)
+        if arrival > self._now:
+            self._now = arrival
         now = self._now
         prompt = request.prompt_token_ids
         n = len(prompt)
@@ -881,9 +882,10 @@ class PrefixAwareRouter(Router):
         if m and num > m:  # the holders and a rotating window of m candidates
             off = self._rot % num
             self._rot = off + m
-            priced: list[int] | None = self._window(off, num, m)  # (the guard's comparison)
+            window = self._window(off, num, m)
+            priced: list[int] | None = window  # (the guard's comparison)
             waits, costs = [_INF] * num, [_INF] * num
-            for k in priced:
+            for k in window:
                 view, st = candidates[k], states[k]
                 q = view.queued
                 if st[5] > q:
@@ -900,7 +902,7 @@ class PrefixAwareRouter(Router):
                 if loads is not None:
                     loads[k] = st[7] * exp((st[8] - now) / tau) + n_cold
             for i in lengths:  # the holders outside the window
-                k = pos.get(i, -1)  # type: ignore[assignment]
+                k = pos.get(i, -1)
                 if k < 0 or costs[k] != _INF:
                     continue
                 view, st = candidates[k], states[k]
