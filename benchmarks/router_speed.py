@@ -19,15 +19,17 @@ Targets (issue 11): median ≤ 50 µs, P99 ≤ 200 µs for 64 instances and 1 M 
 Wall-clock times include the OS descheduling this process on a shared machine; the thread CPU
 times beside them (``time.thread_time_ns``, clock resolution permitting) do not.
 
-    python benchmarks/router_speed.py --baseline OLD_CHECKOUT [--repeats 3]
+    python benchmarks/router_speed.py --baseline OLD_CHECKOUT [--routers prefix_aware] [--repeats 3]
 
-times the E2 router of another checkout (e.g. ``git archive <commit> | tar -x -C /tmp/old``)
-against this one in the same process: both routers get identical indexes and requests, and
-each request is routed by both (alternately first), so both see the same machine load (every
-request must go to the same instance). Reports thread CPU time median / P99 per repeat for
-both, ours given each prompt's chained block hashes (made beforehand, as the controller's
-:class:`~pdserve.request.Prompt` does once per prompt for the router and the engines), and
-that one-time hashing per prompt apart.
+times the routers of ``pdserve/cluster/prefix_routing.py`` (``preble-paper`` unless
+``--routers`` names others) of another checkout (e.g. ``git archive <commit> | tar -x -C
+/tmp/old``) against this one's in the same process: both routers get identical indexes and
+requests, and each request is routed by both (alternately first), so both see the same machine
+load; every request must go to the same instance (the controller's counts move for each as
+above). Reports thread CPU time median / P99 per repeat for both, each given each prompt's
+chained block hashes (made beforehand, as the controller's :class:`~pdserve.request.Prompt`
+does once per prompt for the router and the engines), and that one-time hashing per prompt
+apart.
 """
 
 from __future__ import annotations
@@ -100,6 +102,27 @@ def requests(corpus, n: int, rng: random.Random, explore_share: float, fresh_len
     return out
 
 
+class Counts:
+    """The controller's bookkeeping between decisions (untimed): each instance has ~``QUEUED``
+    requests before their first token and ~``ACTIVE`` unfinished, the oldest routed reaching
+    theirs first."""
+
+    def __init__(self, n_inst: int) -> None:
+        self.n_inst = n_inst
+        self.to_first: deque[InstanceView] = deque()
+        self.to_finish: deque[InstanceView] = deque()
+
+    def routed(self, inst: InstanceView) -> None:
+        inst.queued += 1
+        inst.active += 1
+        self.to_first.append(inst)
+        self.to_finish.append(inst)
+        if len(self.to_first) > QUEUED * self.n_inst:
+            self.to_first.popleft().queued -= 1
+        if len(self.to_finish) > ACTIVE * self.n_inst:
+            self.to_finish.popleft().active -= 1
+
+
 def run(name: str, n_inst: int, tokens: int, n_req: int, explore_share: float,
         prefix_len: int = PREFIX, seed: int = 0) -> dict:
     rng = random.Random(seed)
@@ -123,10 +146,7 @@ def run(name: str, n_inst: int, tokens: int, n_req: int, explore_share: float,
     reqs = requests(corpus, n_req, rng, explore_share, prefix_len)
     hash_cpu = hash_once(reqs)
     times, cpu = [], []
-    # the controller's bookkeeping, untimed: each instance has ~QUEUED requests before their
-    # first token and ~ACTIVE unfinished (the oldest routed reach theirs first)
-    to_first: deque[InstanceView] = deque()
-    to_finish: deque[InstanceView] = deque()
+    counts = Counts(n_inst)
     gc.collect()
     gc.disable()
     try:
@@ -135,14 +155,7 @@ def run(name: str, n_inst: int, tokens: int, n_req: int, explore_share: float,
             inst = router.select(r, views)
             times.append(time.perf_counter_ns() - t0)
             cpu.append(time.thread_time_ns() - c0)
-            inst.queued += 1
-            inst.active += 1
-            to_first.append(inst)
-            to_finish.append(inst)
-            if len(to_first) > QUEUED * n_inst:
-                to_first.popleft().queued -= 1
-            if len(to_finish) > ACTIVE * n_inst:
-                to_finish.popleft().active -= 1
+            counts.routed(inst)
     finally:
         gc.enable()
     cpu.sort()
@@ -185,9 +198,10 @@ def hash_once(reqs: list[ClusterRequest]) -> list[int]:
     return sorted(out)
 
 
-def load_baseline(root: str) -> type:
-    """The ``E2Router`` class of the checkout at ``root``, loaded beside ours (its prefix index
-    module under another name; its router left out of our registry)."""
+def load_baseline(root: str, name: str) -> type:
+    """The router class called ``name`` in ``pdserve/cluster/prefix_routing.py`` of the checkout
+    at ``root``, loaded beside ours (its prefix index module under another name; its routers
+    left out of our registry)."""
     import importlib.util
 
     def load(name: str, path: str, subs: tuple[tuple[str, str], ...] = ()) -> Any:
@@ -208,13 +222,18 @@ def load_baseline(root: str) -> type:
     mod = load("baseline_prefix_routing", os.path.join(base, "prefix_routing.py"), (
         ("from pdserve.cluster.prefix_index import", "from baseline_prefix_index import"),
         ("@register\n", "")))
-    return mod.E2Router
+    for obj in vars(mod).values():
+        if isinstance(obj, type) and getattr(obj, "name", None) == name \
+                and obj.__module__ == "baseline_prefix_routing":
+            return obj
+    raise SystemExit(f"no router {name!r} in {base}/prefix_routing.py")
 
 
-def compare(baseline: type, n_inst: int, tokens: int, n_req: int, explore_share: float,
+def compare(baseline: type, name: str, n_inst: int, tokens: int, n_req: int, explore_share: float,
             prefix_len: int, seed: int) -> dict[str, Any]:
-    """Thread CPU time per ``select`` of ``baseline()`` and of our E2 router, interleaved."""
-    routers = [baseline(), make_router("preble-paper")]
+    """Thread CPU time per ``select`` of ``baseline()`` and of our router ``name``,
+    interleaved."""
+    routers = [baseline(), make_router(name)]
     setups = []
     for router in routers:
         rng = random.Random(seed)
@@ -225,7 +244,9 @@ def compare(baseline: type, n_inst: int, tokens: int, n_req: int, explore_share:
         for v in views:
             v.num_kv_blocks = max(router.index.num_blocks(v.instance_id), 1)
         setups.append((views, requests(corpus, n_req, rng, explore_share, prefix_len)))
-    hashing = hash_once(setups[1][1])  # ours gets each prompt's chain made beforehand
+    hash_once(setups[0][1])  # both get each prompt's chain made beforehand
+    hashing = hash_once(setups[1][1])
+    counts = [Counts(n_inst), Counts(n_inst)]
     times: list[list[int]] = [[], []]
     chosen: list[list[str]] = [[], []]
     gc.collect()
@@ -237,6 +258,7 @@ def compare(baseline: type, n_inst: int, tokens: int, n_req: int, explore_share:
                 inst = routers[k].select(r, setups[k][0])
                 times[k].append(time.thread_time_ns() - c0)
                 chosen[k].append(inst.instance_id)
+                counts[k].routed(inst)
     finally:
         gc.enable()
     if routers[0].decisions != routers[1].decisions or chosen[0] != chosen[1]:
@@ -259,28 +281,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--explore-share", type=float, default=0.3)
     ap.add_argument("--prefix-tokens", type=int, default=PREFIX,
                     help="length of the shared prefixes (prompts are about this + 350 tokens)")
-    ap.add_argument("--routers", default="prefix_aware,preble-paper,kv_overlap,sglang_cache_aware")
+    ap.add_argument("--routers", help="default: prefix_aware,preble-paper,kv_overlap,"
+                    "sglang_cache_aware; with --baseline, preble-paper")
     ap.add_argument("--baseline", metavar="DIR",
-                    help="compare E2 with the one of the checkout in DIR (module docstring)")
+                    help="compare the routers with those of the checkout in DIR (module docstring)")
     ap.add_argument("--repeats", type=int, default=3, help="--baseline: runs")
     a = ap.parse_args(argv)
     if a.baseline:
-        old = load_baseline(a.baseline)
         print(f"python {sys.version.split()[0]}; {a.instances} instances, {a.requests} requests "
               f"({a.explore_share:.0%} fresh prompts); thread CPU time per select, µs")
-        for rep in range(a.repeats):
-            r = compare(old, a.instances, a.tokens, a.requests, a.explore_share,
-                        a.prefix_tokens, seed=rep)
-            (bm, bp), (om, op), (hm, hp) = r["baseline"], r["ours"], r["hashing"]
-            print(f"repeat {rep}: {r['prompt_blocks']:.0f} prompt blocks | baseline median "
-                  f"{bm:6.1f} P99 {bp:6.1f} | ours, given the chain: median {om:6.1f} P99 "
-                  f"{op:6.1f} | ours / baseline: median {om / bm:.2f}, P99 {op / bp:.2f} | "
-                  f"hashing the prompt once: median {hm:6.1f} P99 {hp:6.1f} | load average "
-                  f"{os.getloadavg()[0]:.1f}", flush=True)
+        for name in (a.routers or "preble-paper").split(","):
+            old = load_baseline(a.baseline, name)
+            for rep in range(a.repeats):
+                r = compare(old, name, a.instances, a.tokens, a.requests, a.explore_share,
+                            a.prefix_tokens, seed=rep)
+                (bm, bp), (om, op), (hm, hp) = r["baseline"], r["ours"], r["hashing"]
+                print(f"{name} repeat {rep}: {r['prompt_blocks']:.0f} prompt blocks | baseline "
+                      f"median {bm:6.1f} P99 {bp:6.1f} | ours: median {om:6.1f} P99 {op:6.1f} | "
+                      f"ours / baseline: median {om / bm:.2f}, P99 {op / bp:.2f} | hashing "
+                      f"the prompt once: median {hm:6.1f} P99 {hp:6.1f} | load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
         return
     print(f"python {sys.version.split()[0]}; {a.instances} instances, "
           f"{a.requests} requests ({a.explore_share:.0%} fresh prompts)")
-    for name in a.routers.split(","):
+    for name in (a.routers or "prefix_aware,preble-paper,kv_overlap,sglang_cache_aware").split(","):
         r = run(name, a.instances, a.tokens, a.requests, a.explore_share, a.prefix_tokens)
         print(f"{r['router']:>20}: median {r['median_us']:6.1f} µs  P99 {r['p99_us']:6.1f} µs  "
               f"(thread CPU time: median {r['cpu_median_us']:6.1f} µs  P99 "

@@ -344,7 +344,7 @@ class PrefixIndex:
         live = -1  # instances holding every block so far (-1: before the first block)
         i = start = 0  # blocks matched; where the current radix node starts
         while i < nb:
-            n_to = min(i + sb, nb)  # this window's blocks: [i, n_to)
+            n_to = i + sb if i + sb < nb else nb  # this window's blocks: [i, n_to)
             stop = False
             if sb > 1:
                 # the deepest block of the window on the prompt's path: the last one, or (the

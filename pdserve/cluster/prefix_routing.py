@@ -649,6 +649,8 @@ class PrefixAwareRouter(Router):
         self._cand_states: list[list] = []
         self._pos: dict[str, int] = {}
         self._cand_ids: list[str] = []
+        self._windows: dict[int, list[int]] = {}  # _window's, for _windows_num
+        self._windows_num = (0, 0)
         # block hash -> instance -> requests in flight there whose prompt has that block
         self._promised: dict[int, dict[str, int]] = {}
         self.decisions: dict[str, int] = {"hit": 0, "miss": 0, "late_start": 0, "guarded": 0,
@@ -681,11 +683,11 @@ class PrefixAwareRouter(Router):
         for h in keys:
             per = promised.get(h)
             if per is not None:
-                k = per.get(iid, 0) - 1
-                if k > 0:
-                    per[iid] = k
-                else:
-                    per.pop(iid, None)
+                k = per.get(iid, 0)
+                if k > 1:
+                    per[iid] = k - 1
+                elif k:
+                    del per[iid]
                     if not per:
                         del promised[h]
 
@@ -702,9 +704,9 @@ class PrefixAwareRouter(Router):
                 self._unpromise(iid, keys)
 
     def _states(self, candidates: list[InstanceView]) -> list[list]:
-        """The candidates' queue states, in order (kept while the same views come)."""
-        last = self._cands
-        if len(last) != len(candidates) or not all(map(is_, last, candidates)):
+        """The candidates' queue states, in order (kept while the same views come, or views equal
+        field by field: they name the same instances in the same order)."""
+        if self._cands != candidates:
             self._cands = list(candidates)
             q = self._queues
             self._cand_states = [q.setdefault(v.instance_id, [deque(), 0.0, 0.0, 0, 0, 0,
@@ -799,17 +801,12 @@ class PrefixAwareRouter(Router):
         ``balance_rel`` times; then the cheapest candidate within those bounds of ``L_lo``. The
         candidates compared: all of them, or past ``max_priced`` the rotating window (with
         ``k``)."""
-        states, n, lengths, bs, window = pr[3], pr[6], pr[8], pr[9], pr[11]
-        now, tau, ids = self._now, self._span, self._cand_ids
-        loads = {}
-        for j in (window if window is not None else range(len(costs))):
-            st = states[j]
-            c = lengths.get(ids[j], 0) * bs if lengths else 0
-            loads[j] = st[7] * exp((st[8] - now) / tau) + (n - c if c < n else 1)
+        loads = pr[12]  # the priced candidates' (_price)
         if k not in loads:
+            states, n, lengths, bs, ids = pr[3], pr[6], pr[8], pr[9], self._cand_ids
             st = states[k]
             c = lengths.get(ids[k], 0) * bs if lengths else 0
-            loads[k] = st[7] * exp((st[8] - now) / tau) + (n - c if c < n else 1)
+            loads[k] = st[7] * exp((st[8] - self._now) / self._span) + (n - c if c < n else 1)
         lo = min(loads.values())
         hi = max(lo + self.balance_abs, lo * self.balance_rel)  # type: ignore[operator]
         if loads[k] <= hi:
@@ -839,8 +836,9 @@ class PrefixAwareRouter(Router):
         bs = candidates[0].block_size
         if self.index is None:
             self.index = PrefixIndex(bs)
-        if request.arrival > self._now:
-            self._now = request.arrival
+        arrival = request.arrival  # (a property)
+        if arrival > self._now:
+            self._now = arrival
         now = self._now
         prompt = request.prompt_token_ids
         n = len(prompt)
@@ -871,30 +869,54 @@ class PrefixAwareRouter(Router):
         d_alone = out * (dt.base + inc)
         kd = w * self.stall_convexity / d_alone if d_alone > 0 else 0.0
         half_cold = pt_cold / 2
+        kdp = kd * pt_cold
         states = self._states(candidates)
         trim = self._trim
         xb = out * per_block
         num, m = len(candidates), self.max_priced
         pos = self._pos
+        # the balance guard's loads of the priced candidates, as if nothing were cached there
+        # (the holders corrected below): E_j·exp(−Δt/τ) + miss_j (_balance)
+        loads: dict[int, float] | None = {} if self.balance_rel is not None else None
+        tau, n_cold = self._span, (n if n > 0 else 1)
         if m and num > m:  # the holders and a rotating window of m candidates
             off = self._rot % num
             self._rot = off + m
-            idx = {(off + j) % num for j in range(m)}
-            priced: list[int] | None = list(idx)  # (the window: the guard's comparison)
-            idx.update(pos[i] for i in lengths if i in pos)
+            window = self._window(off, num, m)
+            priced: list[int] | None = window  # (the guard's comparison)
             waits, costs = [_INF] * num, [_INF] * num
-            for k in idx:
+            for k in window:
                 view, st = candidates[k], states[k]
                 q = view.queued
                 if st[5] > q:
                     trim(view.instance_id, st, q)
                 wait = st[1] - st[2]
                 if wait > 0:  # less the head's progress (_left)
-                    wait -= min(now - st[6], st[0][0][0] - st[2])
+                    d, h = now - st[6], st[0][0][0] - st[2]
+                    wait -= h if h < d else d
                 waits[k] = wait
                 a = view.active
                 stats = view.stats
-                costs[k] = (wait + own0 + a * (adinc + kd * pt_cold * (wait + half_cold))
+                costs[k] = (wait + own0 + a * (adinc + kdp * (wait + half_cold))
+                            + (xb * stats.num_used_blocks if stats is not None else 0.0))
+                if loads is not None:
+                    loads[k] = st[7] * exp((st[8] - now) / tau) + n_cold
+            for i in lengths:  # the holders outside the window
+                k = pos.get(i, -1)
+                if k < 0 or costs[k] != _INF:
+                    continue
+                view, st = candidates[k], states[k]
+                q = view.queued
+                if st[5] > q:
+                    trim(view.instance_id, st, q)
+                wait = st[1] - st[2]
+                if wait > 0:
+                    d, h = now - st[6], st[0][0][0] - st[2]
+                    wait -= h if h < d else d
+                waits[k] = wait
+                a = view.active
+                stats = view.stats
+                costs[k] = (wait + own0 + a * (adinc + kdp * (wait + half_cold))
                             + (xb * stats.num_used_blocks if stats is not None else 0.0))
         else:
             priced = None  # (all of them)
@@ -903,18 +925,21 @@ class PrefixAwareRouter(Router):
             add_wait, add_cost = waits.append, costs.append
             # every candidate priced as if nothing were cached there; the holders corrected
             # below
-            for view, st in zip(candidates, states):
+            for k, (view, st) in enumerate(zip(candidates, states)):
                 q = view.queued
                 if st[5] > q:  # drop what reached its first token
                     trim(view.instance_id, st, q)
                 wait = st[1] - st[2]  # (0 once every entry is dropped: the sums meet)
                 if wait > 0:  # less the head's progress (_left)
-                    wait -= min(now - st[6], st[0][0][0] - st[2])
+                    d, h = now - st[6], st[0][0][0] - st[2]
+                    wait -= h if h < d else d
                 a = view.active
                 stats = view.stats
                 add_wait(wait)
-                add_cost(wait + own0 + a * (adinc + kd * pt_cold * (wait + half_cold))
+                add_cost(wait + own0 + a * (adinc + kdp * (wait + half_cold))
                          + (xb * stats.num_used_blocks if stats is not None else 0.0))
+                if loads is not None:
+                    loads[k] = st[7] * exp((st[8] - now) / tau) + n_cold
         best_finish = min(waits) + pt_cold
         ps: dict[int, float] = {}
         if lengths:
@@ -929,8 +954,23 @@ class PrefixAwareRouter(Router):
                                                                    + (p + pt_cold) / 2)))
                 if waits[at] + p < best_finish:
                     best_finish = waits[at] + p
+                if loads is not None and at in loads:
+                    st, cb = states[at], c * bs
+                    loads[at] = st[7] * exp((st[8] - now) / tau) + (n - cb if cb < n else 1)
         return (waits, costs, best_finish, states, ps, pt_cold, n, keys, lengths, bs,
-                d_alone, priced)
+                d_alone, priced, loads)
+
+    def _window(self, off: int, num: int, m: int) -> list[int]:
+        """The rotating window of ``m`` of the ``num`` candidates from ``off``, in the order
+        the guard compares them (kept: ``off`` takes at most ``num`` values)."""
+        memo = self._windows
+        if self._windows_num != (num, m):
+            memo.clear()
+            self._windows_num = (num, m)
+        win = memo.get(off)
+        if win is None:
+            win = memo[off] = list({(off + j) % num for j in range(m)})
+        return win
 
     def _commit(self, candidates: list[InstanceView], k: int, pr: tuple) -> InstanceView:
         """Record the request as routed to ``candidates[k]`` (its queue entry, its promises)."""
