@@ -41,9 +41,10 @@ class DecodeRun:
     :meth:`Scheduler.update` do: a block when the request crosses into a new one, one computed
     token, a cached block when one fills, the sampled token and its time. Here a step costs the
     block events due that step (one request in ``block_size``, by phase) plus O(1); each request's
-    tokens, times and counts are caught up lazily, before its next block event and at
-    :meth:`close`, in the order the step-by-step path would apply them, so the block pool sees
-    the same calls in the same order and every request ends in the same state. A step is
+    tokens, times and counts are caught up lazily, before it caches a block (prefix caching on;
+    a new block needs no catch-up) and at :meth:`close`, in the order the step-by-step path
+    would apply them, so the block pool sees the same calls in the same order and every
+    request ends in the same state. A step is
     :meth:`safe` when nothing waits and its blocks fit in the free pool (no preemption);
     requests that reach their length finish in it as in :meth:`Scheduler.update`. The caller
     runs any other step through the scheduler, which catches the run up (:meth:`close`)
@@ -185,8 +186,14 @@ class DecodeRun:
             self.starting = []
         due = self._due()
         if due:  # one new block each, taken in order (as one allocate per request would)
-            for i, b in zip(due, sched.pool.allocate(len(due)), strict=True):
-                self._catch_up(i, j).block_ids.append(b.block_id)
+            blocks = sched.pool.allocate(len(due))
+            if self.cache is None:  # no reader of the tokens: they catch up at close()
+                reqs = self.reqs
+                for i, b in zip(due, blocks, strict=True):
+                    reqs[i].block_ids.append(b.block_id)
+            else:
+                for i, b in zip(due, blocks, strict=True):
+                    self._catch_up(i, j).block_ids.append(b.block_id)
         self.times.append(end)
         if self.cache is not None:
             cache = sched.kv.cache_computed
