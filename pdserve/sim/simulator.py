@@ -47,7 +47,7 @@ from pdserve.config import ClusterConfig, EngineConfig, Link, ModelConfig
 from pdserve.engine.batch import ExecuteResult, ScheduledBatch
 from pdserve.engine.engine import Engine, StepResult
 from pdserve.engine.pipeline import lane_blocks, lane_id
-from pdserve.request import SamplingParams, Timeline
+from pdserve.request import Request, SamplingParams, Timeline
 from pdserve.sim.fast_forward import DecodeRun, open_decode_run
 from pdserve.sim.latency import DriverOverhead, LatencyModel, PipelineModel
 
@@ -287,31 +287,48 @@ class DecodeShortcut:
         self.engine, self.executor = engine, executor
         self.num_folded = 0  # steps advanced without a batch
 
-    def step(self, now: float) -> tuple[float, StepResult | None] | None:
-        """Advance the instance's next step with its :class:`DecodeRun` (opened if need be):
-        its elapsed time and the requests that finished in it, or ``None`` when the step must
-        be scheduled (the scheduler catches the run up if it reads the running requests)."""
-        ex, eng = self.executor, self.engine
-        sched = eng.scheduler
+    def run(self) -> DecodeRun | None:
+        """The instance's open :class:`DecodeRun`, synced with its running requests (opened if
+        need be), or ``None`` when its next step is not pure decode."""
+        sched = self.engine.scheduler
         run = cast(DecodeRun | None, sched.open_run)  # only ever a DecodeRun in a simulation
         if run is not None and not run.sync():  # the batch changed other than by imports
             run.close()
             run = None
         if run is None:
-            run = open_decode_run(sched, ex.token_id)
-            if run is None:
-                return None
-        if not run.safe():  # a scheduled step; the scheduler closes the run if it reads it
+            run = open_decode_run(sched, self.executor.token_id)
+        return run
+
+    def quiet_step(self, now: float) -> float | None:
+        """Take the instance's next step at ``now`` if it is pure decode and no request
+        finishes in it (its report would say nothing but its time and stats): its elapsed
+        time, or ``None`` (nothing was done)."""
+        run = self.run()
+        if run is None or run.j >= run.limit or not run.safe():
             return None
-        elapsed = ex.price_decode(run)
+        return self._advance(run, now)[0]
+
+    def step(self, now: float) -> tuple[float, StepResult | None] | None:
+        """Advance the instance's next step with its :class:`DecodeRun` (opened if need be):
+        its elapsed time and the requests that finished in it, or ``None`` when the step must
+        be scheduled (the scheduler catches the run up if it reads the running requests)."""
+        run = self.run()
+        if run is None or not run.safe():  # a scheduled step; the scheduler closes the run
+            return None                      # if it reads it
+        elapsed, finished = self._advance(run, now)
+        if not finished:
+            return elapsed, None
+        return elapsed, StepResult(ScheduledBatch(self.engine.scheduler.step_id), elapsed,
+                                   finished, [""] * len(finished))
+
+    def _advance(self, run: DecodeRun, now: float) -> tuple[float, list[Request]]:
+        eng = self.engine
+        elapsed = self.executor.price_decode(run)
         finished = run.advance(now, now + elapsed)
         self.num_folded += 1
         eng.num_steps += 1
         eng.busy_time += elapsed
-        if not finished:
-            return elapsed, None
-        return elapsed, StepResult(ScheduledBatch(sched.step_id), elapsed, finished,
-                                   [""] * len(finished))
+        return elapsed, finished
 
 
 class Simulator:
@@ -357,6 +374,7 @@ class Simulator:
         self._batch_log: list[tuple[str, float, list[tuple[str, int, int]]]] = []
         self._busy: dict[str, dict[int, float]] = {}
         self._removing: dict[str, float] = {}  # instance -> when its removal was asked
+        self.num_quiet_ends = 0  # step ends taken by :meth:`_quiet_step_end`
         # (instance, asked, drained, its block pool's check_integrity()) per removal
         self.removals: list[tuple[str, float, float, dict[str, int]]] = []
 
@@ -440,6 +458,7 @@ class Simulator:
         now, n_events, done = 0.0, 0, 0
         core = self.core
         stopped = False
+        quick = self.fast_forward and not self.record_batches
         while heap or a < n_arrivals:
             if a < n_arrivals and (not heap or arrivals[a] < heap[0]):  # (sequences differ)
                 now, prio, _, data = arrivals[a]
@@ -449,7 +468,8 @@ class Simulator:
             n_events += 1
             if prio == STEP_END:
                 iid, rep = data
-                core.step_done(iid, rep, lambda effects, now=now: self._run(effects, now))
+                if not (quick and self._quiet_step_end(iid, rep, now, data)):
+                    core.step_done(iid, rep, lambda effects, now=now: self._run(effects, now))
             elif prio == TRANSFER_END:
                 rid, dst, payload = data
                 self._run(core.transfer_done(rid, dst, payload, now), now)
@@ -497,6 +517,38 @@ class Simulator:
             sec += 1
             start = float(sec)
         busy[sec] = busy.get(sec, 0.0) + (end - start)
+
+    def _quiet_step_end(self, iid: str, rep: StepReport, now: float,
+                        data: tuple[str, StepReport]) -> bool:
+        """The end of a step whose report says nothing but its time and stats, on an instance
+        whose next step is pure decode with no request finishing in it, nothing queued for it
+        and no request held by the router: what :meth:`DriverCore.step_done` would do — take
+        the next step at once (:meth:`DecodeShortcut.quiet_step`), then set the controller's
+        stats from ``rep`` (all that :meth:`Controller.on_report` does with such a report) —
+        without building commands, effects or a fresh report (``rep`` becomes the next
+        step's). ``False``: nothing was done, the caller takes the general path. Exact: the
+        same heap order, stats and state (``tests/sim/test_fast_forward.py``)."""
+        if (not rep.has_work or rep.deltas or rep.pulls or rep.imported or rep.errors
+                or rep.transfer_failures or rep.kv_events or not rep.stepped):
+            return False
+        inst = self.insts[iid]
+        sc, w = inst.shortcut, inst.worker
+        ctl, core = self.controller, self.core
+        if (sc is None or w.role not in ("decode", "colocated") or core.queues[iid]
+                or ctl.queued or ctl.flips is not None or self._removing
+                or (w.role == "decode" and w.engine.scheduler.pending_kv)):
+            return False
+        inst.executor.now = now
+        elapsed = sc.quiet_step(now)
+        if elapsed is None:
+            return False
+        core.sent[iid] += 1  # (DriverCore._start; the instance stays busy)
+        ctl.instances[iid].stats = rep.stats
+        rep.now, rep.elapsed, rep.stats = now, elapsed, w.engine.stats()
+        self.num_quiet_ends += 1
+        self._push(now + elapsed, STEP_END, data)
+        self._add_busy(iid, now, elapsed)
+        return True
 
     def _handle(self, inst: _Inst, commands: list[Command], now: float) -> StepReport:
         """:meth:`InstanceWorker.handle`, with the exact decode fast path

@@ -2,7 +2,8 @@
 step-by-step path: identical request timelines, token ids, events, engine stats and block
 pools on random workloads (colocated chunked and prefill-first, disaggregated with plain and
 pipelined decode, EcoServe's temporal instances behind their macro router, prefix caching on
-and off, KV pressure with preemption, early stop)."""
+and off, KV pressure with preemption, early stop), with the simulator's quiet step ends
+(``Simulator._quiet_step_end``) among them."""
 
 import dataclasses
 import gc
@@ -114,6 +115,9 @@ def test_fast_path_matches_step_by_step(kind, caching, seed):
     fast_sim, fast = simulate(kind, caching, 4096, seed, fast=True)
     assert slow_sim.num_folded == 0
     assert fast_sim.num_folded > 0  # the fast path was taken
+    # and the quiet step ends with it (temporal instances' reports always carry their state)
+    assert (fast_sim.num_quiet_ends > 0) == (kind != "partial")
+    assert slow_sim.num_quiet_ends == 0
     assert state(fast_sim, fast) == state(slow_sim, slow)
 
 
