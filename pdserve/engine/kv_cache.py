@@ -8,10 +8,12 @@ A block holds ``block_size`` tokens of KV. A block is in exactly one of three st
 
 The free queue is ordered by release time (an ``OrderedDict``, a linked list in C): allocation
 pops the head (least recently released), so cached blocks are evicted in LRU order, and a prefix
-hit takes a cached block from the middle in O(1). Full blocks are identified by a chained hash
-``hash((parent_hash, tokens))``; every hit also compares the stored tokens, so a hash collision
-can never serve wrong KV. Python's hash of int tuples is stable across processes, so hashes from
-different instances can be compared by a cluster-wide prefix index (fed by :attr:`events`).
+hit takes a cached block from the middle in O(1) (a pool without caching, where nothing is
+revived, keeps a list instead: :class:`FifoBlockQueue`). Full blocks are identified by a
+chained hash ``hash((parent_hash, tokens))``; every hit also compares the stored tokens, so a
+hash collision can never serve wrong KV. Python's hash of int tuples is stable across
+processes, so hashes from different instances can be compared by a cluster-wide prefix index
+(fed by :attr:`events`).
 """
 
 from __future__ import annotations
@@ -152,6 +154,61 @@ class FreeBlockQueue:
         return self.size
 
 
+class FifoBlockQueue(FreeBlockQueue):
+    """:class:`FreeBlockQueue` for a pool without prefix caching, where no block leaves the
+    queue but from its head (nothing is revived): a list and a head index, so that taking and
+    returning a request's blocks are slices (an ``OrderedDict`` pops one entry per call). The
+    same blocks in the same order; :meth:`remove` still works, in O(n)."""
+
+    def __init__(self, blocks: list[Block], lazy: bool = False) -> None:
+        self._l: list[Block] = []
+        self._h = 0  # the queue is _l[_h:]
+        super().__init__(blocks, lazy)
+
+    def _enter_fresh(self) -> None:
+        self._l[self._h:self._h] = [self._get(i) for i in range(self._fresh, self._n)]
+        self._fresh = self._n
+
+    def append(self, block: Block) -> None:
+        self._l.append(block)
+        self.size += 1
+
+    def remove(self, block: Block) -> None:
+        if self._fresh <= block.block_id < self._n:
+            self._enter_fresh()
+        ids = [b.block_id for b in self._l[self._h:]]
+        assert block.block_id in ids, f"{block} is not queued"
+        del self._l[self._h + ids.index(block.block_id)]
+        self.size -= 1
+
+    def extend(self, blocks: list[Block]) -> None:
+        self._l += blocks
+        self.size += len(blocks)
+
+    def popleft(self) -> Block:
+        return self.take(1)[0]
+
+    def take(self, n: int) -> list[Block]:
+        out = self.take_fresh(n)
+        k = n - len(out)
+        if k > 0:
+            h, q = self._h, self._l
+            assert k <= len(q) - h, "free queue is empty"
+            out += q[h:h + k]
+            h += k
+            if h > 1024 and 2 * h > len(q):  # drop the taken prefix (amortized O(1))
+                del q[:h]
+                h = 0
+            self._h = h
+            self.size -= k
+        return out
+
+    def __iter__(self):
+        for i in range(self._fresh, self._n):
+            yield self._get(i)
+        yield from self._l[self._h:]
+
+
 class BlockPool:
     """``num_blocks`` KV blocks of ``block_size`` tokens; see the module docstring."""
 
@@ -167,7 +224,8 @@ class BlockPool:
         # blocks are built on first use (None until then; the simulator builds hundreds of
         # pools of up to ~20k blocks, most never touched): :meth:`materialize` builds them all
         self.blocks: list[Block] = [None] * num_blocks  # type: ignore[list-item]
-        self.free_queue = FreeBlockQueue(self.blocks, lazy=True)
+        self.free_queue = (FreeBlockQueue if enable_caching else FifoBlockQueue)(
+            self.blocks, lazy=True)
         self.cached: dict[int, Block] = {}
         self.events: list[KVEvent] = []
 

@@ -86,6 +86,7 @@ class AttainmentWatch:
         self.misses = 0
         self.oks = 0
         self.verdict: bool | None = None
+        self.settled = False  # a call has said go on (what it saw is counted)
         self.at: float | None = None
 
     def __call__(self, now: float) -> bool:
@@ -93,6 +94,10 @@ class AttainmentWatch:
         hist = ctl.history
         assert hist is not None
         finished = len(hist) - len(ctl.requests)
+        if self.settled and finished == self.finished_seen and (
+                self.kind == "decode" or self.ttft_ptr == len(self.every)
+                or (now + self.delay) - self.every[self.ttft_ptr].arrival <= self.slo.ttft):
+            return False  # no request finished or passed its TTFT since a call said go on
         if finished > self.finished_seen:
             new, found = finished - self.finished_seen, []
             for rid in self.undecided:
@@ -129,6 +134,7 @@ class AttainmentWatch:
         elif self.oks >= self.need_ok and self.pass_early:
             self.verdict = True
         else:
+            self.settled = True
             return False
         self.at = now
         return True

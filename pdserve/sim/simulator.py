@@ -520,21 +520,23 @@ class Simulator:
 
     def _quiet_step_end(self, iid: str, rep: StepReport, now: float,
                         data: tuple[str, StepReport]) -> bool:
-        """The end of a step whose report says nothing but its time and stats, on an instance
-        whose next step is pure decode with no request finishing in it, nothing queued for it
-        and no request held by the router: what :meth:`DriverCore.step_done` would do — take
-        the next step at once (:meth:`DecodeShortcut.quiet_step`), then set the controller's
-        stats from ``rep`` (all that :meth:`Controller.on_report` does with such a report) —
-        without building commands, effects or a fresh report (``rep`` becomes the next
-        step's). ``False``: nothing was done, the caller takes the general path. Exact: the
-        same heap order, stats and state (``tests/sim/test_fast_forward.py``)."""
+        """The end of a step whose report says nothing but its time and stats (and a temporal
+        instance's phase and decode progress), on an instance whose next step is pure decode
+        with no request finishing in it, nothing queued for it and no request held by the
+        router: what :meth:`DriverCore.step_done` would do — take the next step at once
+        (:meth:`DecodeShortcut.quiet_step`), then set the controller's stats (and temporal
+        report) from ``rep``, all that :meth:`Controller.on_report` does with such a report —
+        without building commands or effects (``rep`` becomes the next step's report, but for
+        a temporal instance's, which the controller keeps). ``False``: nothing was done, the
+        caller takes the general path. Exact: the same heap order, stats and state
+        (``tests/sim/test_fast_forward.py``)."""
         if (not rep.has_work or rep.deltas or rep.pulls or rep.imported or rep.errors
                 or rep.transfer_failures or rep.kv_events or not rep.stepped):
             return False
         inst = self.insts[iid]
         sc, w = inst.shortcut, inst.worker
         ctl, core = self.controller, self.core
-        if (sc is None or w.role not in ("decode", "colocated") or core.queues[iid]
+        if (sc is None or w.role == "prefill" or core.queues[iid]
                 or ctl.queued or ctl.flips is not None or self._removing
                 or (w.role == "decode" and w.engine.scheduler.pending_kv)):
             return False
@@ -543,8 +545,16 @@ class Simulator:
         if elapsed is None:
             return False
         core.sent[iid] += 1  # (DriverCore._start; the instance stays busy)
-        ctl.instances[iid].stats = rep.stats
-        rep.now, rep.elapsed, rep.stats = now, elapsed, w.engine.stats()
+        view, eng = ctl.instances[iid], w.engine
+        view.stats = rep.stats
+        if w.role == "temporal":  # the controller keeps its report for the macro router
+            view.report = rep
+            rep = StepReport(iid, w.role, now, elapsed, stepped=True, stats=eng.stats(),
+                             has_work=True, has_unfinished=True)
+            rep.phase, rep.phase_switch_time, rep.progress = eng.temporal_state()
+            data = (iid, rep)
+        else:
+            rep.now, rep.elapsed, rep.stats = now, elapsed, eng.stats()
         self.num_quiet_ends += 1
         self._push(now + elapsed, STEP_END, data)
         self._add_busy(iid, now, elapsed)

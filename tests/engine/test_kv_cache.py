@@ -162,3 +162,53 @@ def test_randomized_pool_matches_a_reference_model(seed):
     pool.free([pool.blocks[b] for b in held])
     pool.check_integrity()
     assert pool.num_free_blocks == n and pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_fifo_queue_matches_the_ordered_queue(lazy, seed):
+    """The list queue of pools without caching against the ``OrderedDict`` one: the same blocks
+    in the same order after every take, return and (rare) removal, past its compaction."""
+    import random
+
+    from pdserve.engine.kv_cache import Block, FifoBlockQueue, FreeBlockQueue
+
+    rng = random.Random(seed)
+    n = 3000
+    made = [[None] * n if lazy else [Block(i) for i in range(n)] for _ in range(2)]
+    ref, fifo = FreeBlockQueue(made[0], lazy), FifoBlockQueue(made[1], lazy)
+    out: list[list[Block]] = [[], []]
+    taken = 0
+    for step in range(4000):
+        op = rng.random()
+        if op < 0.45 and len(ref):
+            k = rng.randrange(1, min(len(ref), 60) + 1)
+            got = [ref.take(k), fifo.take(k)]
+        elif op < 0.5 and len(ref):
+            got = [[ref.popleft()], [fifo.popleft()]]
+        elif op < 0.95 and out[0]:
+            k = rng.randrange(1, min(len(out[0]), 60) + 1)
+            idx = sorted(rng.sample(range(len(out[0])), k))
+            back = [[out[q][i] for i in idx] for q in (0, 1)]
+            for q in (0, 1):
+                for i in reversed(idx):
+                    del out[q][i]
+            ref.extend(back[0])
+            fifo.extend(back[1])
+            continue
+        elif len(ref):  # a removal from the middle
+            i = rng.randrange(len(ref))
+            ref.remove(list(ref)[i])
+            fifo.remove(list(fifo)[i])
+            continue
+        else:
+            continue
+        assert ids(got[0]) == ids(got[1])
+        taken += len(got[0])
+        out[0] += got[0]
+        out[1] += got[1]
+        if step % 97 == 0:
+            assert ids(ref) == ids(fifo) and len(ref) == len(fifo)
+    assert ids(ref) == ids(fifo) and len(ref) == len(fifo)
+    assert taken > 2 * n  # the taken head was dropped on the way:
+    assert fifo._h <= 1024 or 2 * fifo._h <= len(fifo._l)
