@@ -56,7 +56,8 @@ def main() -> None:
     out = {"num_requests": len(reqs), "rate": args.rate, "setup": built.describe,
            "workload_build_s": t_build, "wall_s": wall, "cpu_s": cpu, "events": res.num_events,
            "events_per_s": res.num_events / wall, "events_per_cpu_s": res.num_events / cpu,
-           "folded_steps": built.simulator.num_folded, "virtual_s": res.duration,
+           "folded_steps": built.simulator.num_folded,
+           "quiet_step_ends": built.simulator.num_quiet_ends, "virtual_s": res.duration,
            "output_tokens": sum(r.output_len for r in w.requests), "num_failed": s.num_failed,
            "attainment": s.attainment, "p90_ttft_s": s.ttft.p90, "p90_tpot_s": s.tpot.p90}
     print(f"{len(reqs)} chatbot requests at {args.rate} req/s on 2P+2D "
@@ -64,7 +65,8 @@ def main() -> None:
     print(f"simulation: {wall:.2f} s wall, {cpu:.2f} s CPU, {res.num_events} events, "
           f"{res.num_events / cpu:,.0f} events per CPU second ({out['output_tokens'] / cpu:,.0f} "
           f"output tokens); workload build {t_build:.2f} s; "
-          f"{built.simulator.num_folded} steps on the decode fast path")
+          f"{built.simulator.num_folded} steps on the decode fast path, "
+          f"{built.simulator.num_quiet_ends} quiet step ends")
     print(f"failed {s.num_failed}, attainment {s.attainment:.1%}, P90 TTFT {s.ttft.p90:.3f} s, "
           f"P90 TPOT {s.tpot.p90:.4f} s")
     if args.output_json:
