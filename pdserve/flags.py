@@ -343,7 +343,13 @@ def deployment_dict(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]
 
 def deployment_from_args(args: argparse.Namespace | dict[str, Any]) -> ClusterConfig:
     d = deployment_dict(args)
-    d.pop("simulation", None)  # what `pdserve simulate` adds to a spec; a live run ignores it
+    sim = d.pop("simulation", None) or {}  # how `simulate` / `plan` priced it; a live run
+    fp8 = [f"{k}: fp8" for k in ("quantization", "kv_cache_dtype")  # ignores the rest of it
+           if isinstance(sim, dict) and sim.get(k) == "fp8"]
+    if fp8:
+        raise ValueError(f"the spec's simulation section prices {' and '.join(fp8)}, which the "
+                         f"live engine does not serve (it runs float32/float16/bfloat16 "
+                         f"weights and KV); plan without fp8 to serve the plan")
     return ClusterConfig.from_dict(d)
 
 

@@ -20,7 +20,10 @@ from pdserve.config.base import (
     DTYPE_BYTES,
     DTYPES,
     FLIP_POLICIES,
+    KV_CACHE_DTYPES,
+    KV_DTYPE_BYTES,
     LENGTH_PREDICTORS,
+    QUANTIZATIONS,
     ROLES,
     SCHEDULING_POLICIES,
     GiB,
@@ -58,7 +61,8 @@ from pdserve.config.model import SUPPORTED_ARCHITECTURES, ModelConfig
 
 __all__ = [
     "ADMISSION_POLICIES", "BACKENDS", "DTYPES", "DTYPE_BYTES", "FLAT_KEYS", "FLIP_POLICIES",
-    "LENGTH_PREDICTORS", "LINKS_FILE", "ROLES", "SCHEDULING_POLICIES", "STRATEGIES",
+    "KV_CACHE_DTYPES", "KV_DTYPE_BYTES", "LENGTH_PREDICTORS", "LINKS_FILE", "QUANTIZATIONS",
+    "ROLES", "SCHEDULING_POLICIES", "STRATEGIES",
     "SUPPORTED_ARCHITECTURES", "CacheConfig", "ClusterConfig", "EngineConfig", "GiB",
     "InstanceSpec", "Link", "MacroConfig", "ModelConfig", "PredictorConfig", "Role", "RoleSpec",
     "SchedulerConfig", "cdiv", "check_granularity", "default_token_budget",

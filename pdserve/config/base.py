@@ -12,6 +12,12 @@ Role = Literal["colocated", "prefill", "decode", "temporal"]
 ROLES: tuple[str, ...] = ("colocated", "prefill", "decode", "temporal")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Priced only in simulation, and only by the kernel-database source (pdserve.sim.aic_latency):
+# fp8 weights and GEMMs (vLLM's ``--quantization fp8``) and an fp8 KV cache (``--kv-cache-dtype
+# fp8``); the live engine serves neither and refuses a spec that asks for them.
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1}
 
 # Names of the registered policies that the configs validate against. They live here, below the
 # packages that register the classes (pdserve.engine, pdserve.predict, pdserve.cluster.flip),

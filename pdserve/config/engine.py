@@ -223,19 +223,22 @@ def _kwarg_types() -> dict[str, type | tuple[type, ...]]:
 
 def kv_cache_blocks(model: ModelConfig, engine: EngineConfig, *,
                     device_memory_bytes: float | None, num_devices: int = 1,
-                    weight_bytes: float | None = None, reserved_bytes: float = 0.0) -> int:
+                    weight_bytes: float | None = None, reserved_bytes: float = 0.0,
+                    kv_cache_dtype: str = "auto") -> int:
     """KV blocks of one instance — the one formula, for the real executor and the simulator.
 
     ``cache.num_kv_blocks`` if set. Otherwise, on ``num_devices`` GPUs (TP × PP) of
     ``device_memory_bytes`` each: ``num_devices × memory × gpu_memory_utilization − weights −
     reserved`` (activations) over the bytes of one block; ``weight_bytes`` defaults to the
     parameter count at the engine's dtype. On CPU (``device_memory_bytes=None``): ``cpu_kv_gib``.
+    ``kv_cache_dtype``: ``auto`` (the engine's dtype) or ``fp8`` (one byte per element).
     Capped at what ``max_num_seqs`` requests of ``max_model_len`` tokens can use.
     """
     cache, sched = engine.cache, engine.scheduler
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    block_bytes = cache.block_size * model.kv_bytes_per_token(engine.dtype)
+    block_bytes = cache.block_size * model.kv_bytes_per_token(
+        engine.dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     useful = cdiv(sched.max_model_len, cache.block_size) * sched.max_num_seqs + 1
     if device_memory_bytes is None:
         budget = cache.cpu_kv_gib * GiB
@@ -313,13 +316,26 @@ def engine_reserved_bytes(model: ModelConfig, engine: EngineConfig, *, device_me
 
 def simulated_kv_blocks(model: ModelConfig, engine: EngineConfig, *,
                         device_memory_bytes: float | None, tp: int = 1, pp: int = 1,
-                        ep: int = 1) -> int:
+                        ep: int = 1, quantization: str | None = None,
+                        kv_cache_dtype: str = "auto") -> int:
     """KV blocks of a simulated (or planned) instance: :func:`kv_cache_blocks` with
-    :func:`engine_reserved_bytes` reserved on a GPU, ``cpu_kv_gib`` on CPU."""
+    :func:`engine_reserved_bytes` reserved on a GPU, ``cpu_kv_gib`` on CPU. ``quantization``
+    ``fp8``: the weights take :func:`fp8_weight_bytes` (activations stay at the engine's dtype);
+    ``kv_cache_dtype`` ``fp8``: one byte per cached element."""
     reserved = 0.0 if device_memory_bytes is None else engine_reserved_bytes(
         model, engine, device_memory_bytes=device_memory_bytes, tp=tp, pp=pp, ep=ep)
+    weights = fp8_weight_bytes(model, engine.dtype) if quantization == "fp8" else None
     return kv_cache_blocks(model, engine, device_memory_bytes=device_memory_bytes,
-                           num_devices=tp * pp, reserved_bytes=reserved)
+                           num_devices=tp * pp, reserved_bytes=reserved, weight_bytes=weights,
+                           kv_cache_dtype=kv_cache_dtype)
+
+
+def fp8_weight_bytes(model: ModelConfig, dtype: str) -> int:
+    """Weights of an fp8-quantized checkpoint as vLLM's ``--quantization fp8`` loads them: one
+    byte per parameter of the linear layers, the embeddings (and an untied LM head) kept at
+    ``dtype``."""
+    embed = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    return model.num_params() - embed + embed * DTYPE_BYTES[dtype]
 
 
 _KWARG_TYPES = _kwarg_types()

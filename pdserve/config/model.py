@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config.base import DTYPE_BYTES, _require
+from pdserve.config.base import KV_DTYPE_BYTES, _require
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -94,8 +94,9 @@ class ModelConfig:
 
     # ---- derived sizes (used by the simulator and the memory planner) ----
     def kv_bytes_per_token(self, dtype: str = "float16") -> int:
-        """Bytes of K and V for one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        """Bytes of K and V for one token over all layers, cached in ``dtype`` (an engine dtype
+        or ``fp8``)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[dtype]
 
     @property
     def is_moe(self) -> bool:

@@ -191,7 +191,8 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
     min_gpus = getattr(args, "min_gpus", False)  # (plan's; advise compares per GPU)
     if min_gpus and args.rate is None:
         raise ValueError("--min-gpus: give --rate, the traffic to serve on the fewest GPUs")
-    aic = {"aic_system": args.aic_system, "aic_backend": args.aic_backend or "vllm"}
+    aic = {"aic_system": args.aic_system, "aic_backend": args.aic_backend or "vllm",
+           "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype or "auto"}
     kw = dict(model=name, profile=args.profile, hardware=args.hardware, **aic,
               workload=args.workload,
               num_requests=args.num_requests, seed=args.seed, slo=slo, target=args.attainment,
@@ -343,6 +344,8 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
         theirs = {k: sim[k] for k in ("profile", "hardware", "aic_system") if sim.get(k)}
         if "aic_system" in theirs:
             theirs["aic_backend"] = sim.get("aic_backend") or "vllm"
+            theirs.update({k: sim[k] for k in ("quantization", "kv_cache_dtype")
+                           if sim.get(k) not in (None, "auto")})
         if theirs and theirs != mine:
             raise ValueError(f"--against {f}: latency source {theirs} is not the plan's {mine}")
         for k in SERVING_PATH:

@@ -23,6 +23,7 @@ from pdserve.sim.target import (
     SimulationConfig,
     auto_dtype,
     base_model,
+    check_fp8,
     device_of,
     resolve_profile,
     step_model,
@@ -57,6 +58,8 @@ class Problem:
     hardware: str | None = None
     aic_system: str | None = None  # aiconfigurator-core's kernel database (pdserve.sim.aic_latency)
     aic_backend: str = "vllm"
+    quantization: str | None = None  # fp8 (aic only: pdserve.sim.target.SimulationConfig)
+    kv_cache_dtype: str = "auto"
     workload: str = "distserve-chatbot"
     num_requests: int = 300  # judged requests per probe, at least (steady())
     seed: int = 0
@@ -122,6 +125,7 @@ class Problem:
             if self.aic_backend not in BACKENDS:
                 raise ValueError(f"aic backend {self.aic_backend!r} is not one of "
                                  f"{', '.join(BACKENDS)}")
+        check_fp8(self.quantization, self.kv_cache_dtype, self.aic_system)
 
     def objective(self) -> str:
         """What the plan maximises, in words."""
@@ -141,7 +145,10 @@ class Problem:
         if self.profile is not None:
             return {"profile": self.profile}
         if self.aic_system is not None:
-            return {"aic_system": self.aic_system, "aic_backend": self.aic_backend}
+            fp8 = {k: v for k, v in (("quantization", self.quantization),
+                                     ("kv_cache_dtype", self.kv_cache_dtype))
+                   if v not in (None, "auto")}
+            return {"aic_system": self.aic_system, "aic_backend": self.aic_backend, **fp8}
         return {"hardware": self.hardware or "A100-80GB"}
 
     def serving_path(self) -> dict[str, float]:
@@ -158,6 +165,7 @@ class Problem:
         its default): what every probe of the planner simulates."""
         return {"profile": self.profile, "hardware": self.hardware,
                 "aic_system": self.aic_system, "aic_backend": self.aic_backend,
+                "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype,
                 **{k: getattr(self, k) for k in SERVING_PATH}}
 
     def latency_source(self) -> str:
@@ -165,7 +173,9 @@ class Problem:
         serving-path terms added to it."""
         if self.aic_system is not None:
             src = (f"{PACKAGE} {aic_version()} kernel database "
-                   f"{self.aic_system}/{self.aic_backend} (kernel sums)")
+                   f"{self.aic_system}/{self.aic_backend} (kernel sums"
+                   f"{', fp8 weights' if self.quantization == 'fp8' else ''}"
+                   f"{', fp8 KV' if self.kv_cache_dtype == 'fp8' else ''})")
         else:
             src = self.profile or self.hardware or "A100-80GB (analytic)"
         terms = [f"{self.step_overhead_ms:g} ms per step" if self.step_overhead_ms else "",

@@ -154,7 +154,10 @@ class AicModel(LatencyModel):
     """Kernel-database step times for ``model`` on ``system`` / ``backend`` at ``tp``
     (module docstring). A MoE model's experts run ``tp // ep``-way tensor parallel on each of
     ``ep`` expert-parallel groups (aiconfigurator's ``moe_tp_size`` × ``moe_ep_size`` = ``tp``).
-    ``source`` names the database: package, version, system, backend."""
+    ``quantization`` ``fp8``: the database's fp8 GEMM tables (``gemm_quant_mode``; dense
+    models only); ``kv_cache_dtype`` ``fp8``: its fp8-KV attention
+    tables (``kvcache_quant_mode``); attention itself computes in 16 bits, as in vLLM.
+    ``source`` names the database: package, version, system, backend, and the fp8 modes."""
 
     model: ModelConfig
     system: str
@@ -162,6 +165,8 @@ class AicModel(LatencyModel):
     tp: int = 1
     dtype: str = "float16"
     ep: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     engine: Any = field(default=None, repr=False)
     version: str = field(default="", init=False)
     _cache: dict[tuple[Any, ...], float] = field(default_factory=dict, init=False, repr=False)
@@ -183,10 +188,25 @@ class AicModel(LatencyModel):
         if self.ep > 1 and (not self.model.is_moe or self.model.num_experts % self.ep):
             raise ValueError(f"ep={self.ep} needs a mixture-of-experts model whose num_experts "
                              f"({self.model.num_experts}) it divides")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {self.quantization!r}: the aic source prices fp8 "
+                             f"or the engine's dtype")
+        if self.quantization == "fp8" and self.model.is_moe:
+            # aiconfigurator-core 0.12.0, h100_sxm/vllm, Qwen3-30B-A3B TP1: per-tensor fp8
+            # experts price a 2000-token prefill at 94 ms against 45 ms in bf16, block fp8 at
+            # 38 ms, the bundled FP8 checkpoint at 43 ms: no one answer to stand behind
+            raise ValueError(f"quantization fp8 of a mixture-of-experts model "
+                             f"({self.model.name}): the kernel database's fp8 expert tables "
+                             f"disagree by 2x; fp8 is priced for dense models only "
+                             f"(--kv-cache-dtype fp8 works for both)")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: the aic source prices "
+                             f"auto or fp8")
         if self.engine is None:  # compiled once per process, its lookups shared
             moe = (self.tp // self.ep, self.ep) if self.model.is_moe else None
-            object.__setattr__(self, "engine", _compile(aic_model_id(self.model), self.system,
-                                                        self.backend, self.tp, moe))
+            object.__setattr__(self, "engine", _compile(
+                aic_model_id(self.model), self.system, self.backend, self.tp, moe,
+                self.quantization == "fp8", self.kv_cache_dtype == "fp8"))
             object.__setattr__(self, "_cache", _CACHES.setdefault(id(self.engine), {}))
         object.__setattr__(self, "version", version)
 
@@ -194,7 +214,9 @@ class AicModel(LatencyModel):
     def source(self) -> str:
         return (f"{PACKAGE} {self.version} kernel database {self.system}/{self.backend} "
                 f"({aic_model_id(self.model)}, tp={self.tp}"
-                f"{f', ep={self.ep}' if self.ep > 1 else ''})")
+                f"{f', ep={self.ep}' if self.ep > 1 else ''}"
+                f"{', fp8 weights' if self.quantization == 'fp8' else ''}"
+                f"{', fp8 KV' if self.kv_cache_dtype == 'fp8' else ''})")
 
     def kernel_ms(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
         """aiconfigurator's kernel sum for one step, ms (no serving terms)."""
@@ -235,14 +257,30 @@ _CACHES: dict[int, dict[tuple[Any, ...], float]] = {}
 
 @cache
 def _compile(model_id: str, system: str, backend: str, tp: int,
-             moe: tuple[int, int] | None = None) -> Any:
+             moe: tuple[int, int] | None = None, fp8_weights: bool = False,
+             fp8_kv: bool = False) -> Any:
     """aiconfigurator's engine for ``model_id`` at ``tp``; ``moe``: a MoE model's
-    ``(moe_tp_size, moe_ep_size)``, whose product is ``tp``."""
+    ``(moe_tp_size, moe_ep_size)``, whose product is ``tp``; ``fp8_weights`` / ``fp8_kv``: its
+    fp8 GEMM and KV-cache quant modes (else the checkpoint's own)."""
     import logging
 
     from aiconfigurator_core.sdk.engine import EngineHandle
 
     # the package logs every fallback table it loads; keep the simulator's output readable
     logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)
-    kw = {} if moe is None else {"moe_tp_size": moe[0], "moe_ep_size": moe[1]}
-    return EngineHandle.compile(model_id, system, backend, tp_size=tp, **kw)
+    kw: dict[str, Any] = {} if moe is None else {"moe_tp_size": moe[0], "moe_ep_size": moe[1]}
+    if fp8_weights:  # (dense models only: AicModel)
+        kw["gemm_quant_mode"] = "fp8"
+    if fp8_kv:
+        kw["kvcache_quant_mode"] = "fp8"
+    try:
+        e = EngineHandle.compile(model_id, system, backend, tp_size=tp, **kw)
+        if fp8_weights or fp8_kv:  # missing fp8 tables show on the first lookup: fail here,
+            e.predict_prefill_latency(1, 128, 0)  # not in the middle of a simulation
+            e.decode_step_latency(1, 128, 2)
+        return e
+    except Exception as e:  # e.g. PerfDataNotAvailableError: no fp8 tables for this system
+        if not (fp8_weights or fp8_kv):
+            raise
+        raise ValueError(f"{PACKAGE} has no fp8 kernel data for {model_id} on {system}/"
+                         f"{backend} at tp={tp}: {str(e).splitlines()[0][:160]}") from None

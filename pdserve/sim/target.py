@@ -34,7 +34,15 @@ from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.targets import register_target
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.cluster.routing import routers_for
-from pdserve.config import ClusterConfig, InstanceSpec, Link, ModelConfig, simulated_kv_blocks
+from pdserve.config import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    ClusterConfig,
+    InstanceSpec,
+    Link,
+    ModelConfig,
+    simulated_kv_blocks,
+)
 from pdserve.flags import add_deployment_flags, deployment_dict, nonnegative
 from pdserve.request import Timeline
 from pdserve.sim.aic_latency import BACKENDS, AicModel, aic_version
@@ -83,13 +91,19 @@ class SimulationConfig:
     :class:`~pdserve.sim.latency.DriverOverhead`) and the front end's fixed cost per request
     (``request_overhead_ms``: HTTP, tokenizing and routing on the way in, the report and the
     stream on the way out; added to every request's TTFT and end-to-end latency, see
-    :func:`to_records`)."""
+    :func:`to_records`). ``quantization`` ``fp8`` (fp8 weights and GEMMs, vLLM's
+    ``--quantization fp8``) and ``kv_cache_dtype`` ``fp8`` (vLLM's ``--kv-cache-dtype fp8``) are
+    priced by the kernel database only (``aic_system``: its fp8 GEMM, attention and KV
+    tables) and size the KV pool as such a checkpoint leaves it; the other sources price the
+    engine's dtype and refuse them."""
 
     deployment: ClusterConfig
     profile: str | None = None
     hardware: str | None = None
     aic_system: str | None = None
     aic_backend: str = "vllm"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     step_overhead_ms: float = 0.0
     seq_overhead_ms: float = 0.0
     request_overhead_ms: float = 0.0
@@ -111,6 +125,7 @@ class SimulationConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        check_fp8(self.quantization, self.kv_cache_dtype, self.aic_system)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SimulationConfig:
@@ -129,6 +144,23 @@ class SimulationConfig:
         return cls(ClusterConfig.from_dict(d), **sim)
 
 
+def check_fp8(quantization: str | None, kv_cache_dtype: str, aic_system: str | None) -> None:
+    """``quantization`` / ``kv_cache_dtype`` are known values, and fp8 comes with the kernel
+    database that prices it (:class:`SimulationConfig`)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of "
+                         f"{', '.join(QUANTIZATIONS)} (or none)")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    asked = [f"{k} fp8" for k, v in (("quantization", quantization),
+                                     ("kv_cache_dtype", kv_cache_dtype)) if v == "fp8"]
+    if asked and aic_system is None:
+        raise ValueError(f"{' and '.join(asked)}: only the kernel database prices fp8 "
+                         f"(--aic-system); the analytic roofline and measured profiles price "
+                         f"the engine's dtype")
+
+
 # ------------------------------------------------------------------------- building blocks
 def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
                dtype: str, ep: int = 1) -> LatencyModel:
@@ -139,7 +171,8 @@ def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
 
     base: LatencyModel
     if sim.aic_system is not None:
-        base = AicModel(model, sim.aic_system, sim.aic_backend, tp, dtype, ep)
+        base = AicModel(model, sim.aic_system, sim.aic_backend, tp, dtype, ep,
+                        quantization=sim.quantization, kv_cache_dtype=sim.kv_cache_dtype)
     elif sim.profile is not None:
         if ep > 1:
             raise ValueError(f"ep={ep}: a measured profile has no expert-parallel entries; "
@@ -243,7 +276,9 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
         latency = step_model(sim, model, s.tp, s.pp, dtype, s.ep)
         device = device_of(sim, base_model(latency))
         blocks = simulated_kv_blocks(model, s.engine, tp=s.tp, pp=s.pp, ep=s.ep,
-                                     device_memory_bytes=device.memory_bytes if device else None)
+                                     device_memory_bytes=device.memory_bytes if device else None,
+                                     quantization=sim.quantization,
+                                     kv_cache_dtype=sim.kv_cache_dtype)
         instances.append(SimInstance(s.instance_id, s.engine, latency, blocks, s.num_gpus,
                                      s.node))
         devices.append(device)
@@ -262,7 +297,8 @@ def build_simulator(sim: SimulationConfig, record_batches: bool = False) -> Buil
                           batch_tokens=specs[0].engine.scheduler.token_budget)
     simulator = Simulator(instances, model, *routers,
                           intra_node_link=intra, inter_node_link=inter,
-                          kv_dtype=specs[0].engine.dtype, record_batches=record_batches,
+                          kv_dtype=(specs[0].engine.dtype if sim.kv_cache_dtype == "auto"
+                                    else sim.kv_cache_dtype), record_batches=record_batches,
                           deployment=dep)
     max_len = specs[0].engine.scheduler.max_model_len
     describe = {"model": model.name, "strategy": dep.strategy, "roles": info,
@@ -444,6 +480,13 @@ def add_latency_source_flags(g: Any) -> None:
                         "--seq-overhead-ms")
     g.add_argument("--aic-backend", choices=("vllm", "sglang", "trtllm"),
                    help="the engine whose kernels --aic-system prices (default: vllm)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="fp8: fp8 weights and GEMMs, as vLLM's --quantization fp8 (priced by "
+                        "--aic-system only; default: the engine's dtype)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="fp8: an fp8 KV cache, as vLLM's --kv-cache-dtype fp8: half the bytes "
+                        "per block and fp8 attention kernels (--aic-system only; default: "
+                        "auto, the engine's dtype)")
 
 
 def simulation_from_args(args: argparse.Namespace) -> Any:
@@ -451,8 +494,9 @@ def simulation_from_args(args: argparse.Namespace) -> Any:
     d = deployment_dict(args)
     sim = dict(d.pop("simulation", None) or {})
     given = {k: getattr(args, k, None) for k in (
-        "profile", "hardware", "aic_system", "aic_backend", "step_overhead_ms",
-        "seq_overhead_ms", "request_overhead_ms") if getattr(args, k, None) is not None}
+        "profile", "hardware", "aic_system", "aic_backend", "quantization", "kv_cache_dtype",
+        "step_overhead_ms", "seq_overhead_ms", "request_overhead_ms")
+        if getattr(args, k, None) is not None}
     if given.keys() & {"profile", "hardware", "aic_system"}:  # a flag's source replaces the file's
         sim.pop("profile", None)
         sim.pop("hardware", None)
