@@ -45,7 +45,7 @@ from pdserve.planner.search import deployment_file, plan
 from pdserve.planner.units import candidate_units
 from pdserve.sim.hardware import get_link
 from pdserve.sim.model_catalogue import get_model_config
-from pdserve.sim.target import add_latency_source_flags, add_serving_path_flags
+from pdserve.sim.target import add_latency_source_flags, add_serving_path_flags, fp8_settings
 
 _EXCLUDE = ("role", "prefill_token_target", "device", "seed")
 
@@ -344,8 +344,8 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
         theirs = {k: sim[k] for k in ("profile", "hardware", "aic_system") if sim.get(k)}
         if "aic_system" in theirs:
             theirs["aic_backend"] = sim.get("aic_backend") or "vllm"
-            theirs.update({k: sim[k] for k in ("quantization", "kv_cache_dtype")
-                           if sim.get(k) not in (None, "auto")})
+            theirs.update(fp8_settings(sim.get("quantization"),
+                                       sim.get("kv_cache_dtype") or "auto"))
         if theirs and theirs != mine:
             raise ValueError(f"--against {f}: latency source {theirs} is not the plan's {mine}")
         for k in SERVING_PATH:

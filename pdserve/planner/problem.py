@@ -15,7 +15,7 @@ from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.steady import SteadyState
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, Link, ModelConfig
-from pdserve.sim.aic_latency import BACKENDS, PACKAGE, aic_version
+from pdserve.sim.aic_latency import BACKENDS, PACKAGE, aic_version, fp8_label
 from pdserve.sim.hardware import get_link
 from pdserve.sim.latency import match_model_key
 from pdserve.sim.model_catalogue import get_model_config
@@ -25,6 +25,7 @@ from pdserve.sim.target import (
     base_model,
     check_fp8,
     device_of,
+    fp8_settings,
     resolve_profile,
     step_model,
 )
@@ -145,10 +146,8 @@ class Problem:
         if self.profile is not None:
             return {"profile": self.profile}
         if self.aic_system is not None:
-            fp8 = {k: v for k, v in (("quantization", self.quantization),
-                                     ("kv_cache_dtype", self.kv_cache_dtype))
-                   if v not in (None, "auto")}
-            return {"aic_system": self.aic_system, "aic_backend": self.aic_backend, **fp8}
+            return {"aic_system": self.aic_system, "aic_backend": self.aic_backend,
+                    **fp8_settings(self.quantization, self.kv_cache_dtype)}
         return {"hardware": self.hardware or "A100-80GB"}
 
     def serving_path(self) -> dict[str, float]:
@@ -174,8 +173,7 @@ class Problem:
         if self.aic_system is not None:
             src = (f"{PACKAGE} {aic_version()} kernel database "
                    f"{self.aic_system}/{self.aic_backend} (kernel sums"
-                   f"{', fp8 weights' if self.quantization == 'fp8' else ''}"
-                   f"{', fp8 KV' if self.kv_cache_dtype == 'fp8' else ''})")
+                   f"{fp8_label(self.quantization, self.kv_cache_dtype)})")
         else:
             src = self.profile or self.hardware or "A100-80GB (analytic)"
         terms = [f"{self.step_overhead_ms:g} ms per step" if self.step_overhead_ms else "",

@@ -34,13 +34,20 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from pdserve.config import ModelConfig
+from pdserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, ModelConfig
 from pdserve.sim.latency import Chunks, LatencyModel
 
 PACKAGE = "aiconfigurator-core"
 INSTALL_HINT = "pip install 'pdserve[aic]'"
 BACKENDS = ("vllm", "sglang", "trtllm")
 DTYPES = ("float16", "bfloat16")  # the databases' default (fp16/bf16) GEMM and KV modes
+
+
+def fp8_label(quantization: str | None, kv_cache_dtype: str) -> str:
+    """What a source's name adds for its fp8 modes: ``", fp8 weights"``, ``", fp8 KV"``, both or
+    nothing."""
+    return (f"{', fp8 weights' if quantization == 'fp8' else ''}"
+            f"{', fp8 KV' if kv_cache_dtype == 'fp8' else ''}")
 
 
 class AicUnavailable(ValueError):
@@ -188,7 +195,7 @@ class AicModel(LatencyModel):
         if self.ep > 1 and (not self.model.is_moe or self.model.num_experts % self.ep):
             raise ValueError(f"ep={self.ep} needs a mixture-of-experts model whose num_experts "
                              f"({self.model.num_experts}) it divides")
-        if self.quantization not in (None, "fp8"):
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r}: the aic source prices fp8 "
                              f"or the engine's dtype")
         if self.quantization == "fp8" and self.model.is_moe:
@@ -199,7 +206,7 @@ class AicModel(LatencyModel):
                              f"({self.model.name}): the kernel database's fp8 expert tables "
                              f"disagree by 2x; fp8 is priced for dense models only "
                              f"(--kv-cache-dtype fp8 works for both)")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: the aic source prices "
                              f"auto or fp8")
         if self.engine is None:  # compiled once per process, its lookups shared
@@ -215,8 +222,7 @@ class AicModel(LatencyModel):
         return (f"{PACKAGE} {self.version} kernel database {self.system}/{self.backend} "
                 f"({aic_model_id(self.model)}, tp={self.tp}"
                 f"{f', ep={self.ep}' if self.ep > 1 else ''}"
-                f"{', fp8 weights' if self.quantization == 'fp8' else ''}"
-                f"{', fp8 KV' if self.kv_cache_dtype == 'fp8' else ''})")
+                f"{fp8_label(self.quantization, self.kv_cache_dtype)})")
 
     def kernel_ms(self, prefill_chunks: Chunks, decode_context_lens: Sequence[int]) -> float:
         """aiconfigurator's kernel sum for one step, ms (no serving terms)."""

@@ -161,6 +161,12 @@ def check_fp8(quantization: str | None, kv_cache_dtype: str, aic_system: str | N
                          f"the engine's dtype")
 
 
+def fp8_settings(quantization: str | None, kv_cache_dtype: str) -> dict[str, str]:
+    """The fp8 modes that are set, as ``simulation:`` keys (none for the defaults)."""
+    return {k: v for k, v in (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
+            if v not in (None, "auto")}
+
+
 # ------------------------------------------------------------------------- building blocks
 def step_model(sim: SimulationConfig, model: ModelConfig, tp: int, pp: int,
                dtype: str, ep: int = 1) -> LatencyModel:
