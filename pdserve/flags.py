@@ -87,6 +87,13 @@ def positive_int(text: str) -> int:
     return v
 
 
+def nonnegative_int(text: str) -> int:
+    v = int(_number(text, int))
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return v
+
+
 def positive_int_list(text: str) -> list[int]:
     """``1,2,4``: integers >= 1, in order, each once."""
     out = [positive_int(t.strip()) for t in text.split(",") if t.strip()]

@@ -31,8 +31,17 @@ search (``pdserve goodput``, ``plan``, ``advise``, the replanner):
    the requests in some stretches of 230 and 19–66 % in others, 87.6 % over 4,640 requests,
    while its 928-request probe attains 96.6 % of 464 judged with confidence 0.97 (its judged
    window was calm: this rule does not catch it; longer probes or independent replications
-   near capacity would). A fail is not extended: a
-   rate that fails is not planned on.
+   near capacity would: rule 7). A fail is not extended: a rate that fails is not planned
+   on.
+7. **A planned goodput is confirmed.** The goodput a plan reports for its choice (and for
+   the best placement of each strategy) is probed once more, whole, for ``confirm`` (5)
+   times the probe's length: its warm-up and judged requests both ``confirm`` times rule 2
+   and 3's (the same workload and seed, as rule 6 extends a probe), judged by rules 4 and 5; a
+   pass below ``min_confidence`` fails, with no extension (:meth:`SteadyState.confirming`).
+   A goodput that fails is searched again downwards with such probes, and the placement
+   keeps the highest rate that passed (``pdserve.planner.placements.confirm_goodput``).
+   Short probes screen the many candidates; the one a plan bets GPUs on is judged on a run
+   long enough to hold the episodes of rule 6's example (its 5-times run attains 87.6 %).
 
 Why this length. At ``λ = (1 + ε) μ`` (``μ`` the capacity) the backlog of work grows by ``ε``
 seconds per second, so a request arriving at ``t`` waits about ``ε t`` more than in the first
@@ -103,6 +112,15 @@ class SteadyState:
     def lifetime(slo: SLO, mean_output: float) -> float:
         """``L``: how long a mean request may live and attain both objectives."""
         return slo.ttft + max(mean_output - 1.0, 0.0) * slo.tpot
+
+    def confirming(self, factor: int) -> SteadyState:
+        """The rule of a confirmation probe (rule 7): ``factor`` × the horizon and the judged
+        minimum, and a pass below ``min_confidence`` fails rather than being extended."""
+        if not (isinstance(factor, int) and factor >= 1):
+            raise ValueError(f"a confirmation's length must be an integer >= 1 probe lengths, "
+                             f"got {factor!r}")
+        return replace(self, horizon=self.horizon * factor,
+                       min_judged=self.min_judged * factor, extensions=0)
 
     def warmup(self, rate: float, lifetime: float) -> int:
         """Requests at the start of a probe at ``rate`` that are not judged (rule 2)."""

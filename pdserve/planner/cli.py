@@ -24,6 +24,7 @@ from pdserve.flags import (
     add_engine_flags,
     engine_kwargs_from_args,
     link_value,
+    nonnegative_int,
     output_dir,
     output_file,
     positive,
@@ -155,6 +156,12 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help=f"whole-deployment simulations per algorithm or, with --joint, per "
                         f"strategy, in rounds while a next estimate beats the best whole "
                         f"result (default {Problem.top_k})")
+    s.add_argument("--confirm", type=nonnegative_int, default=Problem.confirm,
+                   metavar="LENGTHS",
+                   help="steady-state rule 7: the leading placement of each strategy is probed "
+                        "whole once more at its goodput for this many probe lengths, and keeps "
+                        "the goodput that holds there (a goodput that fails is searched again "
+                        f"downwards with such probes) (default {Problem.confirm}; 0: off)")
     s.add_argument("--lm", type=positive_int, default=Problem.lm,
                    help=f"DistServe's L_m for prefill instances (default {Problem.lm})")
     s.add_argument("--precision", type=positive, default=Problem.precision,
@@ -203,7 +210,7 @@ def problem_from_args(args: argparse.Namespace, **over: Any) -> Problem:
               precision=args.precision, max_probes=args.max_probes, max_tp=args.max_tp,
               max_pp=args.max_pp, joint=args.joint, top_k=args.top_k,
               traces_dir=args.traces_dir, macro_size=args.macro_size, horizon=args.horizon,
-              criterion=args.criterion, min_gpus=min_gpus,
+              criterion=args.criterion, min_gpus=min_gpus, confirm=args.confirm,
               **{k: getattr(args, k) or 0.0 for k in SERVING_PATH})
     kw.update(over)
     return Problem(**kw)
@@ -389,11 +396,21 @@ def simulate_command(result: Any, path: str) -> str:
             f"--slo-ttft {p.slo.ttft:g} --slo-tpot {p.slo.tpot:g}")
 
 
+def _how(pl: Any, units: str) -> str:
+    """Where a placement's goodput comes from: phase units, a whole simulation, or a whole
+    simulation confirmed over a long probe (steady-state rule 7)."""
+    c = pl.confirmed
+    if c is not None:
+        return (f"confirmed over {c['factor']} x the probe length" if c["held"] else
+                f"lowered to hold over {c['factor']} x the probe length")
+    return "simulated whole" if pl.simulated else units
+
+
 def write_yaml(path: str, spec: dict[str, Any], result: Any) -> None:
     import yaml
 
     best = result.best
-    how = "simulated whole" if best.simulated else "from phase units"
+    how = _how(best, "from phase units")
     head = [f"# pdserve plan: {best.name}",
             f"# predicted goodput {best.goodput_rps:.3f} req/s on {best.num_gpus} GPUs = "
             f"{best.per_gpu_rps:.3f} req/s per GPU ({how})",
@@ -430,7 +447,7 @@ def plan_markdown(result: Any, top: int = 8) -> str:
     w = base_workload(p)
     mean_out = sum(r.output_len for r in w.requests) / len(w.requests)
     for i, pl in enumerate([result.best, *result.alternatives][:top]):
-        how = "simulated whole" if pl.simulated else "phase units"
+        how = _how(pl, "phase units")
         lines.append(f"| {i + 1} | {pl.name} | {pl.algorithm} | {pl.num_gpus} | "
                      f"{pl.goodput_rps:.3f} | {pl.per_gpu_rps:.3f} | "
                      f"{pl.per_gpu_rps * mean_out:.0f} | {how} |")

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pdserve.bench.goodput import AttainmentResult, search_goodput
+from pdserve.bench.steady import until_confident
 from pdserve.config import ClusterConfig
 from pdserve.planner.problem import Problem, base_workload
 from pdserve.planner.units import (
@@ -83,6 +84,9 @@ class Placement:
     estimate_rps: float = 0.0
     fits: bool = True
     note: str = ""
+    # steady-state rule 7 (confirm_goodput): the long probe's factor, attainment, ...; None:
+    # not confirmed
+    confirmed: dict[str, Any] | None = None
 
     @property
     def per_gpu_rps(self) -> float:
@@ -261,6 +265,53 @@ def simulate_goodput(p: Problem, dep: Mapping[str, Any], hi: float) -> tuple[flo
                        growth=1.6, num_gpus=ClusterConfig.from_dict(dep).num_gpus)
     return g.goodput_rps, [asdict(q) for q in g.probes]
 
+
+
+def confirm_goodput(p: Problem, dep: Mapping[str, Any], goodput: float
+                    ) -> tuple[float, dict[str, Any]]:
+    """Steady-state rule 7 (:mod:`pdserve.bench.steady`): probe a whole deployment at its
+    planned ``goodput`` for ``p.confirm`` × the probe length (:meth:`SteadyState.confirming`:
+    no extension, an uncertain pass fails). It holds: ``goodput``. It fails: the rate search
+    continues downwards from it with such probes (growth 1.1, ``p.precision``) and the highest
+    rate that passed is returned. The details: the factor, the first probe's attainment,
+    judged requests and confidence, and every probe's rate and verdict."""
+    long = p.steady().confirming(p.confirm)
+
+    def probe(rate: float) -> AttainmentResult:
+        def one(q: Problem) -> AttainmentResult:
+            with gc_paused():
+                w = base_workload(q, probe_requests(q, rate))
+                return run_probe(q, dep, w.retimed(rate).requests, rate, "both",
+                                 p.early_probes)
+
+        return until_confident(long, lambda rule: one(
+            replace(p, horizon=rule.horizon, num_requests=rule.min_judged)))
+
+    first = probe(goodput)
+    info: dict[str, Any] = {"factor": p.confirm, "rate": goodput, "held": first.passed,
+                            "attainment": first.attainment,
+                            "judged": first.details.get("judged"),
+                            "confidence": first.details.get("confidence"),
+                            "probes": [(goodput, first.attainment, first.passed)]}
+    if first.passed:
+        return goodput, info
+
+    def at_rate(rate: float) -> AttainmentResult:
+        if rate == goodput:
+            return first
+        r = probe(rate)
+        info["probes"].append((rate, r.attainment, r.passed))
+        return r
+
+    g = search_goodput(at_rate, hi=goodput, precision=p.precision * goodput,
+                       max_probes=p.max_probes, growth=1.1, max_rate=goodput,
+                       num_gpus=ClusterConfig.from_dict(dict(dep)).num_gpus)
+    return g.goodput_rps, info
+
+
+def confirm_eval(args: tuple[Problem, Placement]) -> tuple[str, float, dict[str, Any]]:
+    p, pl = args
+    return (pl.name, *confirm_goodput(p, pl.deployment, pl.goodput_rps))
 
 
 def pair_eval(args: tuple[Problem, Placement]) -> tuple[str, float]:

@@ -85,6 +85,9 @@ class Problem:
     output_scale: float = 1.0  # every output length times this (the advisor's length ratio)
     horizon: float = DEFAULT_STEADY.horizon  # lifetimes a probe's arrivals span (steady())
     min_confidence: float = DEFAULT_STEADY.min_confidence  # of a pass, else extended (steady())
+    # the choice (and each strategy's best) confirmed over this many probe lengths (steady-state
+    # rule 7, pdserve.planner.placements.confirm_goodput); 0: not confirmed
+    confirm: int = 5
     macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
     early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
     criterion: str = "both"  # "distserve": P90 TTFT and P90 TPOT checked separately
@@ -111,6 +114,9 @@ class Problem:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not (isinstance(self.confirm, int) and self.confirm >= 0):
+            raise ValueError(f"confirm must be an integer >= 0 (probe lengths; 0: off), got "
+                             f"{self.confirm!r}")
         if not 0 < self.target <= 1:
             raise ValueError(f"attainment target must be in (0, 1], got {self.target!r}")
         for name in SERVING_PATH:

@@ -30,6 +30,7 @@ from pdserve.planner.alg2 import NodeGroup, alg2_placement, alg2_search, group_e
 from pdserve.planner.placements import (
     Placement,
     alg1_placements,
+    confirm_eval,
     pair_eval,
     replica_placements,
     research_pairs,
@@ -119,11 +120,47 @@ def _primary(p: Problem, pl: Placement) -> tuple[Any, ...]:
     return (not serves(p, pl), -round(pl.per_gpu_rps, 9))
 
 
-def _rank(p: Problem, pls: Iterable[Placement], simulated_first: bool = False
-          ) -> list[Placement]:
-    return sorted(pls, key=lambda x: (not x.fits, simulated_first and not x.simulated,
+def _rank(p: Problem, pls: Iterable[Placement], simulated_first: bool = False,
+          confirmed_first: bool = False) -> list[Placement]:
+    return sorted(pls, key=lambda x: (not x.fits, confirmed_first and x.confirmed is None,
+                                      simulated_first and not x.simulated,
                                       *_primary(p, x), -round(x.per_gpu_rps, 9), x.num_gpus,
                                       x.name))
+
+
+CONFIRM_ROUNDS = 3  # placements confirmed per strategy, at most (_confirm_leaders)
+
+
+def _confirm_leaders(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> None:
+    """Steady-state rule 7: the leading fitting placement of each strategy (ranked as the
+    plan ranks) is probed whole for ``p.confirm`` × the probe length at its goodput
+    (:func:`~pdserve.planner.placements.confirm_goodput`) and keeps the goodput that holds
+    there. A leader whose goodput falls can lose its lead; the new leader is confirmed in the
+    next round, up to :data:`CONFIRM_ROUNDS` per strategy. Strategies are confirmed side by
+    side on the pool."""
+    fitting = [pl for pl in pls if pl.fits]
+    rounds: dict[str, int] = {}
+    while True:
+        leaders: dict[str, Placement] = {}
+        for pl in _rank(p, fitting, simulated_first=p.joint):
+            leaders.setdefault(pl.strategy, pl)
+        todo = [pl for s, pl in leaders.items()
+                if pl.confirmed is None and rounds.get(s, 0) < CONFIRM_ROUNDS]
+        if not todo:
+            return
+        for pl, (_, goodput, info) in zip(todo, _map(cache, confirm_eval,
+                                                       [(p, pl) for pl in todo])):
+            rounds[pl.strategy] = rounds.get(pl.strategy, 0) + 1
+            was = pl.goodput_rps
+            pl.goodput_rps, pl.confirmed, pl.simulated = goodput, info, True
+            seen = (f"{info['attainment']:.1%} of {info['judged']} judged, confidence "
+                    f"{info['confidence']:.2f}")
+            lowest = min(r for r, _, _ in info["probes"])
+            held = (f"holds over {p.confirm} x the probe length ({seen})" if info["held"] else
+                    f"failed over {p.confirm} x the probe length at {was:.3f} req/s ({seen}): "
+                    + (f"confirmed at {goodput:.3f} req/s" if goodput > 0 else
+                       f"no rate held down to {lowest:.3f} req/s: dropped"))
+            pl.note = f"{pl.note}; {held}" if pl.note else held
 
 
 def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> None:
@@ -285,7 +322,12 @@ def plan(p: Problem, workers: int | None = None,
                     placements.append(alg2_placement(p, g, est[g], False, est[g]))
             notes.append(f"Alg. 2: {len(groups)} node configurations, {len(top)} simulated "
                          "whole, the rest estimated from phase units")
-    ranked_all = _rank(p, placements, simulated_first=p.joint)
+        if p.confirm:
+            _confirm_leaders(p, cache, placements)
+            notes += [f"{pl.name}: {pl.note.rsplit('; ', 1)[-1]}" for pl in placements
+                      if pl.confirmed is not None and not pl.confirmed["held"]]
+            placements = [pl for pl in placements if pl.goodput_rps > 0]  # none held
+    ranked_all = _rank(p, placements, simulated_first=p.joint, confirmed_first=p.confirm > 0)
     if not ranked_all:
         pruned = "; ".join(f"{r.unit.label}: {r.pruned}" for r in results if r.pruned)[:600]
         raise ValueError(f"no placement of {p.model} meets TTFT {p.slo.ttft:g} s / TPOT "

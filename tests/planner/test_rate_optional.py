@@ -123,7 +123,8 @@ def test_min_gpus_chooses_one_narrow_instance_where_goodput_per_gpu_chooses_a_wi
     one TP4 instance has the most goodput per GPU (hundreds of req/s on 4 GPUs), while one
     TP1 instance (a 256-token prompt per 60 ms batch of two, some 20-30 req/s) already serves
     the rate on one GPU. Per-GPU pruning would stop the TP1 units against the TP4 one, so
-    ``--min-gpus`` searches every unit in full."""
+    ``--min-gpus`` searches every unit in full. (Probes of a few requests, for speed, and no
+    long confirmation of them: ``tests/planner/test_confirm.py``.)"""
     import json
 
     step = lambda pre, dec: {"prefill": [pre, 0, 0], "decoding_smallbs": [dec, 0, 0],  # noqa: E731
@@ -135,7 +136,7 @@ def test_min_gpus_chooses_one_narrow_instance_where_goodput_per_gpu_chooses_a_wi
             "--max-pp", "1", "--strategies", "colocated", "--workload",
             "fixed:input=256,output=8", "--slo-ttft", "0.3", "--slo-tpot", "0.05",
             "--horizon", "0.5", "--num-requests", "20", "--max-probes", "3", "--workers", "1",
-            "--no-progress", "--rate", "20"]
+            "--no-progress", "--rate", "20", "--confirm", "0"]
     assert main(argv) == 0
     assert re.search(r"\*\*Chosen:\*\* colocated 1x\(TP4 PP1", capsys.readouterr().out)
     assert main([*argv, "--min-gpus"]) == 0
