@@ -367,11 +367,15 @@ def compare_whole(result: Any, files: list[str], workers: int) -> list[dict[str,
 def against_markdown(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["per_gpu_rps"]
     lines = ["| placement (simulated whole, same probes) | GPUs | goodput (req/s) | per GPU | "
-             "chosen / this |", "|---|---:|---:|---:|---:|"]
+             "chosen / this | over a long probe (rule 7) |", "|---|---:|---:|---:|---:|---|"]
     for r in rows:
         ratio = f"{base / r['per_gpu_rps']:.2f}x" if r["per_gpu_rps"] > 0 else "–"
+        c = r.get("confirmed")
+        long = ("–" if c is None else
+                f"held over {c['factor']} x the probe length" if c["held"] else
+                f"lowered to hold over {c['factor']} x the probe length")
         lines.append(f"| {r['name']} | {r['num_gpus']} | {r['goodput_rps']:.3f} | "
-                     f"{r['per_gpu_rps']:.3f} | {ratio} |")
+                     f"{r['per_gpu_rps']:.3f} | {ratio} | {long} |")
     return "\n".join(lines)
 
 

@@ -322,9 +322,12 @@ def pair_eval(args: tuple[Problem, Placement]) -> tuple[str, float]:
 def _whole_eval(args: tuple[Problem, str, dict[str, Any], float]) -> dict[str, Any]:
     p, name, dep, hi = args
     goodput, probes = simulate_goodput(p, dep, hi)
+    confirmed = None
+    if p.confirm and goodput > 0:  # as a plan's leaders are (rule 7)
+        goodput, confirmed = confirm_goodput(p, dep, goodput)
     gpus = ClusterConfig.from_dict(dep).num_gpus
     return {"name": name, "num_gpus": gpus, "goodput_rps": goodput,
-            "per_gpu_rps": goodput / gpus, "probes": probes}
+            "per_gpu_rps": goodput / gpus, "probes": probes, "confirmed": confirmed}
 
 
 def measure_whole(p: Problem, deployments: Sequence[tuple[str, Mapping[str, Any]]],
@@ -333,7 +336,8 @@ def measure_whole(p: Problem, deployments: Sequence[tuple[str, Mapping[str, Any]
     problem's workload, seed, steady-state probes (pdserve.bench.steady), attainment target,
     precision and early probes, the first bracket at ``per_gpu_guess`` × its GPUs (so the
     bracket's relative width is the same for every deployment) — the same probes a plan's
-    units get, for comparing a plan's choice with hand-picked placements."""
+    units get, and the goodput confirmed over ``p.confirm`` probe lengths as a plan's leaders'
+    (:func:`confirm_goodput`), for comparing a plan's choice with hand-picked placements."""
     jobs = [(p, name, dict(dep), per_gpu_guess * ClusterConfig.from_dict(dict(dep)).num_gpus)
             for name, dep in deployments]
     if workers > 1 and len(jobs) > 1:
