@@ -4,7 +4,10 @@ prefill instance is an exact M/D/1 server (DistServe §3.1)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -27,3 +30,21 @@ def const_profile(tmp_path: Path):
              decode_per_seq_ms: float = 0.0) -> str:
         return write_profile(tmp_path / "const.json", prefill_ms, decode_ms, decode_per_seq_ms)
     return make
+
+
+def stand_in_units(monkeypatch: pytest.MonkeyPatch, units: Mapping[Any, float],
+                   capacity: Callable[[Any], float] = lambda u: 1.0) -> None:
+    """Unit goodputs worked by hand, no simulator: ``evaluate_unit`` gives ``units[u]`` (a unit
+    not in it is pruned) and ``unit_model`` the capacity bound ``capacity(u)``."""
+    import pdserve.planner.units as unit_mod
+    from pdserve.planner.units import UnitResult
+
+    def evaluate_unit(p: Any, u: Any, incumbent: float = 0.0) -> UnitResult:
+        g = units.get(u)
+        if g is None:
+            return UnitResult(u, pruned="stand-in: not searched")
+        return UnitResult(u, goodput_rps=g, per_gpu_rps=g / u.num_gpus)
+
+    monkeypatch.setattr(unit_mod, "evaluate_unit", evaluate_unit)
+    monkeypatch.setattr(unit_mod, "unit_model",
+                        lambda p, u: SimpleNamespace(capacity_rps=capacity(u)))

@@ -12,19 +12,18 @@ the rate search lands past capacity; five probe lengths reject anything ~2 % ove
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
 import pdserve.planner.search as search
-import pdserve.planner.units as unit_mod
 from pdserve.bench.goodput import AttainmentResult
 from pdserve.bench.metrics import SLO
 from pdserve.bench.steady import SteadyState, until_confident
 from pdserve.planner.placements import confirm_goodput, simulate_goodput
 from pdserve.planner.problem import Problem
 from pdserve.planner.search import plan
-from pdserve.planner.units import Unit, UnitResult, decode_feed, unit_deployment
+from pdserve.planner.units import Unit, decode_feed, unit_deployment
+from tests.planner.conftest import stand_in_units
 from tests.planner.test_mdl_optimum import closed_form_goodput, mdl_wait_cdf
 
 D, SLO_TTFT = 0.1, 5.0
@@ -91,12 +90,7 @@ HOLDS = {"colocated 4x(TP1 PP1 chunked)": 4.0}
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    def evaluate_unit(p, u, incumbent=0.0):
-        g = UNITS.get(u)
-        if g is None:
-            return UnitResult(u, pruned="stand-in: not searched")
-        return UnitResult(u, goodput_rps=g, per_gpu_rps=g / u.num_gpus)
-
+    stand_in_units(monkeypatch, UNITS, lambda u: 10.0 * u.num_gpus)
     confirmed: list[str] = []
 
     def confirm_eval(args):
@@ -110,9 +104,6 @@ def stand_ins(monkeypatch):
                             "attainment": probes[0][1], "judged": 3000, "confidence": 0.99,
                             "probes": probes}
 
-    monkeypatch.setattr(unit_mod, "evaluate_unit", evaluate_unit)
-    monkeypatch.setattr(unit_mod, "unit_model",
-                        lambda p, u: SimpleNamespace(capacity_rps=10.0 * u.num_gpus))
     monkeypatch.setattr(search, "pair_eval", lambda args: (args[1].name, WHOLE[args[1].name]))
     monkeypatch.setattr(search, "confirm_eval", confirm_eval)
     return confirmed

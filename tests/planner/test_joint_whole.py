@@ -26,7 +26,8 @@ import pdserve.planner.units as unit_mod
 from pdserve.bench.metrics import SLO
 from pdserve.planner.problem import Problem
 from pdserve.planner.search import plan
-from pdserve.planner.units import Unit, UnitResult
+from pdserve.planner.units import Unit
+from tests.planner.conftest import stand_in_units
 
 UNITS = {Unit("colocated", 1, 1, True): 1.0, Unit("partial", 1, 1, size=2): 2.2}
 WHOLE = {"colocated 4x(TP1 PP1 chunked)": 4.8, "partial 2x[2x temporal (TP1 PP1)]": 3.6}
@@ -34,12 +35,7 @@ WHOLE = {"colocated 4x(TP1 PP1 chunked)": 4.8, "partial 2x[2x temporal (TP1 PP1)
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    def evaluate_unit(p, u, incumbent=0.0):
-        g = UNITS.get(u)
-        if g is None:
-            return UnitResult(u, pruned="stand-in: not searched")
-        return UnitResult(u, goodput_rps=g, per_gpu_rps=g / u.num_gpus)
-
+    stand_in_units(monkeypatch, UNITS)
     simulated = []
 
     def pair_eval(args):
@@ -47,8 +43,6 @@ def stand_ins(monkeypatch):
         simulated.append(pl.name)
         return pl.name, WHOLE[pl.name]
 
-    monkeypatch.setattr(unit_mod, "evaluate_unit", evaluate_unit)
-    monkeypatch.setattr(unit_mod, "unit_model", lambda p, u: SimpleNamespace(capacity_rps=1.0))
     monkeypatch.setattr(search, "pair_eval", pair_eval)
     return simulated
 
