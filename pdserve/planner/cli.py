@@ -285,6 +285,12 @@ class _Progress:
         self._line(f"cell {self.done_cells}/{self.cells} done in {took:.0f} s: {label}: "
                    f"{summary}; ETA {left:.0f} s")
 
+    def stage(self, text: str) -> None:
+        """A step after the units (whole-placement simulations, confirmations): the bar's
+        description, or a plain line."""
+        self.bar.update(self.task, description=f"{self.what}: {text[:70]}")
+        self._line(f"  {text}")
+
     def __call__(self, r: Any) -> None:
         self.done_units += 1
         self.bar.update(self.task, advance=1, description=f"{self.what}: {r.unit.label}")
@@ -305,7 +311,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     strategies = _strategies(args.strategies)
     with _Progress(not args.no_progress, "simulating units") as bar:
         bar.start_cell("plan", len(candidate_units(p, strategies)))
-        result = plan(p, args.workers, bar, strategies, prune=not args.exhaustive)
+        result = plan(p, args.workers, bar, strategies, prune=not args.exhaustive,
+                      on_stage=bar.stage)
     print(plan_markdown(result, args.top))
     against = None
     if args.against:

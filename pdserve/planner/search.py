@@ -131,13 +131,14 @@ def _rank(p: Problem, pls: Iterable[Placement], simulated_first: bool = False,
 CONFIRM_ROUNDS = 3  # placements confirmed per strategy, at most (_confirm_leaders)
 
 
-def _confirm_leaders(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> None:
+def _confirm_leaders(p: Problem, cache: UnitCache, pls: Sequence[Placement],
+                     say: Callable[[str], None] = lambda _: None) -> None:
     """Steady-state rule 7: the leading fitting placement of each strategy (ranked as the
     plan ranks) is probed whole for ``p.confirm`` × the probe length at its goodput
     (:func:`~pdserve.planner.placements.confirm_goodput`) and keeps the goodput that holds
     there. A leader whose goodput falls can lose its lead; the new leader is confirmed in the
     next round, up to :data:`CONFIRM_ROUNDS` per strategy. Strategies are confirmed side by
-    side on the pool."""
+    side on the pool. ``say``: a line before each round and one per placement confirmed."""
     fitting = [pl for pl in pls if pl.fits]
     rounds: dict[str, int] = {}
     while True:
@@ -148,6 +149,8 @@ def _confirm_leaders(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> 
                 if pl.confirmed is None and rounds.get(s, 0) < CONFIRM_ROUNDS]
         if not todo:
             return
+        say(f"confirming over {p.confirm} x the probe length: "
+            + ", ".join(f"{pl.name} at {pl.goodput_rps:.3f} req/s" for pl in todo))
         for pl, (_, goodput, info) in zip(todo, _map(cache, confirm_eval,
                                                        [(p, pl) for pl in todo])):
             rounds[pl.strategy] = rounds.get(pl.strategy, 0) + 1
@@ -161,9 +164,11 @@ def _confirm_leaders(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> 
                     + (f"confirmed at {goodput:.3f} req/s" if goodput > 0 else
                        f"no rate held down to {lowest:.3f} req/s: dropped"))
             pl.note = f"{pl.note}; {held}" if pl.note else held
+            say(f"{pl.name}: {held}")
 
 
-def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> None:
+def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement],
+                    say: Callable[[str], None] = lambda _: None) -> None:
     """``--joint``: simulate ``pls`` whole at their replica counts (first bracket 0.9 × the
     estimate from units) and keep the simulated goodput. A unit alone and ``n`` replicas of
     it behind a router are not the same server: on EcoServe's L20 testbed 8 colocated TP4
@@ -173,6 +178,8 @@ def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> N
     disaggregated pair there falls short of its estimate."""
     pls = [pl for pl in pls if pl.fits]  # one that does not fit the cluster is never chosen
     one = {id(pl) for pl in pls if _one_unit(pl)}
+    if len(one) < len(pls):
+        say("simulating whole: " + ", ".join(pl.name for pl in pls if id(pl) not in one))
     done = dict(_map(cache, pair_eval, [(p, pl) for pl in pls if id(pl) not in one]))
     for pl in pls:
         gpus = ClusterConfig.from_dict(pl.deployment).num_gpus
@@ -185,8 +192,8 @@ def _simulate_whole(p: Problem, cache: UnitCache, pls: Sequence[Placement]) -> N
                    f"{pl.estimate_rps:.3f} req/s")
 
 
-def _simulate_best(p: Problem, cache: UnitCache, ranked: Sequence[Sequence[Placement]]
-                   ) -> None:
+def _simulate_best(p: Problem, cache: UnitCache, ranked: Sequence[Sequence[Placement]],
+                   say: Callable[[str], None] = lambda _: None) -> None:
     """``--joint``, per strategy (each list ranked by its estimates from units): the best
     ``p.top_k`` placements that fit are simulated whole, then, a round at a time, the next
     ones whose estimate per GPU still beats the best whole simulation of their strategy, up to
@@ -199,7 +206,7 @@ def _simulate_best(p: Problem, cache: UnitCache, ranked: Sequence[Sequence[Place
     upto = [0] * len(queues)
     batch = [q[:p.top_k] for q in queues]
     while any(batch):
-        _simulate_whole(p, cache, [pl for b in batch for pl in b])
+        _simulate_whole(p, cache, [pl for b in batch for pl in b], say)
         for i, q in enumerate(queues):
             upto[i] += len(batch[i])
             if p.min_gpus:  # the next ones on fewer GPUs than the fewest serving whole
@@ -256,13 +263,16 @@ def rate_ceiling(p: Problem, cands: Sequence[Unit]) -> tuple[float, str]:
 def plan(p: Problem, workers: int | None = None,
          on_unit: Callable[[UnitResult], None] | None = None,
          strategies: Sequence[str] = STRATEGIES, prune: bool = True,
-         early_stop: bool = True) -> Plan:
+         early_stop: bool = True, on_stage: Callable[[str], None] | None = None) -> Plan:
     """Search the placements for ``p`` (module docstring) and rank them by per-GPU goodput.
     ``prune``: skip units whose capacity bound is dominated and stop rate searches that cannot
     beat the best unit of their kind (:meth:`UnitCache.get_bounded`); ``prune=False`` searches
     every unit to convergence (full per-phase rankings); ``early_stop=False`` keeps the
-    dominance pruning only (the search before early stops existed)."""
+    dominance pruning only (the search before early stops existed). ``on_unit`` hears of each
+    unit's result, ``on_stage`` of the whole-placement simulations and confirmations (a
+    line each, for progress)."""
     t0 = time.perf_counter()
+    say = on_stage or (lambda _: None)
     notes: list[str] = []
     if p.min_gpus and prune:  # a unit dominated per GPU can still give the fewest GPUs
         prune = False
@@ -292,7 +302,7 @@ def plan(p: Problem, workers: int | None = None,
         part = _rank(p, replica_placements(p, [r for r in results
                                                  if r.unit.kind == "partial"]))
         if p.joint:
-            _simulate_best(p, cache, [colo, part])
+            _simulate_best(p, cache, [colo, part], say)
         placements += colo + part
         if alg1:
             if prune and early_stop:
@@ -302,7 +312,7 @@ def plan(p: Problem, workers: int | None = None,
             dec = [r for r in results if r.unit.kind == "decode"]
             pairs = _rank(p, alg1_placements(p, pre, dec))
             if p.joint:
-                _simulate_best(p, cache, [pairs])
+                _simulate_best(p, cache, [pairs], say)
             placements += pairs
         if alg2:
             def simulate(jobs: list[tuple[Problem, NodeGroup, float]]) -> dict[NodeGroup, float]:
@@ -323,7 +333,7 @@ def plan(p: Problem, workers: int | None = None,
             notes.append(f"Alg. 2: {len(groups)} node configurations, {len(top)} simulated "
                          "whole, the rest estimated from phase units")
         if p.confirm:
-            _confirm_leaders(p, cache, placements)
+            _confirm_leaders(p, cache, placements, say)
             notes += [f"{pl.name}: {pl.note.rsplit('; ', 1)[-1]}" for pl in placements
                       if pl.confirmed is not None and not pl.confirmed["held"]]
             placements = [pl for pl in placements if pl.goodput_rps > 0]  # none held

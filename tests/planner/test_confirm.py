@@ -117,8 +117,20 @@ def _problem(**kw) -> Problem:
 def test_a_leader_that_fails_its_long_probe_yields_to_the_next(stand_ins):
     """Round 1 confirms each strategy's leader side by side: the chunked replicas (1.2 per
     GPU whole) hold only 1.0, so the prefill-first ones (1.1) lead and round 2 confirms them;
-    they hold and are chosen. Every placement ranked is confirmed first."""
-    r = plan(_problem(), 1, strategies=["colocated", "partial"])
+    they hold and are chosen. Every placement ranked is confirmed first. Each step is said
+    (progress)."""
+    lines: list[str] = []
+    r = plan(_problem(), 1, strategies=["colocated", "partial"], on_stage=lines.append)
+    assert lines == [
+        "simulating whole: colocated 4x(TP1 PP1 chunked), colocated 5x(TP1 PP1), "
+        "partial 2x[2x temporal (TP1 PP1)]",
+        "confirming over 5 x the probe length: colocated 4x(TP1 PP1 chunked) at 4.800 req/s, "
+        "partial 2x[2x temporal (TP1 PP1)] at 3.600 req/s",
+        *lines[2:4],
+        "confirming over 5 x the probe length: colocated 5x(TP1 PP1) at 5.500 req/s",
+        lines[5]]
+    assert lines[2].startswith("colocated 4x(TP1 PP1 chunked): failed over 5 x the probe length")
+    assert lines[5].startswith("colocated 5x(TP1 PP1): holds over 5 x the probe length")
     assert stand_ins == ["colocated 4x(TP1 PP1 chunked)", "partial 2x[2x temporal (TP1 PP1)]",
                          "colocated 5x(TP1 PP1)"]
     assert r.best.name == "colocated 5x(TP1 PP1)"
