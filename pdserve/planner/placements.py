@@ -292,6 +292,7 @@ def confirm_goodput(p: Problem, dep: Mapping[str, Any], goodput: float
                             "attainment": first.attainment,
                             "judged": first.details.get("judged"),
                             "confidence": first.details.get("confidence"),
+                            "early": first.details.get("early"),  # "fail": stopped once certain
                             "probes": [(goodput, first.attainment, first.passed)]}
     if first.passed:
         return goodput, info

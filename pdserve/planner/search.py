@@ -156,7 +156,9 @@ def _confirm_leaders(p: Problem, cache: UnitCache, pls: Sequence[Placement],
             rounds[pl.strategy] = rounds.get(pl.strategy, 0) + 1
             was = pl.goodput_rps
             pl.goodput_rps, pl.confirmed, pl.simulated = goodput, info, True
-            seen = (f"{info['attainment']:.1%} of {info['judged']} judged, confidence "
+            seen = (f"stopped once certain: at most {info['attainment']:.1%} of "
+                    f"{info['judged']} judged" if info.get("early") == "fail" else
+                    f"{info['attainment']:.1%} of {info['judged']} judged, confidence "
                     f"{info['confidence']:.2f}")
             lowest = min(r for r, _, _ in info["probes"])
             held = (f"holds over {p.confirm} x the probe length ({seen})" if info["held"] else
