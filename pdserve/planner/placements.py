@@ -10,11 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.bench.goodput import AttainmentResult, search_goodput
-from pdserve.bench.steady import until_confident
 from pdserve.config import ClusterConfig
 from pdserve.planner.problem import Problem, base_workload
 from pdserve.planner.units import (
@@ -251,15 +250,17 @@ def research_pairs(p: Problem, cache: UnitCache, results: list[UnitResult]
 
 
 
+def whole_probe(q: Problem, dep: Mapping[str, Any], rate: float) -> AttainmentResult:
+    """One probe of a whole deployment at ``rate`` (both SLOs per request), ``q``'s length."""
+    with gc_paused():
+        w = base_workload(q, probe_requests(q, rate))
+        return run_probe(q, dep, w.retimed(rate).requests, rate, "both", q.early_probes)
+
+
 def simulate_goodput(p: Problem, dep: Mapping[str, Any], hi: float) -> tuple[float, list[Any]]:
     """Goodput (both SLOs per request) of a whole deployment, by the rate search."""
-    def probe(q: Problem, rate: float) -> AttainmentResult:
-        with gc_paused():
-            w = base_workload(q, probe_requests(q, rate))
-            return run_probe(q, dep, w.retimed(rate).requests, rate, "both", p.early_probes)
-
     def at_rate(rate: float) -> AttainmentResult:
-        return steady_probe(p, lambda q: probe(q, rate))
+        return steady_probe(p, lambda q: whole_probe(q, dep, rate))
 
     g = search_goodput(at_rate, hi=hi, precision=p.precision * hi, max_probes=p.max_probes,
                        growth=1.6, num_gpus=ClusterConfig.from_dict(dep).num_gpus)
@@ -278,14 +279,7 @@ def confirm_goodput(p: Problem, dep: Mapping[str, Any], goodput: float
     long = p.steady().confirming(p.confirm)
 
     def probe(rate: float) -> AttainmentResult:
-        def one(q: Problem) -> AttainmentResult:
-            with gc_paused():
-                w = base_workload(q, probe_requests(q, rate))
-                return run_probe(q, dep, w.retimed(rate).requests, rate, "both",
-                                 p.early_probes)
-
-        return until_confident(long, lambda rule: one(
-            replace(p, horizon=rule.horizon, num_requests=rule.min_judged)))
+        return steady_probe(p, lambda q: whole_probe(q, dep, rate), long)
 
     first = probe(goodput)
     info: dict[str, Any] = {"factor": p.confirm, "rate": goodput, "held": first.passed,

@@ -293,12 +293,13 @@ def run_probe(p: Problem, dep: Mapping[str, Any], requests: Sequence[Any], rate:
     return AttainmentResult(rate, v.attainment, v.passed, details)
 
 
-def steady_probe(p: Problem, probe: Callable[[Problem], AttainmentResult]) -> AttainmentResult:
-    """A probe by the steady-state rule, a pass confident or extended
-    (:func:`pdserve.bench.steady.until_confident`): ``probe(q)`` runs it on ``q``, ``p`` with
-    the (extended) rule's horizon and judged minimum."""
-    return until_confident(p.steady(), lambda rule: probe(
-        replace(p, horizon=rule.horizon, num_requests=rule.min_judged)))
+def steady_probe(p: Problem, probe: Callable[[Problem], AttainmentResult],
+                 rule: SteadyState | None = None) -> AttainmentResult:
+    """A probe by the steady-state rule (``rule``, default ``p.steady()``), a pass confident or
+    extended (:func:`pdserve.bench.steady.until_confident`): ``probe(q)`` runs it on ``q``,
+    ``p`` with the (extended) rule's horizon and judged minimum."""
+    return until_confident(rule or p.steady(), lambda r: probe(
+        replace(p, horizon=r.horizon, num_requests=r.min_judged)))
 
 
 def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
