@@ -62,11 +62,12 @@ class AdvicePoint:
 
 def advise_point(p: Problem, strategies: Sequence[str] = STRATEGIES,
                  workers: int | None = None,
-                 on_unit: Callable[[UnitResult], None] | None = None) -> dict[str, Any]:
+                 on_unit: Callable[[UnitResult], None] | None = None,
+                 on_stage: Callable[[str], None] | None = None) -> dict[str, Any]:
     """One plan over ``strategies``: the best per-GPU goodput and placement of each."""
     out: dict[str, Any] = {}
     try:
-        res = plan(p, workers, on_unit, tuple(strategies))
+        res = plan(p, workers, on_unit, tuple(strategies), on_stage=on_stage)
     except ValueError as e:  # nothing meets the SLO at this point
         for s in STRATEGIES:
             out[f"{s}_per_gpu"], out[s] = 0.0, f"none ({str(e)[:80]})"
@@ -85,10 +86,12 @@ def advise(base: Problem, slo_scales: Sequence[float], output_scales: Sequence[f
            on_unit: Callable[[UnitResult], None] | None = None,
            strategies: Sequence[str] = STRATEGIES,
            on_cell: Callable[[float, float, AdvicePoint | None], None] | None = None,
-           cells_at_once: int | None = None) -> list[AdvicePoint]:
+           cells_at_once: int | None = None,
+           on_stage: Callable[[str], None] | None = None) -> list[AdvicePoint]:
     """One :func:`advise_point` per (output scale, SLO scale), in that order; ``on_cell(
-    slo_scale, output_scale, None)`` before each cell and ``on_cell(..., point)`` after it
-    (callbacks are serialised).
+    slo_scale, output_scale, None)`` before each cell and ``on_cell(..., point)`` after it;
+    ``on_stage`` hears each cell's whole-placement simulations and confirmations, prefixed
+    with the cell (callbacks are serialised).
 
     Cells are independent plans. With ``workers`` > 1, ``cells_at_once`` of them (default:
     the cores over ``workers``, plus one) run side by side, each on its own process pool of
@@ -111,8 +114,14 @@ def advise(base: Problem, slo_scales: Sequence[float], output_scales: Sequence[f
         if on_cell is not None:
             with lock:
                 on_cell(k, f, None)
+
+        def stage(text: str) -> None:
+            if on_stage is not None:
+                with lock:
+                    on_stage(f"SLO x{k:g}, output x{f:g}: {text}")
+
         p = replace(base, slo=base.slo.scaled(k), output_scale=f)
-        point = AdvicePoint(k, f, **advise_point(p, strategies, workers, unit_done))
+        point = AdvicePoint(k, f, **advise_point(p, strategies, workers, unit_done, stage))
         if on_cell is not None:
             with lock:
                 on_cell(k, f, point)

@@ -546,7 +546,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
                                     f"partial {point.partial_per_gpu:.3f} req/s per GPU "
                                     f"({point.winner} wins)")
 
-        grid = advise(base, scales, outs, args.workers, bar, strategies, on_cell=cell)
+        grid = advise(base, scales, outs, args.workers, bar, strategies, on_cell=cell,
+                      on_stage=bar.stage)
     print(advise_markdown(base, grid))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,10 @@ def test_advise_prints_a_line_per_cell_with_an_eta(const_profile, capsys):
     assert sorted(started) == [("1", "1"), ("2", "2")] or sorted(started) == [("1", "2"),
                                                                              ("2", "1")]
     assert len(re.findall(r"^  unit \d+: colocated TP1 PP1 ", err, re.M)) == 4
+    # each cell's end (its leaders confirmed over a long probe, rule 7) says what it does
+    confirming = re.findall(r"^  SLO x([^,]+), output x1: confirming over 5 x the probe length: "
+                            r"colocated 1x\(TP1 PP1", err, re.M)
+    assert sorted(confirming) == ["1", "2"]
 
 
 def test_no_progress_is_silent(const_profile, capsys):
