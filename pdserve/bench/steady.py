@@ -54,7 +54,7 @@ of a run whose length did not depend on the SLO: on an M/D/1 server of capacity 
 5 s TTFT SLO it passes 11 req/s (10 % overloaded) and its goodput search lands at 11.6 req/s,
 where the rule's lands at 10.5 (tests/bench/test_steady.py). Rule 7's probes span 60
 lifetimes: they reject a rate ~1.8 % over a TTFT-bound capacity, and the planner's search on
-such a server (10.35 req/s, past capacity) is confirmed at 9.64 against 9.96 in closed form
+such a server (10.35 req/s, past capacity) is confirmed at 9.73 against 9.96 in closed form
 (tests/planner/test_confirm.py).
 """
 

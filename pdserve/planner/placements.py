@@ -273,8 +273,9 @@ def confirm_goodput(p: Problem, dep: Mapping[str, Any], goodput: float
     """Steady-state rule 7 (:mod:`pdserve.bench.steady`): probe a whole deployment at its
     planned ``goodput`` for ``p.confirm`` × the probe length (:meth:`SteadyState.confirming`:
     no extension, an uncertain pass fails). It holds: ``goodput``. It fails: the rate search
-    continues downwards from it with such probes (growth 1.1, ``p.precision``) and the highest
-    rate that passed is returned. The details: the factor, the first probe's attainment,
+    continues downwards from it with such probes (first one ``p.precision`` bracket lower, then
+    by 1.1 at a time, then bisection to ``p.precision``) and the highest rate that passed is
+    returned. The details: the factor, the first probe's attainment,
     judged requests and confidence, and every probe's rate and verdict."""
     long = p.steady().confirming(p.confirm)
 
@@ -298,9 +299,10 @@ def confirm_goodput(p: Problem, dep: Mapping[str, Any], goodput: float
         info["probes"].append((rate, r.attainment, r.passed))
         return r
 
-    g = search_goodput(at_rate, hi=goodput, precision=p.precision * goodput,
-                       max_probes=p.max_probes, growth=1.1, max_rate=goodput,
-                       num_gpus=ClusterConfig.from_dict(dict(dep)).num_gpus)
+    # first one bracket's width lower (a pass there ends the search), then 1.1 at a time
+    g = search_goodput(at_rate, lo=goodput / (1 + p.precision), hi=goodput,
+                       precision=p.precision * goodput, max_probes=p.max_probes, growth=1.1,
+                       max_rate=goodput, num_gpus=ClusterConfig.from_dict(dict(dep)).num_gpus)
     return g.goodput_rps, info
 
 
