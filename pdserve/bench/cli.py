@@ -32,11 +32,20 @@ from pdserve.bench.runner import (
     resolve_slo,
     run_workload,
 )
+from pdserve.bench.steady import CONFIRM
 from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
 from pdserve.bench.targets import Target, make_target, target_names
 from pdserve.bench.workloads import Workload, workload_help
 from pdserve.config import load_data_file
-from pdserve.flags import UsageError, output_dir, output_file, positive, positive_int, subcommand
+from pdserve.flags import (
+    UsageError,
+    nonnegative_int,
+    output_dir,
+    output_file,
+    positive,
+    positive_int,
+    subcommand,
+)
 from pdserve.tokenizer import load_tokenizer
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -210,6 +219,11 @@ def _add_search(p: argparse.ArgumentParser) -> None:
                    help="steady-state rule: a probe's arrivals span this many request "
                         "lifetimes (TTFT SLO + mean output x TPOT SLO), the second half judged "
                         f"(at least --num-requests of them) (default {DEFAULT_STEADY.horizon:g})")
+    g.add_argument("--confirm", type=nonnegative_int, default=CONFIRM, metavar="LENGTHS",
+                   help="steady-state rule 7: the goodput found is probed once more for this "
+                        "many probe lengths and, if it does not hold there, searched downwards "
+                        f"with such probes; the goodput reported is the one that held (default "
+                        f"{CONFIRM}; 0: off)")
 
 
 def register(subparsers: Any) -> None:
@@ -362,9 +376,11 @@ def check_failures(args: argparse.Namespace, runs: dict[str, Run | None]) -> int
 
 def _search(args: argparse.Namespace, target: Target, s: Settings, w: Workload) -> SearchRun:
     if getattr(args, "rates", None):
-        return rate_grid(target, s, args.rates, _log_probe(target.name), base=w)
+        return rate_grid(target, s, args.rates, _log_probe(target.name), base=w,
+                         confirm=args.confirm, precision=args.precision,
+                         max_probes=args.max_probes)
     return find_goodput(target, s, args.rate or 1.0, args.rate_lo, args.precision,
-                        args.max_probes, _log_probe(target.name), base=w)
+                        args.max_probes, _log_probe(target.name), base=w, confirm=args.confirm)
 
 
 def _search_dict(sr: SearchRun, save_records: bool) -> dict[str, Any]:
@@ -372,7 +388,7 @@ def _search_dict(sr: SearchRun, save_records: bool) -> dict[str, Any]:
     return {"goodput_rps": r.goodput_rps, "per_gpu_goodput_rps": r.per_gpu_goodput_rps,
             "num_gpus": r.num_gpus, "converged": r.converged, "note": r.note,
             "bracket": {"lo": r.lo, "hi": r.hi}, "precision": r.precision,
-            "probes": [vars(p) for p in r.probes],
+            "probes": [vars(p) for p in r.probes], "confirmed": sr.confirmed,
             "at_goodput": sr.best.to_dict(save_records) if sr.best else None}
 
 
@@ -380,7 +396,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     target = _target(args, args.target)
     s, w = _setup(args, target, args.rate or 1.0, need_slo=True)
     sr = _search(args, target, s, w)
-    md = report.probes_markdown(sr.result)
+    md = report.probes_markdown(sr.result, sr.confirmed)
     if sr.best:
         md += "\n" + report.summary_markdown(
             sr.best.summary, f"at the goodput rate ({sr.best.judged} judged requests, after the "

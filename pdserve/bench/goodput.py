@@ -154,6 +154,51 @@ def search_goodput(
                          converged, probes, note)
 
 
+def confirm_goodput(
+    run_at_rate: Callable[[float], AttainmentResult],
+    goodput: float,
+    precision: float,
+    max_probes: int = 20,
+    *,
+    num_gpus: int = 1,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> tuple[float, dict[str, Any]]:
+    """Steady-state rule 7 (:mod:`pdserve.bench.steady`): ``run_at_rate`` probes at a
+    confirmation's length (:meth:`~pdserve.bench.steady.SteadyState.confirming`). The searched
+    ``goodput`` is probed first; it holds: it is returned. It fails: the search continues
+    downwards with such probes — first one ``precision`` (req/s) bracket lower (a pass there
+    ends it), then by 1.1 at a time, then bisection to ``precision`` — and the highest rate
+    that passed is returned (0 if none did). The details: the first probe's rate, verdict,
+    attainment, judged requests and confidence, whether it stopped early, and every probe's
+    ``(rate, attainment, passed)``. ``on_probe`` sees each probe (phase ``"confirm"``)."""
+    goodput = _positive("goodput", goodput)
+    probes: list[tuple[float, float, bool]] = []
+    results: dict[float, AttainmentResult] = {}
+
+    def probe(rate: float) -> AttainmentResult:
+        if rate not in results:
+            r = results[rate] = run_at_rate(rate)
+            probes.append((rate, float(r.attainment), bool(r.passed)))
+            if on_probe is not None:
+                on_probe(Probe(len(probes) - 1, rate, float(r.attainment), bool(r.passed),
+                               "confirm", dict(r.details)))
+        return results[rate]
+
+    first = probe(goodput)
+    info: dict[str, Any] = {"rate": goodput, "held": bool(first.passed),
+                            "attainment": float(first.attainment),
+                            "judged": first.details.get("judged"),
+                            "confidence": first.details.get("confidence"),
+                            "early": first.details.get("early"),  # "fail": stopped once certain
+                            "probes": probes}
+    if first.passed:
+        return goodput, info
+    g = search_goodput(probe, lo=goodput / (1 + precision / goodput), hi=goodput,
+                       precision=precision, max_probes=max_probes, growth=1.1,
+                       max_rate=goodput, num_gpus=num_gpus)
+    return g.goodput_rps, info
+
+
 @dataclass
 class ScaleSweep:
     """Attainment at each SLO scale and the tightest scale meeting the target."""

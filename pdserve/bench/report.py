@@ -83,7 +83,15 @@ def summary_markdown(s: Summary, title: str = "") -> str:
     return "\n".join(out).lstrip("\n") + "\n"
 
 
-def probes_markdown(result: GoodputResult) -> str:
+def confirmation(c: Mapping[str, Any]) -> str:
+    """What a goodput's confirmation (steady-state rule 7, ``confirm_goodput``'s details with
+    its ``factor``) did to it, in a few words."""
+    return (f"held over {c['factor']} x the probe length" if c["held"] else
+            f"lowered to hold over {c['factor']} x the probe length")
+
+
+def probes_markdown(result: GoodputResult, confirmed: Mapping[str, Any] | None = None) -> str:
+    """The search's probes, and its confirmation when there was one (rule 7)."""
     rows = [[str(p.index), p.phase, _num(p.rate, "{:.4g}"), _pct(p.attainment),
              "pass" if p.passed else "fail", _pct(p.details.get("confidence")),
              f"{p.details['judged']} of {p.details['num_requests']}"
@@ -92,6 +100,13 @@ def probes_markdown(result: GoodputResult) -> str:
             f"({_num(result.per_gpu_goodput_rps, '{:.4g}')} req/s per GPU, "
             f"{result.num_gpus} GPUs); converged: {result.converged}"
             + (f" ({result.note})" if result.note else ""))
+    if confirmed is not None:
+        tried = ", ".join(f"{r:.4g} {'pass' if ok else 'fail'} ({_pct(a)})"
+                          for r, a, ok in confirmed["probes"])
+        head += (f"\n\nconfirmed (steady-state rule 7): {confirmation(confirmed)} — the "
+                 f"search's {_num(confirmed['rate'], '{:.4g}')} req/s attained "
+                 f"{_pct(confirmed['attainment'])} of {confirmed['judged']} judged requests "
+                 f"(confidence {_pct(confirmed['confidence'])}); probes: {tried}")
     return head + "\n\n" + _table(["probe", "phase", "rate (req/s)", "attainment", "",
                                    "confidence", "judged requests"], rows) + "\n"
 

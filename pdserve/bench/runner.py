@@ -22,6 +22,7 @@ from pdserve.bench.goodput import (
     GoodputResult,
     Probe,
     ScaleSweep,
+    confirm_goodput,
     search_goodput,
     slo_scale_sweep,
 )
@@ -90,6 +91,7 @@ class SearchRun:
     result: GoodputResult
     best: Run | None
     runs: list[Run] = field(default_factory=list)
+    confirmed: dict[str, Any] | None = None  # rule 7 (find_goodput's ``confirm``)
 
 
 def prepare(target: Target) -> None:
@@ -154,12 +156,13 @@ def _details(run: Run) -> dict[str, Any]:
 
 
 def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
-            ) -> Callable[[float], AttainmentResult]:
+            ) -> Callable[..., AttainmentResult]:
     """Runs one probe per rate by the steady-state rule (:mod:`pdserve.bench.steady`): as many
     requests as the rule asks at that rate (``base`` when it has that many, else the same
     workload and seed with more), the attainment and the verdict's confidence from the
     requests after the warm-up in arrival order; a pass confident or the probe extended
-    (:func:`~pdserve.bench.steady.until_confident`)."""
+    (:func:`~pdserve.bench.steady.until_confident`). ``rule``: another rule than
+    ``s.steady()`` (a confirmation's, rule 7)."""
     if s.slo is None:
         raise ValueError("a goodput search needs an SLO (--slo-ttft and --slo-tpot)")
     slo = s.slo
@@ -189,8 +192,9 @@ def _prober(target: Target, base: Workload, s: Settings, runs: list[Run]
                                 {**_details(run), "num_requests": len(recs),
                                  "judged": len(judged), "confidence": conf})
 
-    def run_at_rate(rate: float) -> AttainmentResult:  # a pass confident or extended
-        return until_confident(s.steady(), lambda rule: run_at(rate, rule))
+    def run_at_rate(rate: float, rule: SteadyState | None = None
+                    ) -> AttainmentResult:  # a pass confident or extended
+        return until_confident(rule or s.steady(), lambda r: run_at(rate, r))
 
     return run_at_rate
 
@@ -203,20 +207,44 @@ def _best(runs: list[Run], goodput: float) -> Run | None:
 def find_goodput(target: Target, s: Settings, hi: float, lo: float | None = None,
                  precision: float = 0.1, max_probes: int = 16,
                  on_probe: Callable[[Probe], None] | None = None,
-                 base: Workload | None = None) -> SearchRun:
+                 base: Workload | None = None, confirm: int = 0) -> SearchRun:
     """Expanding bisection on the rate (:func:`~pdserve.bench.goodput.search_goodput`); every
-    probe replays the same requests (same seed) at a new rate."""
+    probe replays the same requests (same seed) at a new rate. ``confirm`` > 0: the goodput
+    found is confirmed over that many probe lengths, and lowered if it does not hold
+    (steady-state rule 7, :func:`~pdserve.bench.goodput.confirm_goodput`; ``SearchRun.
+    confirmed``); ``best`` is then the confirmation's run."""
     base = base or build_workload(target, s, hi)
     runs: list[Run] = []
-    result = search_goodput(_prober(target, base, s, runs), lo=lo, hi=hi, precision=precision,
+    prober = _prober(target, base, s, runs)
+    result = search_goodput(prober, lo=lo, hi=hi, precision=precision,
                             max_probes=max_probes, num_gpus=target.num_gpus, on_probe=on_probe)
-    return SearchRun(result, _best(runs, result.goodput_rps), runs)
+    return _confirmed(SearchRun(result, None, runs), prober, s, target, confirm, precision,
+                      max_probes, on_probe)
+
+
+def _confirmed(sr: SearchRun, prober: Callable[..., AttainmentResult], s: Settings,
+               target: Target, confirm: int, precision: float, max_probes: int,
+               on_probe: Callable[[Probe], None] | None) -> SearchRun:
+    """``sr`` with its goodput confirmed over ``confirm`` probe lengths (rule 7; 0: as is) and
+    its ``best`` run set."""
+    if confirm and sr.result.goodput_rps > 0:
+        long = s.steady().confirming(confirm)
+        g, info = confirm_goodput(lambda rate: prober(rate, long), sr.result.goodput_rps,
+                                  precision, max_probes, num_gpus=target.num_gpus,
+                                  on_probe=on_probe)
+        sr.confirmed = {"factor": confirm, **info}
+        sr.result = replace(sr.result, goodput_rps=g, per_gpu_goodput_rps=g / target.num_gpus)
+    sr.best = _best(sr.runs, sr.result.goodput_rps)
+    return sr
 
 
 def rate_grid(target: Target, s: Settings, rates: Sequence[float],
               on_probe: Callable[[Probe], None] | None = None,
-              base: Workload | None = None) -> SearchRun:
-    """Attainment at each rate; goodput = the highest rate below the first failing one."""
+              base: Workload | None = None, confirm: int = 0,
+              precision: float = 0.1, max_probes: int = 16) -> SearchRun:
+    """Attainment at each rate; goodput = the highest rate below the first failing one,
+    confirmed as :func:`find_goodput` confirms it (``confirm``, ``precision``,
+    ``max_probes``)."""
     rates = sorted(set(rates))
     base = base or build_workload(target, s, rates[0])
     runs: list[Run] = []
@@ -235,4 +263,5 @@ def rate_grid(target: Target, s: Settings, rates: Sequence[float],
     g = target.num_gpus
     result = GoodputResult(goodput, g, goodput / g, goodput, fail, 0.0, fail is not None,
                            probes, "" if fail is not None else "every grid rate passed")
-    return SearchRun(result, _best(runs, goodput), runs)
+    return _confirmed(SearchRun(result, None, runs), prober, s, target, confirm, precision,
+                      max_probes, on_probe)

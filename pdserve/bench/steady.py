@@ -33,13 +33,15 @@ search (``pdserve goodput``, ``plan``, ``advise``, the replanner):
    window was calm: this rule does not catch it; longer probes or independent replications
    near capacity would: rule 7). A fail is not extended: a rate that fails is not planned
    on.
-7. **A planned goodput is confirmed.** The goodput a plan reports for its choice (and for
-   the best placement of each strategy) is probed once more, whole, for ``confirm`` (5)
+7. **A goodput is confirmed.** The goodput a search reports — ``pdserve goodput`` and
+   ``compare``'s, a plan's for its choice and for the best placement of each strategy (whole),
+   ``plan --against``'s, each role's unit in the live replanner — is probed once more for
+   ``confirm`` (:data:`CONFIRM`, 5)
    times the probe's length: its warm-up and judged requests both ``confirm`` times rule 2
    and 3's (the same workload and seed, as rule 6 extends a probe), judged by rules 4 and 5; a
    pass below ``min_confidence`` fails, with no extension (:meth:`SteadyState.confirming`).
-   A goodput that fails is searched again downwards with such probes, and the placement
-   keeps the highest rate that passed (``pdserve.planner.placements.confirm_goodput``).
+   A goodput that fails is searched again downwards with such probes, and the highest rate
+   that passed is kept (:func:`pdserve.bench.goodput.confirm_goodput`).
    Short probes screen the many candidates; the one a plan bets GPUs on is judged on a run
    long enough to hold the episodes of rule 6's example (its 5-times run attains 87.6 %).
 
@@ -55,7 +57,8 @@ of a run whose length did not depend on the SLO: on an M/D/1 server of capacity 
 where the rule's lands at 10.5 (tests/bench/test_steady.py). Rule 7's probes span 60
 lifetimes: they reject a rate ~1.8 % over a TTFT-bound capacity, and the planner's search on
 such a server (10.35 req/s, past capacity) is confirmed at 9.73 against 9.96 in closed form
-(tests/planner/test_confirm.py).
+(tests/planner/test_confirm.py), ``pdserve goodput``'s (10.5) at 9.72 (tests/bench/
+test_steady.py).
 """
 
 from __future__ import annotations
@@ -191,3 +194,4 @@ def confidence(attainment: float, target: float, n: int, se: float = 0.0) -> flo
 
 
 DEFAULT = SteadyState()
+CONFIRM = 5  # rule 7: a confirmation's length in probe lengths

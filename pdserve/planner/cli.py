@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.metrics import CRITERIA, SLO
+from pdserve.bench.report import confirmation
 from pdserve.bench.workloads import make_workload
 from pdserve.config import ClusterConfig, Link, load_data_file
 from pdserve.flags import (
@@ -378,9 +379,7 @@ def against_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ratio = f"{base / r['per_gpu_rps']:.2f}x" if r["per_gpu_rps"] > 0 else "–"
         c = r.get("confirmed")
-        long = ("–" if c is None else
-                f"held over {c['factor']} x the probe length" if c["held"] else
-                f"lowered to hold over {c['factor']} x the probe length")
+        long = "–" if c is None else confirmation(c)
         lines.append(f"| {r['name']} | {r['num_gpus']} | {r['goodput_rps']:.3f} | "
                      f"{r['per_gpu_rps']:.3f} | {ratio} | {long} |")
     return "\n".join(lines)
@@ -410,10 +409,8 @@ def simulate_command(result: Any, path: str) -> str:
 def _how(pl: Any, units: str) -> str:
     """Where a placement's goodput comes from: phase units, a whole simulation, or a whole
     simulation confirmed over a long probe (steady-state rule 7)."""
-    c = pl.confirmed
-    if c is not None:
-        return (f"confirmed over {c['factor']} x the probe length" if c["held"] else
-                f"lowered to hold over {c['factor']} x the probe length")
+    if pl.confirmed is not None:
+        return confirmation(pl.confirmed)
     return "simulated whole" if pl.simulated else units
 
 

@@ -20,6 +20,7 @@ from pdserve.planner.units import (
     Unit,
     UnitCache,
     UnitResult,
+    confirm,
     link_dict,
     probe_requests,
     run_probe,
@@ -270,40 +271,12 @@ def simulate_goodput(p: Problem, dep: Mapping[str, Any], hi: float) -> tuple[flo
 
 def confirm_goodput(p: Problem, dep: Mapping[str, Any], goodput: float
                     ) -> tuple[float, dict[str, Any]]:
-    """Steady-state rule 7 (:mod:`pdserve.bench.steady`): probe a whole deployment at its
-    planned ``goodput`` for ``p.confirm`` × the probe length (:meth:`SteadyState.confirming`:
-    no extension, an uncertain pass fails). It holds: ``goodput``. It fails: the rate search
-    continues downwards from it with such probes (first one ``p.precision`` bracket lower, then
-    by 1.1 at a time, then bisection to ``p.precision``) and the highest rate that passed is
-    returned. The details: the factor, the first probe's attainment,
-    judged requests and confidence, and every probe's rate and verdict."""
-    long = p.steady().confirming(p.confirm)
-
-    def probe(rate: float) -> AttainmentResult:
-        return steady_probe(p, lambda q: whole_probe(q, dep, rate), long)
-
-    first = probe(goodput)
-    info: dict[str, Any] = {"factor": p.confirm, "rate": goodput, "held": first.passed,
-                            "attainment": first.attainment,
-                            "judged": first.details.get("judged"),
-                            "confidence": first.details.get("confidence"),
-                            "early": first.details.get("early"),  # "fail": stopped once certain
-                            "probes": [(goodput, first.attainment, first.passed)]}
-    if first.passed:
-        return goodput, info
-
-    def at_rate(rate: float) -> AttainmentResult:
-        if rate == goodput:
-            return first
-        r = probe(rate)
-        info["probes"].append((rate, r.attainment, r.passed))
-        return r
-
-    # first one bracket's width lower (a pass there ends the search), then 1.1 at a time
-    g = search_goodput(at_rate, lo=goodput / (1 + p.precision), hi=goodput,
-                       precision=p.precision * goodput, max_probes=p.max_probes, growth=1.1,
-                       max_rate=goodput, num_gpus=ClusterConfig.from_dict(dict(dep)).num_gpus)
-    return g.goodput_rps, info
+    """Steady-state rule 7 for a whole deployment: its planned ``goodput`` probed for
+    ``p.confirm`` × the probe length, lowered if it does not hold (:func:`~pdserve.planner.
+    units.confirm`)."""
+    return confirm(p, lambda rate, rule: steady_probe(p, lambda q: whole_probe(q, dep, rate),
+                                                      rule),
+                   goodput, ClusterConfig.from_dict(dict(dep)).num_gpus)
 
 
 def confirm_eval(args: tuple[Problem, Placement]) -> tuple[str, float, dict[str, Any]]:

@@ -11,8 +11,8 @@ from functools import lru_cache
 from typing import Any
 
 from pdserve.bench.metrics import CRITERIA, SLO
+from pdserve.bench.steady import CONFIRM, SteadyState
 from pdserve.bench.steady import DEFAULT as DEFAULT_STEADY
-from pdserve.bench.steady import SteadyState
 from pdserve.bench.workloads import Workload, make_workload
 from pdserve.config import ClusterConfig, Link, ModelConfig
 from pdserve.sim.aic_latency import BACKENDS, PACKAGE, aic_version, fp8_label
@@ -87,7 +87,7 @@ class Problem:
     min_confidence: float = DEFAULT_STEADY.min_confidence  # of a pass, else extended (steady())
     # the choice (and each strategy's best) confirmed over this many probe lengths (steady-state
     # rule 7, pdserve.planner.placements.confirm_goodput); 0: not confirmed
-    confirm: int = 5
+    confirm: int = CONFIRM
     macro_size: int = 2  # temporal instances per PaDG macro instance (EcoServe's N_l)
     early_probes: bool = True  # end a probe's simulation once its verdict is certain (run_probe)
     criterion: str = "both"  # "distserve": P90 TTFT and P90 TPOT checked separately

@@ -26,15 +26,17 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pdserve.bench.metrics import SLO, RequestRecord, attains
+from pdserve.bench.steady import CONFIRM
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.config import ClusterConfig
-from pdserve.flags import positive, positive_int
+from pdserve.flags import nonnegative_int, positive, positive_int
 from pdserve.planner.problem import SERVING_PATH, Problem, available_tps
 from pdserve.planner.search import plan
-from pdserve.planner.units import Unit, evaluate_unit
+from pdserve.planner.units import Unit, confirm, evaluate_unit, unit_probe
 from pdserve.sim.model_catalogue import get_model_config
 from pdserve.sim.target import add_serving_path_flags, build_simulator, to_records, to_sim_requests
 from pdserve.sim.target import simulate as simulate_config
@@ -238,7 +240,9 @@ def deployed_planner(problem: Any, config: Any) -> Callable[[WindowStats], dict[
     at those units — each role's unit (colocated, or prefill and decode) is searched for its
     goodput (:func:`pdserve.planner.search.evaluate_unit`) on the window's pattern (its mean
     prompt and output lengths as a fixed-length workload, ``problem``'s SLOs and latency
-    source) and replicated to the window's rate, ``n = ⌈R / g⌉``. The units take the
+    source), confirmed over ``problem.confirm`` probe lengths (steady-state rule 7:
+    :func:`pdserve.planner.units.confirm`) and replicated to the window's rate,
+    ``n = ⌈R / g⌉``. The units take the
     deployment's TP, PP and chunked prefill; its other engine settings are ``problem``'s (the
     search prices the latency source's device, not the live instances'). A role whose unit
     reaches no goodput keeps one instance."""
@@ -259,6 +263,8 @@ def deployed_planner(problem: Any, config: Any) -> Callable[[WindowStats], dict[
         out = {}
         for role, u in units.items():
             g = evaluate_unit(p, u).goodput_rps
+            if g > 0 and p.confirm:  # rule 7, as a plan's goodputs are
+                g = confirm(p, partial(unit_probe, p, u), g, u.num_gpus)[0]
             out[role] = max(1, math.ceil(rate / g - 1e-9)) if g > 0 else 1
         return out
 
@@ -389,6 +395,10 @@ def add_replan_flags(parser: argparse.ArgumentParser) -> None:
                    help="TPOT SLO the search plans for (default: %(default)s)")
     r.add_argument("--replan-num-requests", type=positive_int, default=100, metavar="N",
                    help="requests per probe of the search (default: %(default)s)")
+    r.add_argument("--replan-confirm", type=nonnegative_int, default=CONFIRM, metavar="LENGTHS",
+                   help="steady-state rule 7: each role's goodput is confirmed over this many "
+                        "probe lengths (lowered if it does not hold there) before instances "
+                        "are counted (default: %(default)s; 0: off)")
 
 
 def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
@@ -405,7 +415,8 @@ def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
                       hardware=None if args.replan_profile else
                       (args.replan_hardware or "A100-80GB"),
                       slo=SLO(args.replan_slo_ttft, args.replan_slo_tpot),
-                      num_requests=args.replan_num_requests, nodes=1,
+                      num_requests=args.replan_num_requests,
+                      confirm=args.replan_confirm, nodes=1,
                       gpus_per_node=max(r.tp * r.pp for r in config.roles),
                       **{k: getattr(args, f"replan_{k}", None) or 0.0 for k in SERVING_PATH})
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
-from pdserve.bench.goodput import AttainmentResult, search_goodput
+from pdserve.bench.goodput import AttainmentResult, confirm_goodput, search_goodput
 from pdserve.bench.metrics import SLO, RequestRecord, attainment, meets
 from pdserve.bench.steady import SteadyState, confidence, until_confident
 from pdserve.bench.workloads import Workload
@@ -302,6 +302,33 @@ def steady_probe(p: Problem, probe: Callable[[Problem], AttainmentResult],
         replace(p, horizon=r.horizon, num_requests=r.min_judged)))
 
 
+def unit_probe(p: Problem, u: Unit, rate: float, rule: SteadyState | None = None
+               ) -> AttainmentResult:
+    """One steady-state probe of unit ``u`` alone at ``rate`` (``rule``: as
+    :func:`steady_probe`), its decode instance fed by as many prefill helpers as the rate
+    needs (:func:`decode_feed`)."""
+    dep = unit_deployment(p, u, *decode_feed(p, rate))
+
+    def probe(q: Problem) -> AttainmentResult:
+        with gc_paused():  # a probe builds millions of objects and no reference cycle
+            w = unit_workload(q, u, rate)
+            return run_probe(q, dep, w.retimed(rate).requests, rate, u.kind, p.early_probes)
+
+    return steady_probe(p, probe, rule)
+
+
+def confirm(p: Problem, at_rate: Callable[[float, SteadyState], AttainmentResult],
+            goodput: float, num_gpus: int) -> tuple[float, dict[str, Any]]:
+    """Steady-state rule 7 (:mod:`pdserve.bench.steady`): the searched ``goodput`` probed by
+    ``at_rate(rate, rule)`` at ``p.confirm`` × the probe length and, if it fails, searched
+    downwards with such probes to ``p.precision`` (:func:`pdserve.bench.goodput.
+    confirm_goodput`). The details add the factor to that function's."""
+    long = p.steady().confirming(p.confirm)
+    g, info = confirm_goodput(lambda rate: at_rate(rate, long), goodput,
+                              p.precision * goodput, p.max_probes, num_gpus=num_gpus)
+    return g, {"factor": p.confirm, **info}
+
+
 def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
     """The unit's goodput by expanding bisection around its capacity bound (pruned units: 0).
 
@@ -325,15 +352,7 @@ def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
         return res
 
     def at_rate(rate: float) -> AttainmentResult:
-        dep = unit_deployment(p, u, *decode_feed(p, rate))
-
-        def probe(q: Problem) -> AttainmentResult:
-            with gc_paused():  # a probe builds millions of objects and no reference cycle
-                w = unit_workload(q, u, rate)
-                return run_probe(q, dep, w.retimed(rate).requests, rate, u.kind,
-                                 p.early_probes)
-
-        return steady_probe(p, probe)
+        return unit_probe(p, u, rate)
 
     def row(q: Any, phase: str) -> dict[str, Any]:
         return {"rate": q.rate, "attainment": q.attainment, "passed": q.passed, "phase": phase,

@@ -64,7 +64,7 @@ def test_bench_against_http_server(fake_server: FakeServer, tmp_path: Path, caps
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 
 
-def test_goodput_search_writes_required_fields(tmp_path: Path) -> None:
+def test_goodput_search_writes_required_fields(tmp_path: Path, capsys) -> None:
     out = tmp_path / "g.json"
     rc = main(["goodput", "--target", "queue10", "--workload", "fixed:input=8,output=5",
                "--num-requests", "400", *SLO_FLAGS, "--rate", "1", "--precision", "0.1",
@@ -76,10 +76,15 @@ def test_goodput_search_writes_required_fields(tmp_path: Path) -> None:
     assert d["per_gpu_goodput_rps"] == pytest.approx(d["goodput_rps"] / 2)
     assert d["num_gpus"] == 2 and d["converged"]
     assert [p["phase"] for p in d["probes"]][:2] == ["expand", "expand"]
-    passed = [p["rate"] for p in d["probes"] if p["passed"]]
-    assert max(passed) == d["goodput_rps"]
-    assert d["at_goodput"]["summary"]["attainment"] >= 0.9
+    c = d["confirmed"]  # rule 7 by default: the searched goodput probed 5 x longer (held)
+    searched = max(p["rate"] for p in d["probes"] if p["passed"])
+    assert (c["factor"], c["rate"], c["held"], c["judged"]) == (5, searched, True, 5 * 400)
+    assert d["goodput_rps"] == searched and c["probes"] == [[searched, c["attainment"], True]]
+    assert d["at_goodput"]["summary_of"] == "the 2000 judged requests (steady-state rule)"
+    assert d["at_goodput"]["summary"]["attainment"] == c["attainment"] >= 0.9
     assert (tmp_path / "p" / "attainment_vs_rate.png").exists()
+    assert "confirmed (steady-state rule 7): held over 5 x the probe length" in \
+        capsys.readouterr().out
 
 
 def test_goodput_distserve_criterion_is_labelled(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ import pytest
 
 from pdserve.bench.goodput import search_goodput
 from pdserve.bench.metrics import SLO, meets
-from pdserve.bench.runner import Settings, _prober, build_workload
+from pdserve.bench.runner import Settings, _prober, build_workload, find_goodput
 from pdserve.bench.steady import SteadyState, confidence
 from tests.bench.fakes import QueueTarget
-from tests.planner.test_mdl_optimum import mdl_wait_cdf
+from tests.planner.test_mdl_optimum import closed_form_goodput, mdl_wait_cdf
 
 D = 0.1  # service time of QueueTarget(10)
 SLO_LOOSE = SLO(5.0, 0.02)  # TPOT is always 0.01 s: only the TTFT (queueing) matters
@@ -71,6 +71,28 @@ def test_the_goodput_search_lands_within_the_stated_overload_bound():
     assert 8.0 <= new.goodput_rps <= bound
     old = search_goodput(lambda r: _as_result(r, _old_probe(r)), hi=8.0, precision=0.2)
     assert old.goodput_rps > bound
+
+
+def test_rule_7_lowers_the_goodput_search_past_capacity_to_a_rate_that_holds():
+    """``pdserve goodput``'s confirmation (``find_goodput(confirm=5)``): the search's answer
+    lies past capacity; five probe lengths reject it and the search continues downwards to a
+    rate under capacity, near the closed-form goodput (9.96 req/s: Erlang's M/D/1 waiting time
+    for a 4.9 s queueing budget at 90 %). The reported run is the confirmation's."""
+    t = QueueTarget(1 / D)
+    s = Settings(workload=WORKLOAD, num_requests=300, slo=SLO_LOOSE)
+    plain = find_goodput(t, s, hi=8.0, precision=0.2, confirm=0)
+    assert plain.confirmed is None and plain.result.goodput_rps > 1 / D
+    sr = find_goodput(QueueTarget(1 / D), s, hi=8.0, precision=0.2, confirm=5)
+    c = sr.confirmed
+    assert c["factor"] == 5 and c["rate"] == plain.result.goodput_rps and not c["held"]
+    assert c["judged"] >= 5 * 300 and c["probes"][0][::2] == (plain.result.goodput_rps, False)
+    g = sr.result.goodput_rps
+    closed = closed_form_goodput(SLO_LOOSE.ttft, D, D)
+    assert 9.9 < closed < 1 / D
+    assert closed - 0.3 <= g <= 1 / D  # under capacity; within 3 % of the truth
+    assert sr.result.per_gpu_goodput_rps == g / t.num_gpus
+    assert all(ok == (r <= g) for r, _, ok in c["probes"])  # every higher rate failed
+    assert sr.best is not None and sr.best.rate == g and sr.best.judged >= 5 * 300
 
 
 def _as_result(rate: float, a: float):

@@ -11,7 +11,9 @@ the rate search lands past capacity; five probe lengths reject anything ~2 % ove
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -19,10 +21,19 @@ import pdserve.planner.search as search
 from pdserve.bench.goodput import AttainmentResult
 from pdserve.bench.metrics import SLO
 from pdserve.bench.steady import SteadyState, until_confident
+from pdserve.config import ClusterConfig
 from pdserve.planner.placements import confirm_goodput, simulate_goodput
 from pdserve.planner.problem import Problem
+from pdserve.planner.replan import WindowStats, deployed_planner
 from pdserve.planner.search import plan
-from pdserve.planner.units import Unit, decode_feed, unit_deployment
+from pdserve.planner.units import (
+    Unit,
+    confirm,
+    decode_feed,
+    evaluate_unit,
+    unit_deployment,
+    unit_probe,
+)
 from tests.planner.conftest import stand_in_units
 from tests.planner.test_mdl_optimum import closed_form_goodput, mdl_wait_cdf
 
@@ -190,3 +201,23 @@ def test_confirmations_per_strategy_are_capped(stand_ins, monkeypatch):
 def test_the_problem_refuses_a_bad_length():
     with pytest.raises(ValueError, match="confirm must be an integer >= 0"):
         replace(_problem(), confirm=-1)
+
+
+# --------------------------------------------------------------------- the live replanner
+def test_the_live_replanner_counts_instances_by_confirmed_goodputs(mdl):
+    """``deployed_planner`` (``serve --replan``) replicates each role by its unit's goodput
+    confirmed as a plan's is. The colocated TP1 unit of this server (it batches prompts, so it
+    is no M/D/1 queue) searches to a goodput that five probe lengths lower; ⌈R / g⌉ on the
+    searched one would plan too few instances for 120 req/s."""
+    p, _ = mdl
+    cfg = ClusterConfig.from_dict({"model": "opt-13b", "strategy": "colocated",
+                                   "num_instances": 1})
+    window = WindowStats(rate=120.0, mean_prompt=512.0, mean_output=1.0, num_requests=600)
+    q, u = replace(p, rate=120.0), Unit("colocated", 1)
+    searched = evaluate_unit(q, u).goodput_rps
+    confirmed, info = confirm(q, partial(unit_probe, q, u), searched, 1)
+    assert confirmed < searched and not info["held"] and info["factor"] == 5
+    assert math.ceil(120 / confirmed) > math.ceil(120 / searched)
+    assert deployed_planner(p, cfg)(window) == {"colocated": math.ceil(120 / confirmed)}
+    assert deployed_planner(replace(p, confirm=0), cfg)(window) == \
+        {"colocated": math.ceil(120 / searched)}
