@@ -275,7 +275,8 @@ class _Progress:
         self.started[label] = self.clock()
         self.total_units += units
         self.bar.update(self.task, total=self.total_units)
-        self._line(f"cell {len(self.started)}/{self.cells}: {label}: {units} phase units")
+        cell = "" if self.cells is None else f"cell {len(self.started)}/{self.cells}: "
+        self._line(f"{cell}{label}: {units} phase units")
 
     def end_cell(self, label: str, summary: str) -> None:
         self.done_cells += 1

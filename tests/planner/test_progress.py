@@ -34,6 +34,16 @@ def test_advise_prints_a_line_per_cell_with_an_eta(const_profile, capsys):
     assert sorted(confirming) == ["1", "2"]
 
 
+def test_plan_prints_its_units_and_stages_without_cells(const_profile, capsys):
+    prof = const_profile({1: 60.0}, decode_ms=20.0)
+    assert main(["plan", "--profile", prof, *ARGS]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^plan: 2 phase units$", err, re.M) and "cell" not in err
+    assert len(re.findall(r"^  unit \d: colocated TP1 PP1 ", err, re.M)) == 2
+    assert re.search(r"^  confirming over 5 x the probe length: colocated 1x\(TP1 PP1", err,
+                     re.M)
+
+
 def test_no_progress_is_silent(const_profile, capsys):
     prof = const_profile({1: 60.0}, decode_ms=20.0)
     assert main(["plan", "--profile", prof, *ARGS, "--no-progress"]) == 0
