@@ -346,6 +346,12 @@ def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
         res.pruned = f"does not fit: {e}"
         return res
     res.estimate_rps = um.capacity_rps
+    if u.kind == "decode" and max(r.output_len for r in base_workload(p).requests) <= 1:
+        # a decode instance would do nothing, and its TPOT objective holds vacuously at any
+        # rate: the search would grow its probes without bound
+        res.pruned = ("no decode phase: every request's output is its first token, which the "
+                      "prefill instance makes")
+        return res
     if um.zero_load_attainment < p.target:
         res.pruned = (f"misses the SLO even at zero load (attainment "
                       f"{um.zero_load_attainment:.1%} < {p.target:.0%})")

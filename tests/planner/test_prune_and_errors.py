@@ -31,6 +31,21 @@ def test_units_that_cannot_hold_the_weights_are_pruned_unsimulated():
     assert r.probes == [] and r.goodput_rps == 0
 
 
+def test_a_workload_without_decode_work_prunes_decode_units(const_profile):
+    """Every output one token (the prefill makes it): a decode unit's TPOT objective holds at
+    any rate, so its rate search would grow its probes without bound (two probes of 67k and
+    107k requests took 38 s here, and ten would take days). It is pruned with the reason; the
+    disaggregated strategy then says it has no decode unit, the others are planned."""
+    p = Problem(model="opt-13b", profile=const_profile({1: 100.0}), rate=4.0, nodes=1,
+                gpus_per_node=2, workload="fixed:input=512,output=1", slo=SLO(1.0, 10.0),
+                num_requests=50, max_probes=4, confirm=0)
+    r = evaluate_unit(p, Unit("decode", 1))
+    assert r.pruned is not None and r.pruned.startswith("no decode phase") and r.probes == []
+    assert evaluate_unit(p, Unit("prefill", 1)).goodput_rps > 0
+    res = plan(p, strategies=("colocated", "disaggregated"))
+    assert res.best.goodput_rps > 0 and res.best.deployment["strategy"] == "colocated"
+
+
 def test_a_kv_cache_smaller_than_the_longest_request_is_pruned():
     # 3.5 GiB GPUs: 90 % of it minus OPT-1.3B's 2.63 GB of fp16 weights and the engine's
     # reserve (engine_reserved_bytes: ~486 MiB per GPU at a 2,048-token budget) leaves KV for
