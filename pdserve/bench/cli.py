@@ -472,7 +472,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                      "tightest_slo_scale": best.tightest_slo_scale if best else None,
                      "p90_ttft_s": best.ttft.p90 if best else None,
                      "p90_tpot_s": best.tpot.p90 if best else None,
-                     "converged": sr.result.converged})
+                     "converged": sr.result.converged, "confirmed": sr.confirmed})
         entries.append({"name": t.name, "workload": w.describe(),
                         **_search_dict(sr, args.save_records)})
     assert s is not None

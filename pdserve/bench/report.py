@@ -112,13 +112,15 @@ def probes_markdown(result: GoodputResult, confirmed: Mapping[str, Any] | None =
 
 
 def compare_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One row per target: goodput, per-GPU goodput, tightest SLO scale, latency at goodput."""
+    """One row per target: goodput, per-GPU goodput, tightest SLO scale, latency at goodput,
+    what its confirmation did (steady-state rule 7)."""
     body = [[str(r["name"]), str(r["num_gpus"]), _num(r.get("goodput_rps"), "{:.4g}"),
              _num(r.get("per_gpu_goodput_rps"), "{:.4g}"), _num(r.get("tightest_slo_scale")),
-             _ms(r.get("p90_ttft_s")), _ms(r.get("p90_tpot_s")), str(r.get("converged", "–"))]
+             _ms(r.get("p90_ttft_s")), _ms(r.get("p90_tpot_s")), str(r.get("converged", "–")),
+             confirmation(r["confirmed"]) if r.get("confirmed") else "–"]
             for r in rows]
     return _table(["target", "GPUs", "goodput (req/s)", "per GPU", "tightest SLO scale",
-                   "P90 TTFT (ms)", "P90 TPOT (ms)", "converged"], body) + "\n"
+                   "P90 TTFT (ms)", "P90 TPOT (ms)", "converged", "rule 7"], body) + "\n"
 
 
 def figure(width: float, height: float) -> Any:

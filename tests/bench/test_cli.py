@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.cli import main, register
+from pdserve.bench.report import confirmation
 from pdserve.bench.targets import register_target
 from tests.bench.fakes import FakeServer, QueueTarget
 
@@ -114,6 +115,13 @@ def test_compare_two_targets(tmp_path: Path, capsys) -> None:
     assert len(by["small"]["probes"]) == 8
     table = capsys.readouterr().out
     assert "| small |" in table and "| big |" in table
+    for t in by.values():  # the grid's goodput confirmed over 5 probe lengths (rule 7)
+        c = t["confirmed"]
+        grid = max(p["rate"] for p in t["probes"] if p["passed"])
+        assert c["factor"] == 5 and c["rate"] == grid
+        assert t["goodput_rps"] == (grid if c["held"] else
+                                    max((r for r, _, ok in c["probes"] if ok), default=0.0))
+        assert confirmation(c) in table
     assert (tmp_path / "p" / "attainment_vs_rate.png").exists()
     assert (tmp_path / "p" / "attainment_vs_slo_scale.png").exists()
 
