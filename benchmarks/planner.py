@@ -46,7 +46,7 @@ def timed_plan(p: Problem, workers: int = 2, strategies: tuple[str, ...] = STRAT
     from pdserve.planner import problem, units
 
     units.unit_model.cache_clear()
-    problem.base_workload.cache_clear()
+    problem.clear_workloads()
     c0, t0 = _cpu(), time.perf_counter()
     res = plan(p, workers, strategies=strategies, prune=prune, early_stop=early_stop)
     return res, time.perf_counter() - t0, _cpu() - c0
@@ -137,7 +137,7 @@ def cmd_table3(args: argparse.Namespace) -> list[dict[str, Any]]:
         # plan() refuse the cluster before the rankings are out
         p = replace(p, early_probes=not args.no_early_probes)
         units.unit_model.cache_clear()
-        problem.base_workload.cache_clear()
+        problem.clear_workloads()
         c0, t0 = _cpu(), time.perf_counter()
         with units.UnitCache(p, args.workers) as cache:
             results = cache.get(units.candidate_units(p, ("disaggregated",)))

@@ -271,6 +271,12 @@ _workloads: OrderedDict[tuple[Problem, int | None], tuple[Workload, int]] = Orde
 _workloads_lock = threading.Lock()
 
 
+def clear_workloads() -> None:
+    """Forget the workloads :func:`base_workload` keeps (a benchmark timing plans from cold)."""
+    with _workloads_lock:
+        _workloads.clear()
+
+
 def base_workload(p: Problem, num_requests: int | None = None) -> Workload:
     """The problem's workload of ``num_requests`` (default ``p.num_requests``), untimed
     (``retimed(rate)`` gives each probe's arrivals); the most recent ones are kept while their
