@@ -341,7 +341,9 @@ def _judged(p: Probe) -> str:
 def _log_probe(name: str) -> Any:
     def log(p: Probe) -> None:
         mark = "[green]pass[/]" if p.passed else "[red]fail[/]"
-        _err.print(f"{name} probe {p.index} ({p.phase}): rate {p.rate:.4g} req/s → "
+        what = (f"confirmation probe {p.index} (rule 7)" if p.phase == "confirm" else
+                f"probe {p.index} ({p.phase})")
+        _err.print(f"{name} {what}: rate {p.rate:.4g} req/s → "
                    f"attainment {p.attainment:.1%} {mark}{_judged(p)}")
     return log
 
