@@ -233,6 +233,9 @@ def _confirmed(sr: SearchRun, prober: Callable[..., AttainmentResult], s: Settin
                                   precision, max_probes, num_gpus=target.num_gpus,
                                   on_probe=on_probe)
         sr.confirmed = {"factor": confirm, **info}
+        if not info["held"]:  # the bracket is the confirmation's: [g, its lowest fail]
+            fails = [r for r, _, ok in info["probes"] if not ok and r > g]
+            sr.result = replace(sr.result, lo=g, hi=min(fails, default=None))
         sr.result = replace(sr.result, goodput_rps=g, per_gpu_goodput_rps=g / target.num_gpus)
     sr.best = _best(sr.runs, sr.result.goodput_rps)
     return sr

@@ -92,6 +92,7 @@ def test_rule_7_lowers_the_goodput_search_past_capacity_to_a_rate_that_holds():
     assert closed - 0.3 <= g <= 1 / D  # under capacity; within 3 % of the truth
     assert sr.result.per_gpu_goodput_rps == g / t.num_gpus
     assert all(ok == (r <= g) for r, _, ok in c["probes"])  # every higher rate failed
+    assert sr.result.lo == g and sr.result.hi == min(r for r, _, ok in c["probes"] if not ok)
     assert sr.best is not None and sr.best.rate == g and sr.best.judged >= 5 * 300
 
 
