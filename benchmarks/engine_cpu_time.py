@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if not sys.argv[1:] or sys.argv[1] in ("-h", "--help") or not sys.argv[1].isdigit():
+    if not sys.argv[1:2] or not sys.argv[1].isdigit():  # -h, --help, or no thread count
         print(__doc__)
         sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     main(sys.argv[1:])

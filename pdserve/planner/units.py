@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from pdserve.bench.goodput import AttainmentResult, confirm_goodput, search_goodput
@@ -357,8 +357,7 @@ def evaluate_unit(p: Problem, u: Unit, incumbent: float = 0.0) -> UnitResult:
                       f"{um.zero_load_attainment:.1%} < {p.target:.0%})")
         return res
 
-    def at_rate(rate: float) -> AttainmentResult:
-        return unit_probe(p, u, rate)
+    at_rate = partial(unit_probe, p, u)
 
     def row(q: Any, phase: str) -> dict[str, Any]:
         return {"rate": q.rate, "attainment": q.attainment, "passed": q.passed, "phase": phase,
