@@ -94,7 +94,9 @@ class Workload:
         process = self._process(arrival, cv)
         rng = np.random.default_rng([self.seed, _STREAM_ARRIVAL])
         times = process.times(len(self.requests), rate, rng)
-        reqs = [replace(r, arrival_time=float(t)) for r, t in zip(self.requests, times)]
+        reqs = [WorkloadRequest(r.request_id, t, r.prompt_len, r.output_len, r.prompt_token_ids,
+                                r.prompt, r.prefix_block_ids)  # (replace() is 4x slower)
+                for r, t in zip(self.requests, np.asarray(times, dtype=float).tolist())]
         return replace(self, requests=reqs, arrival=process.name, rate=rate)
 
     def _process(self, arrival: str | ArrivalProcess | None, cv: float | None) -> ArrivalProcess:

@@ -217,7 +217,7 @@ class DecodeRun:
             if self.cache is not None:
                 self.cache[self.cphase[i]].remove(i)
             lims[i] = self.first[i] = self.done[i] = never
-        self.limit = min(lims)
+        self.limit = min([lims[i] for i in self.live], default=never)  # (finished: never)
         return done
 
     def close(self) -> None:
