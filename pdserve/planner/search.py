@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -245,6 +245,14 @@ def rate_ceiling(p: Problem, cands: Sequence[Unit]) -> tuple[float, str]:
             caps[u] = units.unit_model(p, u).capacity_rps
         except ValueError:  # does not fit
             continue
+    return cluster_rate(p, caps)
+
+
+def cluster_rate(p: Problem, rates: Mapping[Unit, float]) -> tuple[float, str]:
+    """The most ``p``'s cluster serves with units of the given ``rates`` (req/s each):
+    colocated and partial units replicated onto every GPU; prefill and decode units in the
+    best split of the GPUs between the two. Returns the rate and the placement giving it."""
+    caps = {u: c for u, c in rates.items() if c > 0}
     best, how = 0.0, "no unit fits"
     g = p.num_gpus
     for u, c in caps.items():
@@ -349,9 +357,15 @@ def plan(p: Problem, workers: int | None = None,
     if not fitting:
         fewest = min(ranked_all, key=lambda x: (x.num_gpus, -x.per_gpu_rps, x.name))
         what = "hold any placement" if p.rate is None else f"serve {p.rate:g} req/s"
+        most = ""
+        if p.rate is not None:  # what it does serve, from the units' searched goodputs
+            rate, how = cluster_rate(p, {r.unit: r.goodput_rps for r in results})
+            if rate > 0:
+                most = (f"; by its units' simulated goodputs it serves about {rate:.3g} req/s "
+                        f"({how}): plan without --rate to rank the placements that fill it")
         raise ValueError(f"the cluster ({p.nodes} node(s) x {p.gpus_per_node} GPUs) is too small "
                          f"to {what} of {p.model}: the placement needing the "
-                         f"fewest GPUs, {fewest.name}, needs {fewest.num_gpus}")
+                         f"fewest GPUs, {fewest.name}, needs {fewest.num_gpus}{most}")
     best = fitting[0]
     if not serves(p, best):
         notes.append(f"no placement's goodput reaches {p.rate:g} req/s when simulated whole: "

@@ -147,3 +147,21 @@ def test_min_gpus_chooses_one_narrow_instance_where_goodput_per_gpu_chooses_a_wi
     assert best is not None and float(best.group(2)) >= 20, out
     assert f"**Chosen:** {best.group(1)}" in out
     assert "--min-gpus: every unit searched in full" in out
+
+
+def test_cluster_rate_fills_every_gpu_with_the_best_units() -> None:
+    """What a cluster too small for ``--rate`` does serve (the error names it), hand-worked on
+    2 x 4 GPUs: 8 colocated TP1 units of 0.9 req/s serve 7.2; the best prefill/decode split,
+    3 x P (3 req/s each) + 5 x D (2 each), serves min(9, 10) = 9; a unit that did not hold
+    (0 req/s) counts for nothing."""
+    from pdserve.planner.search import cluster_rate
+
+    p = _p(rate=50.0, nodes=2, gpus_per_node=4)
+    rates = {Unit("colocated", 1): 0.9, Unit("colocated", 2): 1.0,
+             Unit("partial", 2, size=2): 3.0, Unit("prefill", 1): 3.0, Unit("decode", 1): 2.0,
+             Unit("colocated", 4): 0.0}
+    assert cluster_rate(p, rates) == (pytest.approx(9.0),
+                                      "3 x prefill TP1 PP1 + 5 x decode TP1 PP1")
+    del rates[Unit("decode", 1)]
+    assert cluster_rate(p, rates) == (pytest.approx(7.2), "8 x colocated TP1 PP1 prefill-first")
+    assert cluster_rate(p, {Unit("colocated", 4): 0.0}) == (0.0, "no unit fits")
