@@ -94,9 +94,7 @@ class Workload:
         process = self._process(arrival, cv)
         rng = np.random.default_rng([self.seed, _STREAM_ARRIVAL])
         times = process.times(len(self.requests), rate, rng)
-        reqs = [WorkloadRequest(r.request_id, t, r.prompt_len, r.output_len, r.prompt_token_ids,
-                                r.prompt, r.prefix_block_ids)  # (replace() is 4x slower)
-                for r, t in zip(self.requests, np.asarray(times, dtype=float).tolist())]
+        reqs = [replace(r, arrival_time=float(t)) for r, t in zip(self.requests, times)]
         return replace(self, requests=reqs, arrival=process.name, rate=rate)
 
     def _process(self, arrival: str | ArrivalProcess | None, cv: float | None) -> ArrivalProcess:

@@ -35,7 +35,7 @@ from typing import Any
 from pdserve.bench.goodput import AttainmentResult, confirm_goodput, search_goodput
 from pdserve.bench.metrics import SLO, RequestRecord, attainment, meets
 from pdserve.bench.steady import SteadyState, confidence, until_confident
-from pdserve.bench.workloads import Workload, WorkloadRequest
+from pdserve.bench.workloads import Workload
 from pdserve.config import ClusterConfig, Link
 from pdserve.planner.early import AttainmentWatch
 from pdserve.planner.problem import (
@@ -163,9 +163,7 @@ def probe_warmup(p: Problem, rate: float, kind: str = "colocated") -> int:
 def unit_workload(p: Problem, u: Unit, rate: float) -> Workload:
     w = base_workload(p, probe_requests(p, rate, u.kind))
     if u.kind == "prefill":  # one token each: the request ends on the prefill instance
-        w = replace(w, requests=[
-            WorkloadRequest(r.request_id, r.arrival_time, r.prompt_len, 1, r.prompt_token_ids,
-                            r.prompt, r.prefix_block_ids) for r in w.requests])
+        w = replace(w, requests=[replace(r, output_len=1) for r in w.requests])
     return w
 
 

@@ -344,9 +344,7 @@ def to_sim_requests(requests: Sequence[WorkloadRequest], vocab_size: int) -> lis
         ids = r.prompt_token_ids
         if ids is None:  # text-only request: a stand-in of the right length
             ids = [(hash((r.request_id, j)) % (vocab_size - 4)) + 4 for j in range(r.prompt_len)]
-        # (shared, not copied: the controller copies a prompt into its own Prompt)
-        out.append(SimRequest(r.request_id, float(r.arrival_time),
-                              ids if type(ids) is list else list(ids), r.output_len))
+        out.append(SimRequest(r.request_id, float(r.arrival_time), list(ids), r.output_len))
     return out
 
 
