@@ -234,10 +234,9 @@ CEILING_SLACK = 1.5  # capacity bounds are approximate (UnitCache.get_bounded us
 
 
 def rate_ceiling(p: Problem, cands: Sequence[Unit]) -> tuple[float, str]:
-    """An upper bound of the rate any placement of ``units`` on ``p``'s cluster serves, from
-    their capacity bounds (:func:`~pdserve.planner.units.unit_model`, no simulation):
-    colocated and partial units replicated onto every GPU; prefill and decode units in the
-    best split of the GPUs between the two. Returns the bound and the placement giving it."""
+    """An upper bound of the rate any placement of ``units`` on ``p``'s cluster serves: their
+    capacity bounds (:func:`~pdserve.planner.units.unit_model`, no simulation) filling the
+    cluster (:func:`cluster_rate`). Returns the bound and the placement giving it."""
 
     caps = {}
     for u in cands:
