@@ -251,15 +251,14 @@ def cluster_rate(p: Problem, rates: Mapping[Unit, float]) -> tuple[float, str]:
     """The most ``p``'s cluster serves with units of the given ``rates`` (req/s each):
     colocated and partial units replicated onto every GPU; prefill and decode units in the
     best split of the GPUs between the two. Returns the rate and the placement giving it."""
-    caps = {u: c for u, c in rates.items() if c > 0}
-    best, how = 0.0, "no unit fits"
+    best, how = 0.0, "no unit fits"  # (a unit at 0 req/s adds nothing: best starts at 0)
     g = p.num_gpus
-    for u, c in caps.items():
+    for u, c in rates.items():
         k = g // u.num_gpus
         if u.kind in ("colocated", "partial") and k and k * c > best:
             best, how = k * c, f"{k} x {u.label}"
-    pre = [(u, c) for u, c in caps.items() if u.kind == "prefill"]
-    dec = [(u, c) for u, c in caps.items() if u.kind == "decode"]
+    pre = [(u, c) for u, c in rates.items() if u.kind == "prefill"]
+    dec = [(u, c) for u, c in rates.items() if u.kind == "decode"]
     for a, ca in pre:
         for b, cb in dec:
             for n in range(1, g // a.num_gpus + 1):
