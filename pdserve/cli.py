@@ -13,7 +13,13 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from pdserve.flags import add_engine_flags, engine_kwargs_from_args, one_line_errors, subcommand
+from pdserve.flags import (
+    add_engine_flags,
+    engine_kwargs_from_args,
+    one_line_errors,
+    positive_int,
+    subcommand,
+)
 from pdserve.llm import LLM
 from pdserve.request import SamplingParams
 from pdserve.tokenizer import apply_chat_template
@@ -117,7 +123,7 @@ def _register_builtin(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0)
     for flag in ("vocab-size", "hidden-size", "intermediate-size", "num-layers", "num-heads",
                  "num-kv-heads", "max-position-embeddings"):
-        t.add_argument(f"--{flag}", type=int, default=None)
+        t.add_argument(f"--{flag}", type=positive_int, default=None)
     t.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
 
 

@@ -31,7 +31,14 @@ from pdserve.checkpoints import DEFAULT_CHAT_MODEL, default_chat_model
 from pdserve.cluster.instances import init_ray
 from pdserve.cluster.runtime import build_runtime
 from pdserve.config import BACKENDS, ClusterConfig, ModelConfig
-from pdserve.flags import output_file, positive, positive_int, share, subcommand
+from pdserve.flags import (
+    nonnegative_int,
+    output_file,
+    positive,
+    positive_int,
+    share,
+    subcommand,
+)
 from pdserve.llm import LLM
 from pdserve.request import SamplingParams
 from pdserve.tokenizer import apply_chat_template
@@ -79,7 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w.add_argument("--max-model-len", type=positive_int, default=1024,
                    help="context of the served model; longer requests are clipped "
                         "(default: %(default)s)")
-    w.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    w.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="workload seed (default: %(default)s)")
     w.add_argument("--repeats", type=positive_int, default=1,
                    help="replay the workload this many times per deployment, alternating, and "
                         "judge differences against the spread (default: %(default)s)")

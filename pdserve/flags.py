@@ -23,6 +23,7 @@ import inspect
 import math
 import os
 import sys
+import tempfile
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -125,22 +126,33 @@ def share(text: str) -> float:
 
 
 def _writable_folder(folder: Path, text: str) -> None:
+    """Make ``folder`` and write a file in it (then removed): ``os.access`` says yes to root
+    in a folder no file can be made in (``/proc``, a read-only bind mount)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+    if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(folder)!r} is not a "
-                                         f"writable folder")
+                                         f"folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(folder)!r} is not a "
+                                         f"writable folder ({e.strerror or e})") from None
 
 
 def output_file(text: str) -> str:
-    """A file an output will be written to: its folder is made (or found writable) when the
-    flag is read, so that a bad path fails before the work, not after it."""
+    """A file an output will be written to: its folder is made (or found writable), and an
+    existing file found writable, when the flag is read, so that a bad path fails before the
+    work, not after it."""
     p = Path(text)
     if not text or p.is_dir():
         raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
     _writable_folder(p.parent, text)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is read-only")
     return text
 
 

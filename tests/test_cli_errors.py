@@ -97,6 +97,11 @@ def test_warnings_are_one_plain_line(tmp_path: Path) -> None:
      "--plot: expected a folder, got '/etc/hostname'"),
     (["profile", "--model", "m", "--out", "/proc/no-such/p.json"],
      "--out: cannot write '/proc/no-such/p.json'"),
+    # /proc exists and os.access calls it writable for root, but no file can be made in it
+    (["plan", "--rate", "1", "--out", "/proc/plan.yaml"],
+     "--out: cannot write '/proc/plan.yaml': '/proc' is not a writable folder"),
+    (["predictor", "train", "--data", "sharegpt", "--output", "/proc/m.npz"],
+     "--output: cannot write '/proc/m.npz'"),
 ])
 def test_an_output_that_cannot_be_written_fails_before_the_work(
         capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
@@ -104,6 +109,35 @@ def test_an_output_that_cannot_be_written_fails_before_the_work(
         main(argv)
     assert e.value.code == 2
     assert says in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--rate", "1", "--seed", "-1"],
+    ["advise", "--seed", "-1"],
+    ["simulate", "--rate", "1", "--seed", "-1"],
+    ["bench", "--target", "sim", "--rate", "1", "--seed", "-1"],
+    ["demo", "--seed", "-1"],
+    ["predictor", "train", "--data", "sharegpt", "--output", "m.npz", "--seed", "-1"],
+])
+def test_a_negative_workload_seed_is_named_before_the_work(
+        capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    # numpy refuses it late, as "expected non-negative integer" without the flag
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "argument --seed: must be an integer >= 0, got '-1'" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--hidden-size", "--num-layers", "--num-heads",
+                                  "--intermediate-size", "--max-position-embeddings"])
+def test_a_tiny_model_size_of_zero_is_refused(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path, flag: str) -> None:
+    # 0 once fell back to the default size silently (``hidden_size or 64``)
+    with pytest.raises(SystemExit) as e:
+        main(["make-tiny-model", str(tmp_path / "m"), flag, "0"])
+    assert e.value.code == 2
+    assert f"argument {flag}: must be an integer >= 1, got '0'" in one_error_line(capsys)
+    assert not (tmp_path / "m").exists()
 
 
 def test_an_output_folder_is_made_when_the_flag_is_read(tmp_path: Path) -> None:

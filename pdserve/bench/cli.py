@@ -105,7 +105,7 @@ def add_workload_args(p: argparse.ArgumentParser, max_model_len: bool = True) ->
     w.add_argument("--num-requests", type=positive_int, default=200,
                    help="requests per run; a goodput probe's judged requests at least "
                         "(default: %(default)s)")
-    w.add_argument("--seed", type=int, default=0,
+    w.add_argument("--seed", type=nonnegative_int, default=0,
                    help="workload seed: which requests, their arrival pattern "
                         "(default: %(default)s)")
     w.add_argument("--arrival", choices=ARRIVALS,

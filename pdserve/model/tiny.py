@@ -244,9 +244,16 @@ def make_tiny_model(
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; "
                          f"choose from {sorted(_ARCHITECTURES)}")
-    vocab = vocab_size or 512
-    hidden = hidden_size or 64
-    heads = num_heads or 4
+    sizes = {"vocab_size": vocab_size, "hidden_size": hidden_size,
+             "intermediate_size": intermediate_size, "num_layers": num_layers,
+             "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+             "max_position_embeddings": max_position_embeddings, "head_dim": head_dim}
+    for name, v in sizes.items():  # a size of 0 is refused, not taken for the default
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    vocab = 512 if vocab_size is None else vocab_size
+    hidden = 64 if hidden_size is None else hidden_size
+    heads = 4 if num_heads is None else num_heads
     kv_heads = heads if arch == "opt" else (num_kv_heads or max(1, heads // 2))
     if arch == "opt" and num_kv_heads not in (None, heads):
         raise ValueError("OPT has no grouped-query attention: num_kv_heads must equal num_heads")

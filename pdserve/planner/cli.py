@@ -109,7 +109,7 @@ def add_problem_flags(p: argparse.ArgumentParser) -> None:
                    help="steady-state rule: a probe warms up for half this many request "
                         "lifetimes (TTFT SLO + mean output x TPOT SLO), then judges at least "
                         f"as many (default {Problem.horizon:g})")
-    w.add_argument("--seed", type=int, default=Problem.seed)
+    w.add_argument("--seed", type=nonnegative_int, default=Problem.seed)
     w.add_argument("--traces-dir")
     w.add_argument("--slo-ttft", type=positive, metavar="SECONDS",
                    help="TTFT objective (default: the workload's)")

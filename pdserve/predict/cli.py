@@ -19,7 +19,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.flags import one_line_errors, positive_int, say, subcommand
+from pdserve.flags import (
+    nonnegative_int,
+    one_line_errors,
+    output_file,
+    positive_int,
+    say,
+    subcommand,
+)
 from pdserve.predict import SoftmaxClassifier
 from pdserve.predict.data import fit_predictor, load_pairs
 from pdserve.predict.train import accuracy_table, evaluate, split
@@ -88,11 +95,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--num-buckets", type=positive_int, default=None,
                    help="classes; longer outputs fall into the last (default: 2048 tokens' "
                         "worth)")
-    t.add_argument("--output", required=True, metavar="FILE.npz", help="the saved classifier")
+    t.add_argument("--output", required=True, type=output_file, metavar="FILE.npz",
+                   help="the saved classifier")
     t.add_argument("--eval-share", type=_eval_share, default=0.2, metavar="SHARE",
                    help="share of pairs held out for evaluation; 0 trains on all "
                         "(default: %(default)s)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=nonnegative_int, default=0)
     e = subcommand(sub, "eval", _eval, cmd="predictor eval",
                    help="accuracy per bucket and cost of a saved classifier")
     e.add_argument("--data", required=True, metavar="FILE.jsonl|TRACE")

@@ -77,6 +77,9 @@ def test_custom_sizes_and_bad_arguments(tmp_path):
         make_tiny_model(tmp_path / "x", "opt", num_kv_heads=1)
     with pytest.raises(ValueError, match="divisible"):
         make_tiny_model(tmp_path / "x", "llama", hidden_size=66)
+    for size in ("hidden_size", "num_layers", "num_heads", "head_dim"):  # not the default
+        with pytest.raises(ValueError, match=f"{size} must be an integer >= 1, got 0"):
+            make_tiny_model(tmp_path / "x", "qwen3", **{size: 0})
 
 
 def test_default_model_dir_is_cached(tmp_path, monkeypatch):
