@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -287,23 +288,41 @@ def make_workload(
     return w.retimed(rate, w.arrival, cv)
 
 
+_FILE_KEYS = {"prompt_token_ids", "prompt", "prompt_len", "output_len", "arrival_time",
+              "prefix_block_ids", "request_id"}  # one request per line (load_workload_file)
+
+
 def load_workload_file(path: str, num_requests: int | None = None, seed: int = 0,
                        vocab_size: int = 32000, token_low: int = 4) -> Workload:
     """A JSON-lines workload: one object per request with ``output_len`` and one of
     ``prompt_token_ids``, ``prompt`` (text; ``prompt_len`` estimated unless given) or
-    ``prompt_len`` (synthetic ids); optional ``arrival_time`` (seconds; replayed as a trace) and
-    ``prefix_block_ids``."""
+    ``prompt_len`` (synthetic ids); optional ``arrival_time`` (seconds; replayed as a trace),
+    ``prefix_block_ids`` and ``request_id``; other keys are ignored with a warning that names
+    them. A line that is not such an object is an error naming the line."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"workload file {path!r} does not exist")
     reqs, times = [], []
+    ignored: set[str] = set()
     with open(p) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise ValueError(f"a JSON object was expected, got {type(d).__name__}")
+                unknown = set(d) - _FILE_KEYS - ignored
+                if unknown:  # (a misspelt arrival_time would pass unseen)
+                    ignored |= unknown
+                    warnings.warn(f"{path}:{lineno}: ignoring key(s) {sorted(unknown)} (a "
+                                  f"workload line reads {sorted(_FILE_KEYS)})", stacklevel=2)
                 ids, text = d.get("prompt_token_ids"), d.get("prompt")
+                if ids is not None and not (isinstance(ids, list) and all(
+                        isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                        for t in ids)):
+                    raise ValueError("prompt_token_ids must be a list of token ids (integers "
+                                     ">= 0)")
                 plen = int(d.get("prompt_len") or (len(ids) if ids else 0))
                 if plen < 1 and text:
                     plen = estimate_tokens(text)
@@ -312,10 +331,16 @@ def load_workload_file(path: str, num_requests: int | None = None, seed: int = 0
                 if ids is None:
                     ids = segment_tokens(seed, segment_key(NS_PROMPT, len(reqs)), plen,
                                          vocab_size, token_low).tolist()
+                out = int(d["output_len"])
+                if out < 1:
+                    raise ValueError(f"output_len must be >= 1, got {out}")
+                at = float(d.get("arrival_time", len(times)))
+                if not (math.isfinite(at) and at >= 0):
+                    raise ValueError(f"arrival_time must be a finite number >= 0, got {at}")
                 reqs.append(WorkloadRequest(
                     str(d.get("request_id", f"{p.stem}-{len(reqs)}")), 0.0, plen,
-                    int(d["output_len"]), ids, text, d.get("prefix_block_ids")))
-                times.append(float(d.get("arrival_time", len(times))))
+                    out, ids, text, d.get("prefix_block_ids")))
+                times.append(at)
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad workload line ({e})") from None
             if num_requests is not None and len(reqs) >= num_requests:

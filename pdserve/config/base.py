@@ -52,7 +52,8 @@ def read_text(path: str | os.PathLike[str], what: str) -> str:
     """A file's text; ``ValueError`` naming ``what`` and the file when it cannot be read."""
     p = os.fspath(path)
     if not os.path.isfile(p):
-        raise ValueError(f"{what} {p!r} does not exist")
+        raise ValueError(f"{what} {p!r} " + ("is not a file" if os.path.exists(p)
+                                             else "does not exist"))
     try:
         with open(p) as f:
             return f.read()

@@ -222,6 +222,33 @@ def test_workload_file(tmp_path) -> None:
         make_workload(str(path), 10)
 
 
+def test_a_workload_line_s_unknown_keys_are_named_once(tmp_path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt_len": 4, "output_len": 2, "arrival": 3}\n'
+                    '{"prompt_len": 4, "output_len": 2, "arrival": 5, "task": "qa"}\n')
+    with pytest.warns(UserWarning) as seen:
+        w = make_workload(str(path), 10)
+    assert [str(x.message).split(": ", 1)[1][:35] for x in seen] == [
+        "ignoring key(s) ['arrival'] (a work", "ignoring key(s) ['task'] (a workloa"]
+    assert [r.arrival_time for r in w.requests] == [0.0, 1.0]  # not the 'arrival' values
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("[1, 2]", "a JSON object was expected, got list"),
+    ('{"prompt_token_ids": [1, -2], "output_len": 2}', "prompt_token_ids must be a list"),
+    ('{"prompt_token_ids": "abc", "output_len": 2}', "prompt_token_ids must be a list"),
+    ('{"prompt_len": 4, "output_len": 0}', "output_len must be >= 1"),
+    ('{"prompt_len": 4, "output_len": 2, "arrival_time": -1}', "arrival_time must be"),
+    ('{"prompt_len": 4, "output_len": 2, "arrival_time": NaN}', "arrival_time must be"),
+])
+def test_a_bad_workload_line_is_named(tmp_path, line: str, says: str) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt_len": 4, "output_len": 2}\n' + line + "\n")
+    with pytest.raises(ValueError, match="w.jsonl:2: bad workload line") as e:
+        make_workload(str(path), 10)
+    assert says in str(e.value)
+
+
 @pytest.mark.parametrize("spec,msg", [
     ("nope", "unknown workload"), ("prefix:zipf", "no parameter"), ("prefix:foo=1", "foo"),
     ("prefix:zipf=x", "not a number"), ("fixed:input=0", "out of range")])
