@@ -325,6 +325,18 @@ class ClusterConfig:
         _require(isinstance(self.macro, MacroConfig),
                  f"macro must be a MacroConfig, got {self.macro!r}")
         flip_settings(self.flip)
+        # TetriInfer's settings act on prefill and decode instances only: elsewhere they
+        # would be ignored, which a deployment never does silently
+        strategy = self.strategy
+        _require(self.predictor.name == "none" or strategy == "disaggregated",
+                 f"length_predictor {self.predictor.name!r} predicts for a disaggregated "
+                 f"deployment's decode routing (TetriInfer); this one is {strategy}")
+        _require(self.flip == "none" or strategy == "disaggregated",
+                 f"flip {self.flip!r} flips prefill and decode instances (TetriInfer); this "
+                 f"deployment is {strategy}")
+        _require(self.decode_router == "least_load" or strategy == "disaggregated",
+                 f"decode_router {self.decode_router!r} routes to decode instances; this "
+                 f"deployment is {strategy} (prefill_router routes its requests)")
         if self.gpus_per_node is not None:
             for r in self.roles:
                 _require(r.tp * r.pp <= self.gpus_per_node,
@@ -392,6 +404,7 @@ class ClusterConfig:
         d = {k.replace("-", "_"): v for k, v in d.items() if v is not None}
         known = {f.name for f in fields(cls)}
         short = {k: d.pop(k) for k in _SHORTHAND if k in d}
+        flat_macro: list[str] = []  # macro settings given by their flat keys (flags)
         for group, sub in _NESTED.items():
             given = d.get(group, {})
             if isinstance(given, sub):
@@ -403,8 +416,11 @@ class ClusterConfig:
             bad = set(nested) - {f.name for f in fields(sub)}
             _require(not bad, f"{group}: unknown setting(s) {sorted(bad)}; known: "
                               f"{', '.join(f.name for f in fields(sub))}")
-            nested.update({name: d.pop(key) for key, (g, name) in FLAT_KEYS.items()
-                           if g == group and key in d})
+            flat = {key: d.pop(key) for key, (g, _) in FLAT_KEYS.items()
+                    if g == group and key in d}
+            if group == "macro":  # (the SLOs are also what a run is judged on)
+                flat_macro = sorted(set(flat) - {"slo_ttft", "slo_tpot"})
+            nested.update({FLAT_KEYS[key][1]: v for key, v in flat.items()})
             d[group] = sub(**nested)
         engine = d.pop("engine", None) or {}
         if isinstance(engine, EngineConfig):
@@ -417,6 +433,9 @@ class ClusterConfig:
         roles = [r if isinstance(r, RoleSpec) else _role_from_dict(r)
                  for r in d.pop("roles", None) or []]
         roles = _apply_shorthand(roles, short)
+        _require(not flat_macro or _strategy_of(roles) == "partial",
+                 f"{', '.join(flat_macro)}: macro instances' settings (EcoServe), for strategy "
+                 f"partial; this deployment is {_strategy_of(roles)}")
         if roles and _strategy_of(roles) == "partial":
             d.setdefault("prefill_router", "macro_rolling")  # EcoServe's router by default
         unknown = set(d) - known
@@ -488,4 +507,19 @@ def _apply_shorthand(roles: list[RoleSpec], short: dict[str, Any]) -> list[RoleS
         if r.role == "prefill" and short.get("prefill_token_target") is not None:
             engine["prefill_token_target"] = short["prefill_token_target"]
         out.append(replace(r, engine=engine, **kw))
+    # a setting of a role the deployment does not have would be ignored: refused instead
+    have = {r.role for r in out}
+    for key in _SHORTHAND:
+        role = ("prefill" if key.startswith("prefill_") or key == "num_prefill" else
+                "decode" if key.startswith("decode_") or key == "num_decode" else
+                "instances" if key == "num_instances" else None)
+        if short.get(key) is None or role is None:
+            continue
+        if role == "instances":
+            _require(bool(have & {"colocated", "temporal"}),
+                     "num_instances counts colocated or temporal instances; this deployment "
+                     "is disaggregated (num_prefill, num_decode)")
+        else:
+            _require(role in have, f"{key} sets {role} instances; this deployment is "
+                                   f"{_strategy_of(out)} (strategy disaggregated has them)")
     return out

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import stat
+import tempfile
 import threading
 from pathlib import Path
 from typing import TextIO
@@ -51,9 +52,13 @@ def check_log_path(path: str | os.PathLike[str], what: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"{what} {str(path)!r}: {str(existing)!r} is not a directory")
-    if st is None and not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {str(path)!r}: the directory {str(existing)!r} is not "
-                         f"writable")
+    if st is None:  # a real file, then removed: os.access says yes to root in /proc
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            raise ValueError(f"{what} {str(path)!r}: the directory {str(existing)!r} is not "
+                             f"writable ({e.strerror})") from None
     vfs = os.statvfs(existing)
     free = vfs.f_bavail * vfs.f_frsize
     if free < MIN_FREE_BYTES:

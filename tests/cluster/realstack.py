@@ -12,6 +12,7 @@ from pdserve.cluster.runtime import ClusterRuntime
 from pdserve.config import ClusterConfig, EngineConfig, ModelConfig
 from pdserve.server.app import serve_locally
 from pdserve.tokenizer import load_tokenizer
+from tests.deploy import role_counts
 
 MAX_LEN = 256
 
@@ -69,9 +70,9 @@ async def runtime_over(model_dir: str, clients: list[InstanceClient],
     roles = [c.role for c in clients]
     disagg = "prefill" in roles
     cfg = ClusterConfig.from_dict({
-        "engine": engine, "strategy": "disaggregated" if disagg else "colocated",
-        "num_instances": len(clients), "num_prefill": max(roles.count("prefill"), 1),
-        "num_decode": max(roles.count("decode"), 1), "backend": "ray"})
+        "engine": engine, "backend": "ray",
+        **role_counts("disaggregated" if disagg else "colocated", len(clients),
+                      max(roles.count("prefill"), 1), max(roles.count("decode"), 1))})
     rt = ClusterRuntime(cfg, [Borrowed(c) for c in clients], load_tokenizer(model_dir),
                         ModelConfig.from_dir(model_dir))
     await rt.start()

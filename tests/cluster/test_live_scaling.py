@@ -22,6 +22,7 @@ from pdserve.config import (
     SchedulerConfig,
 )
 from pdserve.request import SamplingParams
+from tests.deploy import role_counts
 from tests.engine.fakes import FakeExecutor, reference_generate
 
 VOCAB = 50
@@ -39,8 +40,8 @@ def runtime(strategy: str = "colocated", n: int = 2, p: int = 1, d: int = 1,
             router: str | None = None, **kw: Any) -> ClusterRuntime:
     eng = EngineConfig(cache=CacheConfig(block_size=BS, num_kv_blocks=BLOCKS),
                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=256))
-    cfg = ClusterConfig.from_dict({"engine": eng, "strategy": strategy, "num_instances": n,
-                                   "num_prefill": p, "num_decode": d, "prefill_router": router})
+    cfg = ClusterConfig.from_dict({"engine": eng, **role_counts(strategy, n, p, d),
+                                   "prefill_router": router})
     rt = ClusterRuntime(cfg, [fake_client(s) for s in cfg.instance_specs()], tokenizer=None,
                         model_config=MODEL, model_name="fake", **kw)
 

@@ -10,6 +10,7 @@ from pdserve.cluster.serving_api import QueueFullError, RequestFailedError
 from pdserve.cluster.worker import InstanceWorker
 from pdserve.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.request import SamplingParams
+from tests.deploy import role_counts
 from tests.engine.fakes import FakeExecutor, reference_generate
 
 VOCAB = 50
@@ -20,8 +21,7 @@ MODEL = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=8, intermediat
 def cluster(strategy="colocated", n=1, p=1, d=1, blocks=32, bs=4, **kw):
     eng = EngineConfig(cache=CacheConfig(block_size=bs, num_kv_blocks=blocks),
                        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=128))
-    cfg = ClusterConfig.from_dict({"engine": eng, "strategy": strategy, "num_instances": n,
-                                   "num_prefill": p, "num_decode": d, **kw})
+    cfg = ClusterConfig.from_dict({"engine": eng, **role_counts(strategy, n, p, d), **kw})
     clients = [InProcessInstance(InstanceWorker(s.instance_id, s.engine,
                                                 executor=FakeExecutor(blocks, bs, VOCAB, 0.001)))
                for s in cfg.instance_specs()]

@@ -28,6 +28,7 @@ from tests.cluster.realstack import (
     tiny_model,
     wait_until,
 )
+from tests.deploy import role_counts
 
 SHORT, LONG = 12, 120
 TEXT = "Hello, how are you today?"
@@ -81,9 +82,8 @@ INPROC = [("colocated", 1, 1, 1), ("colocated", 2, 1, 1), ("disaggregated", 1, 1
                               "partial-2"])
 async def test_inproc_outputs_match_offline(model_dir: str, reference: dict[int, list[str]],
                                             strategy: str, n: int, p: int, d: int) -> None:
-    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir), "strategy": strategy,
-                                   "num_instances": n, "num_prefill": p, "num_decode": d,
-                                   "backend": "inproc"})
+    cfg = ClusterConfig.from_dict({"engine": engine_config(model_dir),
+                                   **role_counts(strategy, n, p, d), "backend": "inproc"})
     rt = await build_runtime(cfg)
     async with serving(rt) as url:
         assert await complete_all(url, SHORT) == reference[SHORT]

@@ -118,6 +118,10 @@ mitosis: true
 mitosis_lower: 2
 mitosis_upper: 3
 mitosis_interval: 5
+"""
+OLD_STYLE_TETRI = """
+model: m
+strategy: disaggregated
 length_predictor: oracle
 predictor_granularity: 100
 predictor_accuracy: 0.75
@@ -128,6 +132,10 @@ strategy: partial
 num_instances: 4
 macro: {slo_ttft: 1.5, size: 2, mitosis: true, mitosis_lower: 2, mitosis_upper: 3,
         mitosis_interval: 5}
+"""
+NESTED_TETRI = """
+model: m
+strategy: disaggregated
 predictor: {name: oracle, granularity: 100, accuracy: 0.75}
 """
 
@@ -147,8 +155,10 @@ def test_old_flat_deployment_files_load_as_the_nested_form(tmp_path: Path, suffi
     assert (nested.macro.slo_ttft, nested.macro.slo_tpot, nested.macro.size) == (1.5, 0.1, 2)
     assert (nested.macro.mitosis, nested.macro.mitosis_upper, nested.macro.mitosis_interval) \
         == (True, 3, 5)
-    assert (nested.predictor.name, nested.predictor.granularity, nested.predictor.accuracy,
-            nested.predictor.data) == ("oracle", 100, 0.75, None)
+    old_t, tetri = load(OLD_STYLE_TETRI, "old_t"), load(NESTED_TETRI, "tetri")
+    assert old_t == tetri
+    assert (tetri.predictor.name, tetri.predictor.granularity, tetri.predictor.accuracy,
+            tetri.predictor.data) == ("oracle", 100, 0.75, None)
     assert nested.router_options()["macro_instance_size"] == 2
     # the file form is the nested one, and it reads back
     assert nested.to_dict()["macro"]["size"] == 2 and "macro_instance_size" not in \
@@ -160,8 +170,10 @@ def test_flat_flags_override_a_nested_file(model_dir: str, tmp_path: Path) -> No
     spec = tmp_path / "d.yaml"
     spec.write_text(NESTED.replace("model: m", f"model: {model_dir}"))
     cfg = cli.config_from_args(parse("--config", str(spec), "--macro-instance-size", "4",
-                                     "--no-mitosis", "--predictor-granularity", "50"))
+                                     "--no-mitosis"))
     assert (cfg.macro.size, cfg.macro.mitosis, cfg.macro.slo_ttft) == (4, False, 1.5)
+    spec.write_text(NESTED_TETRI.replace("model: m", f"model: {model_dir}"))
+    cfg = cli.config_from_args(parse("--config", str(spec), "--predictor-granularity", "50"))
     assert (cfg.predictor.name, cfg.predictor.granularity) == ("oracle", 50)
 
 
@@ -173,6 +185,37 @@ def test_flat_flags_override_a_nested_file(model_dir: str, tmp_path: Path) -> No
 def test_bad_nested_settings_name_the_value(spec: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ClusterConfig.from_dict({"model": "m", **spec})
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # each once ran a colocated instance with nothing said (prefill TP2 served unsharded)
+    (("--prefill-tp", "2"), "prefill_tp sets prefill instances; this deployment is colocated"),
+    (("--num-decode", "2"), "num_decode sets decode instances; this deployment is colocated"),
+    (("--prefill-token-target", "512"), "prefill_token_target sets prefill instances"),
+    (("--strategy", "disaggregated", "--num-instances", "4"),
+     "num_instances counts colocated or temporal instances; this deployment is disaggregated"),
+    (("--decode-router", "round_robin"), "decode_router 'round_robin' routes to decode"),
+    (("--flip", "idle:60"), "flip 'idle:60' flips prefill and decode instances"),
+    (("--strategy", "partial", "--length-predictor", "oracle"),
+     "length_predictor 'oracle' predicts for a disaggregated deployment's decode routing "
+     "(TetriInfer); this one is partial"),
+    (("--macro-instance-size", "2", "--mitosis"),
+     "macro_instance_size, mitosis: macro instances' settings (EcoServe), for strategy partial; "
+     "this deployment is colocated"),
+])
+def test_a_setting_the_deployment_has_no_use_for_is_refused(
+        model_dir: str, argv: tuple[str, ...], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("--model", model_dir, *argv)
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve serve: error: ") and message in err, err
+
+
+def test_the_slos_are_not_only_macro_settings() -> None:
+    # --slo-ttft/--slo-tpot also judge simulate's and bench's runs, of any strategy
+    cfg = ClusterConfig.from_dict({"model": "m", "slo_ttft": 1.0, "slo_tpot": 0.2})
+    assert cfg.strategy == "colocated" and cfg.macro.slo_ttft == 1.0
 
 
 def test_demo_uses_the_tiny_model(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,11 +23,13 @@ def _bad_paths(tmp_path: Path) -> dict[str, tuple[str, str]]:
     (tmp_path / "file").write_text("")
     return {"dir": (str(tmp_path), "is a directory"),
             "full": ("/dev/full", "not a regular file"),
-            "under_file": (str(tmp_path / "file" / "x.jsonl"), "ot a directory")}
+            "under_file": (str(tmp_path / "file" / "x.jsonl"), "ot a directory"),
+            # os.access calls /proc writable for root; statvfs says 0 bytes free there
+            "proc": ("/proc/x.jsonl", "the directory '/proc' is not writable")}
 
 
 @pytest.mark.parametrize("flag", ["--step-log", "--log-length-pairs"])
-@pytest.mark.parametrize("case", ["dir", "full", "under_file"])
+@pytest.mark.parametrize("case", ["dir", "full", "under_file", "proc"])
 def test_unusable_log_paths_exit_2_before_loading(flag: str, case: str, model_dir: str,  # noqa: F811
                                                   tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

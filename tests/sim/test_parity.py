@@ -70,8 +70,9 @@ def cluster_config(strategy: str, n: int = 1) -> ClusterConfig:
     eng = EngineConfig(cache=CacheConfig(block_size=8, num_kv_blocks=256),
                        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
                                                  max_model_len=512))
-    return ClusterConfig.from_dict({"engine": eng, "strategy": strategy, "num_instances": n,
-                                    "num_prefill": 1, "num_decode": 1})
+    counts = ({"num_instances": n} if strategy == "colocated" else
+              {"num_prefill": 1, "num_decode": 1})
+    return ClusterConfig.from_dict({"engine": eng, "strategy": strategy, **counts})
 
 
 def prompt(i: int, n: int) -> list[int]:

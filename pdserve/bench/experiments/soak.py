@@ -246,9 +246,10 @@ async def run_strategies(model: str, strategies: list[str], kills: int = 0,
         engine = EngineConfig.from_kwargs(model, model_max_len=1024, max_model_len=MAX_LEN,
                                           num_kv_blocks=96, max_num_batched_tokens=512,
                                           max_num_seqs=16)
+        counts = ({"num_decode": 1 + spare} if strategy == "disaggregated" else
+                  {"num_instances": 1 + spare})
         rt = await build_runtime(ClusterConfig.from_dict({
-            "engine": engine, "strategy": strategy, "backend": backend,
-            "num_instances": 1 + spare, "num_decode": 1 + spare}))
+            "engine": engine, "strategy": strategy, "backend": backend, **counts}))
         try:
             results[strategy] = await soak(rt, kill_at=kill_at, **kw)
         finally:
