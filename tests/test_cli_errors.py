@@ -155,3 +155,22 @@ def test_a_profile_that_is_not_one_is_named(capsys: pytest.CaptureFixture[str], 
     assert main(["simulate", "--rate", "1", "--num-requests", "5", "--profile", str(bad)]) == 2
     line = one_error_line(capsys)
     assert repr(str(bad)) in line and says in line
+
+
+def test_a_kv_pool_that_cannot_hold_one_request_is_refused_at_start(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # it served before, answering every request longer than 32 tokens with a 503
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", "--demo", "--backend", "inproc", "--num-kv-blocks", "2",
+                 "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "pdserve serve: error: instance colocated-0's KV pool holds 2 blocks of 16 tokens (32 "
+        "tokens), fewer than one request of max_model_len=1024 needs (64 blocks): raise "
+        "num_kv_blocks (or gpu_memory_utilization, cpu_kv_gib), or set max_model_len <= 32")
+    assert main(["serve", "--demo", "--backend", "inproc", "--num-kv-blocks", "2",
+                 "--max-model-len", "33", "--port", str(port), "--pipeline-parallel-size",
+                 "1"]) == 2
+    assert "needs (3 blocks)" in capsys.readouterr().err

@@ -52,6 +52,7 @@ from pdserve.config.engine import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    check_pool_holds_a_request,
     default_token_budget,
     engine_reserved_bytes,
     kv_cache_blocks,
@@ -65,7 +66,8 @@ __all__ = [
     "ROLES", "SCHEDULING_POLICIES", "STRATEGIES",
     "SUPPORTED_ARCHITECTURES", "CacheConfig", "ClusterConfig", "EngineConfig", "GiB",
     "InstanceSpec", "Link", "MacroConfig", "ModelConfig", "PredictorConfig", "Role", "RoleSpec",
-    "SchedulerConfig", "cdiv", "check_granularity", "default_token_budget",
-    "engine_reserved_bytes", "flip_settings", "get_link", "kv_cache_blocks", "link_catalogue",
+    "SchedulerConfig", "cdiv", "check_granularity", "check_pool_holds_a_request",
+    "default_token_budget", "engine_reserved_bytes", "flip_settings", "get_link",
+    "kv_cache_blocks", "link_catalogue",
     "load_data_file", "read_text", "simulated_kv_blocks",
 ]

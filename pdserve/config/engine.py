@@ -257,6 +257,19 @@ def kv_cache_blocks(model: ModelConfig, engine: EngineConfig, *,
     return blocks
 
 
+def check_pool_holds_a_request(num_blocks: int, block_size: int, max_model_len: int,
+                               what: str = "the KV pool") -> None:
+    """``ValueError`` unless ``num_blocks`` blocks hold one request of ``max_model_len``
+    tokens, as vLLM refuses to start (a live instance would refuse every long request)."""
+    need = cdiv(max_model_len, block_size)
+    if num_blocks < need:
+        raise ValueError(
+            f"{what} holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} "
+            f"tokens), fewer than one request of max_model_len={max_model_len} needs ({need} "
+            f"blocks): raise num_kv_blocks (or gpu_memory_utilization, cpu_kv_gib), or set "
+            f"max_model_len <= {num_blocks * block_size}")
+
+
 
 # What a GPU engine keeps out of its KV pool besides the weights, per GPU (vLLM's V1
 # ``Worker.determine_available_memory``: ``total × gpu_memory_utilization`` minus the weights, the

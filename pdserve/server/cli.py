@@ -20,8 +20,9 @@ from typing import Any
 
 from pdserve.checkpoints import BUILTIN_MODELS, resolve_model
 from pdserve.cluster.runtime import build_runtime
-from pdserve.config import ClusterConfig, ModelConfig
+from pdserve.config import ClusterConfig, ModelConfig, check_pool_holds_a_request
 from pdserve.engine.logfile import check_log_path
+from pdserve.engine.pipeline import lane_blocks
 from pdserve.flags import (
     add_deployment_flags,
     deployment_from_args,
@@ -165,6 +166,16 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     print(f"pdserve: loading {config.model!r} on {n} instance(s) in {where}...",
           file=sys.stderr, flush=True)
     runtime = await build_runtime(config)
+    try:  # a pool that cannot hold one request of max_model_len: refused, as vLLM does
+        for iid, inst in runtime.instances.items():
+            spec = config.role(inst.view.role)
+            lanes = lane_blocks(inst.view.num_kv_blocks, spec.pp if spec is not None else 1)
+            check_pool_holds_a_request(min(n for _, n in lanes), inst.view.block_size,
+                                       runtime.max_model_len, f"instance {iid}'s KV pool"
+                                       + (" (per pipeline lane)" if len(lanes) > 1 else ""))
+    except ValueError:
+        await runtime.shutdown()
+        raise
     if replan is not None:
         replan(runtime)
     loop = asyncio.get_running_loop()
