@@ -174,3 +174,21 @@ def test_a_kv_pool_that_cannot_hold_one_request_is_refused_at_start(
                  "--max-model-len", "33", "--port", str(port), "--pipeline-parallel-size",
                  "1"]) == 2
     assert "needs (3 blocks)" in capsys.readouterr().err
+
+
+def test_odd_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "d.yaml"
+    spec.write_text("model: opt-13b\nsimulation: 5\n")  # once "'int' object is not iterable"
+    assert main(["simulate", "--config", str(spec), "--rate", "1", "--num-requests", "3"]) == 2
+    assert "simulation must be a mapping (profile, hardware, ...), got 5" in \
+        capsys.readouterr().err
+    # scrape a simulation's /metrics: the file was never written, nothing said
+    assert main(["bench", "--target", "sim", "--rate", "1", "--num-requests", "3",
+                 "--scrape-metrics", str(tmp_path / "m.jsonl")]) == 2
+    assert "--scrape-metrics scrapes a live server's /metrics; target 'sim' has none" in \
+        capsys.readouterr().err
+    bad = tmp_path / "bad.npz"
+    bad.write_text("not a classifier")  # numpy spoke of pickles and allow_pickle
+    assert main(["predictor", "eval", "--data", "sharegpt", "--model", str(bad)]) == 2
+    assert f"{str(bad)!r} is not a length classifier saved by `pdserve predictor train`" in \
+        capsys.readouterr().err

@@ -193,7 +193,7 @@ def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
                         "(default: %(default)s)")
     c.add_argument("--no-timeline", action="store_true",
                    help="do not ask the server for request timelines")
-    c.add_argument("--scrape-metrics", metavar="FILE",
+    c.add_argument("--scrape-metrics", metavar="FILE", type=output_file,
                    help="append the server's Prometheus /metrics, scraped during every run, to "
                         "FILE as JSON lines (pdserve's or vLLM's; `pdserve calibrate "
                         "--metrics-log FILE` fits a device to them)")

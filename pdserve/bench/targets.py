@@ -134,6 +134,9 @@ def make_target(spec: str, args: Any, name: str | None = None) -> Target:
             scrape_metrics=getattr(args, "scrape_metrics", None),
             scrape_interval=getattr(args, "scrape_interval", 0.5))
     if spec in _FACTORIES:
+        if getattr(args, "scrape_metrics", None) is not None:  # else never written
+            raise ValueError(f"--scrape-metrics scrapes a live server's /metrics; target "
+                             f"{spec!r} has none")
         target = _FACTORIES[spec](args)
         if name is not None:
             target.name = name

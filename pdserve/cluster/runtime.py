@@ -408,7 +408,8 @@ class ClusterRuntime:
         # a dead instance shows as dead and nothing else: its last stats would be phantom load
         return [InstanceStatus(i.view.instance_id, i.view.role, i.view.alive,
                                i.view.stats if i.view.alive else None,
-                               i.view.draining or i.view.instance_id in removing)
+                               i.view.draining or i.view.instance_id in removing,
+                               i.view.num_kv_blocks)
                 for i in self.instances.values()]
 
     async def check_integrity(self) -> dict[str, dict[str, int]]:

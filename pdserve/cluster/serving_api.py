@@ -27,6 +27,7 @@ class InstanceStatus:
     alive: bool
     stats: EngineStats | None
     draining: bool = False  # being removed: no new requests, finishing what it holds
+    num_kv_blocks: int | None = None  # its KV pool (known before its first report)
 
 
 @dataclass

@@ -102,9 +102,12 @@ class SoftmaxClassifier(_Fitted):
     def load(cls, path: str | Path) -> SoftmaxClassifier:
         try:
             d = np.load(path)
+            g, k, h = (int(v) for v in d["meta"])
         except OSError as e:
             raise ValueError(f"cannot read length predictor {str(path)!r}: {e}") from None
-        g, k, h = (int(v) for v in d["meta"])
+        except (ValueError, KeyError, TypeError, AttributeError):  # (an .npy, pickled data)
+            raise ValueError(f"{str(path)!r} is not a length classifier saved by `pdserve "
+                             f"predictor train`") from None
         c = cls(g, k, h)
         c.w, c.mean, c.std = d["w"], d["mean"], d["std"]
         return c

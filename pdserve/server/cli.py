@@ -167,12 +167,16 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
           file=sys.stderr, flush=True)
     runtime = await build_runtime(config)
     try:  # a pool that cannot hold one request of max_model_len: refused, as vLLM does
-        for iid, inst in runtime.instances.items():
-            spec = config.role(inst.view.role)
-            lanes = lane_blocks(inst.view.num_kv_blocks, spec.pp if spec is not None else 1)
-            check_pool_holds_a_request(min(n for _, n in lanes), inst.view.block_size,
-                                       runtime.max_model_len, f"instance {iid}'s KV pool"
-                                       + (" (per pipeline lane)" if len(lanes) > 1 else ""))
+        for st in runtime.instance_status():
+            spec = config.role(st.role)
+            blocks = st.num_kv_blocks if st.stats is None else st.stats.num_kv_blocks
+            if blocks is None or spec is None:
+                continue
+            lanes = lane_blocks(blocks, spec.pp)
+            check_pool_holds_a_request(
+                min(n for _, n in lanes), config.engine_config(spec).cache.block_size,
+                runtime.max_model_len, f"instance {st.instance_id}'s KV pool"
+                + (" (per pipeline lane)" if len(lanes) > 1 else ""))
     except ValueError:
         await runtime.shutdown()
         raise

@@ -133,7 +133,7 @@ class SimulationConfig:
         ``profile``, ``hardware``, ``step_overhead_ms``, ``seq_overhead_ms``,
         ``request_overhead_ms``."""
         d = {k.replace("-", "_"): v for k, v in d.items() if v is not None}
-        sim = dict(d.pop("simulation", None) or {})
+        sim = simulation_section(d)
         names = [f.name for f in fields(cls) if f.name != "deployment"]
         unknown = set(sim) - set(names)
         if unknown:
@@ -495,10 +495,19 @@ def add_latency_source_flags(g: Any) -> None:
                         "auto, the engine's dtype)")
 
 
+def simulation_section(d: dict[str, Any]) -> dict[str, Any]:
+    """``d``'s ``simulation`` mapping, popped (``{}`` if absent); anything else is an
+    error."""
+    sim = d.pop("simulation", None)
+    if sim is not None and not isinstance(sim, Mapping):
+        raise ValueError(f"simulation must be a mapping (profile, hardware, ...), got {sim!r}")
+    return dict(sim or {})
+
+
 def simulation_from_args(args: argparse.Namespace) -> Any:
     """The simulated deployment: ``--config`` overlaid with the flags."""
     d = deployment_dict(args)
-    sim = dict(d.pop("simulation", None) or {})
+    sim = simulation_section(d)
     given = {k: getattr(args, k, None) for k in (
         "profile", "hardware", "aic_system", "aic_backend", "quantization", "kv_cache_dtype",
         "step_overhead_ms", "seq_overhead_ms", "request_overhead_ms")
