@@ -80,6 +80,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise _bad(name, v, "must be a list" + (" or a string" if name == "stop" else ""))
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):

@@ -178,7 +178,9 @@ class EngineConfig:
         sched_names = {f.name for f in fields(SchedulerConfig)}
         cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_names})
         sk = {k: v for k, v in kw.items() if k in sched_names}
-        max_len = sk.get("max_model_len") or model_max_len or SchedulerConfig.max_model_len
+        max_len = sk.get("max_model_len")  # (0 is refused below, not taken for the default)
+        if max_len is None:
+            max_len = model_max_len or SchedulerConfig.max_model_len
         if model_max_len is not None and max_len > model_max_len:
             raise ValueError(
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings "

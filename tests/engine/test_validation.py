@@ -19,10 +19,18 @@ from tests.engine.fakes import FakeExecutor
     ({"top_k": -2}, r"top_k .*got -2"),
     ({"min_p": 1.2}, r"min_p .*got 1\.2"),
     ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens must be <= max_tokens \(4\), got 5"),
+    ({"stop": 123}, r"stop must be a list or a string, got 123"),  # once: not iterable
+    ({"stop_token_ids": 7}, r"stop_token_ids must be a list, got 7"),
 ])
 def test_bad_sampling_params_name_the_value(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         SamplingParams(**kwargs)
+
+
+def test_a_max_model_len_of_zero_is_refused_not_taken_for_the_default():
+    with pytest.raises(ValueError, match=r"max_model_len must be >= 1, got 0"):
+        EngineConfig.from_kwargs("m", model_max_len=1024, max_model_len=0)
+    assert EngineConfig.from_kwargs("m", model_max_len=1024).scheduler.max_model_len == 1024
 
 
 def test_boundary_sampling_params_are_accepted():
