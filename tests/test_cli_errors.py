@@ -192,3 +192,25 @@ def test_odd_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["predictor", "eval", "--data", "sharegpt", "--model", str(bad)]) == 2
     assert f"{str(bad)!r} is not a length classifier saved by `pdserve predictor train`" in \
         capsys.readouterr().err
+
+
+def test_calibrate_takes_a_profile_by_name_and_checks_its_output_first(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # --profile NAME was opened as a path ('No such file or directory'), unlike simulate's
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--hardware", "A100-80GB", "--model", "opt-13b", "--profile",
+              "distserve_profiler-a100-80g.distserve", "-o", "/proc/cal.yaml"])
+    assert e.value.code == 2
+    assert "--output/-o: cannot write '/proc/cal.yaml'" in one_error_line(capsys)
+
+
+def test_calibrate_resolves_a_profile_name(tmp_path: Path) -> None:
+    out = tmp_path / "cal.yaml"
+    assert main(["calibrate", "--hardware", "A100-80GB", "--model", "opt-13b", "--profile",
+                 "distserve_profiler-a100-80g.distserve", "-o", str(out)]) == 0
+    assert out.is_file()
+
+
+def test_a_compare_target_needs_a_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "--target", "=sim", "--rate", "1", "--num-requests", "3"]) == 2
+    assert "every target needs a name (NAME=URL), got ['']" in one_error_line(capsys)

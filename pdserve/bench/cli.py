@@ -421,6 +421,8 @@ def _compare_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not specs:
         raise UsageError("compare needs targets: --target NAME=URL (repeat) or --targets-config")
     names = [sp["name"] for sp in specs]
+    if not all(isinstance(n, str) and n.strip() for n in names):
+        raise UsageError(f"every target needs a name (NAME=URL), got {names}")
     if len(set(names)) != len(names):
         raise UsageError(f"target names must be unique, got {names}")
     default_gpus = None

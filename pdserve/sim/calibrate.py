@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.config import ModelConfig
-from pdserve.flags import subcommand
+from pdserve.flags import output_file, subcommand
 from pdserve.sim.aic_latency import AicModel, aic_version, allreduce_table, database_version
 from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.hardware import DeviceSpec, Efficiency, load_hardware, save_hardware
@@ -54,6 +54,7 @@ from pdserve.sim.measurements import (
 )
 from pdserve.sim.profiler import FULL_GRID, QUICK_GRID, measure_samples
 from pdserve.sim.serving_path import overhead_from_step_log, serving_path
+from pdserve.sim.target import resolve_profile
 
 FRACTIONS = ("mfu_gemm", "mfu_attention", "mbu_weights", "mbu_kv", "comm", "overlap")
 SECONDS = ("comm_latency_s", "step_overhead_s", "layer_overhead_s", "seq_overhead_s")
@@ -401,6 +402,7 @@ def _gather(args: argparse.Namespace, device: DeviceSpec) -> list[Measurement]:
     for p in args.samples or []:
         ms += load_samples(p, args.model)
     for p in args.profile or []:
+        p = resolve_profile(p)  # a name as simulate and plan take it, or a path
         with open(p) as f:
             is_ours = json.load(f).get("format") == "pdserve-latency-profile"
         if is_ours:
@@ -687,5 +689,6 @@ def register(subparsers: Any) -> None:
                                  f"constrains, of {','.join(FACTORS)})")
     p.add_argument("--loo", action="store_true", help="also report leave-one-out error")
     p.add_argument("--name", help="name of the calibrated device (default: the base's)")
-    p.add_argument("--output", "-o", help="write the calibrated spec (.yaml or .json)")
+    p.add_argument("--output", "-o", type=output_file,
+                   help="write the calibrated spec (.yaml or .json)")
     p.add_argument("--report-json", help="write the fit summary as JSON")
