@@ -37,6 +37,7 @@ from pdserve.flags import nonnegative_int, positive, positive_int
 from pdserve.planner.problem import SERVING_PATH, Problem, available_tps
 from pdserve.planner.search import plan
 from pdserve.planner.units import Unit, confirm, evaluate_unit, unit_probe
+from pdserve.sim.hardware import get_device
 from pdserve.sim.model_catalogue import get_model_config
 from pdserve.sim.target import add_serving_path_flags, build_simulator, to_records, to_sim_requests
 from pdserve.sim.target import simulate as simulate_config
@@ -407,10 +408,18 @@ def replanner_from_args(args: argparse.Namespace, config: ClusterConfig
     :class:`~pdserve.planner.replan.LiveReplanner` to a runtime (and returns it). Bad settings
     raise ``ValueError`` now, before any model loads."""
     if not getattr(args, "replan", False):
+        parser = argparse.ArgumentParser()
+        add_replan_flags(parser)
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(parser.parse_args([])).items()
+                 if k != "replan" and getattr(args, k, v) != v]
+        if given:  # they would be ignored
+            raise ValueError(f"{', '.join(given)}: settings of live replanning; add --replan")
         return None
 
     if args.replan_profile and args.replan_hardware:
         raise ValueError("give --replan-profile or --replan-hardware, not both")
+    if args.replan_hardware:
+        get_device(args.replan_hardware)  # an unknown device fails now, not at the first shift
     problem = Problem(model=args.replan_model or config.model, profile=args.replan_profile,
                       hardware=None if args.replan_profile else
                       (args.replan_hardware or "A100-80GB"),

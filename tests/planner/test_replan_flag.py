@@ -30,10 +30,19 @@ def test_no_replanner_without_the_flag():
     assert replanner_from_args(args, ClusterConfig.from_dict({"model": "opt-13b"})) is None
 
 
+def test_replanning_settings_without_the_flag_are_refused():
+    # they were ignored: a server without a replanner, nothing said
+    args = _args("--model", "opt-13b", "--replan-window", "5", "--replan-slo-ttft", "1")
+    with pytest.raises(ValueError, match=r"^--replan-window, --replan-slo-ttft: settings of "
+                                         r"live replanning; add --replan$"):
+        replanner_from_args(args, ClusterConfig.from_dict({"model": "opt-13b"}))
+
+
 @pytest.mark.parametrize(("argv", "spec", "needle"), [
     (["--replan-profile", "no-such-profile"], {}, "no-such-profile"),
     (["--replan-model", "gpt-nonexistent"], {}, "gpt-nonexistent"),
     (["--replan-profile", "p", "--replan-hardware", "A100-80GB"], {}, "not both"),
+    (["--replan-hardware", "no-such-gpu"], {}, "unknown device 'no-such-gpu'"),  # was lazy
     ([], {"strategy": "partial", "num_instances": 2}, "'partial'"),
 ])
 def test_bad_replanning_settings_fail_before_the_model_loads(argv, spec, needle):
