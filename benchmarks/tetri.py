@@ -71,6 +71,8 @@ def tetri(link_gbs: float, chunk: int, **over: Any) -> ClusterConfig:
          "decode_router": "power_of_two_length", "length_predictor": "oracle",
          "predictor_granularity": 200, "predictor_accuracy": 0.749, "flip": "idle:60"}
     d.update(over)
+    if d["length_predictor"] == "none":  # (its settings would be refused as ignored)
+        del d["predictor_granularity"], d["predictor_accuracy"]
     return ClusterConfig.from_dict(d)
 
 

@@ -209,6 +209,16 @@ class PredictorConfig:
         check_granularity(self.granularity)
         _require(isinstance(self.accuracy, (int, float)) and 0.0 <= self.accuracy <= 1.0,
                  f"predictor_accuracy must be in [0, 1], got {self.accuracy}")
+        # settings the chosen predictor would ignore
+        _require(self.accuracy == 1.0 or self.name == "oracle",
+                 f"predictor_accuracy sets the oracle's accuracy; length_predictor is "
+                 f"{self.name!r}")
+        _require(self.data is None or self.name not in ("none", "oracle"),
+                 f"predictor_data trains a length predictor; length_predictor {self.name!r} "
+                 f"takes none")
+        _require(self.name != "none" or self.granularity == PredictorConfig.granularity,
+                 "predictor_granularity buckets a length predictor's output; "
+                 "length_predictor is 'none'")
 
 
 @dataclass(frozen=True)
@@ -422,6 +432,10 @@ class ClusterConfig:
                 flat_macro = sorted(set(flat) - {"slo_ttft", "slo_tpot"})
             nested.update({FLAT_KEYS[key][1]: v for key, v in flat.items()})
             d[group] = sub(**nested)
+            idle = sorted(k for k in flat if k.startswith("mitosis_"))
+            _require(not idle or group != "macro" or d[group].mitosis,  # given, and ignored
+                     f"{', '.join(idle)}: settings of mitosis scaling, which is off; add "
+                     f"mitosis (--mitosis)")
         engine = d.pop("engine", None) or {}
         if isinstance(engine, EngineConfig):
             d.setdefault("model", engine.model)

@@ -202,6 +202,16 @@ def test_bad_nested_settings_name_the_value(spec: dict[str, object], message: st
     (("--macro-instance-size", "2", "--mitosis"),
      "macro_instance_size, mitosis: macro instances' settings (EcoServe), for strategy partial; "
      "this deployment is colocated"),
+    # settings of a part that is off
+    (("--strategy", "partial", "--mitosis-lower", "1", "--mitosis-upper", "1"),
+     "mitosis_lower, mitosis_upper: settings of mitosis scaling, which is off"),
+    (("--strategy", "disaggregated", "--predictor-granularity", "50"),
+     "predictor_granularity buckets a length predictor's output; length_predictor is 'none'"),
+    (("--strategy", "disaggregated", "--length-predictor", "oracle", "--predictor-data",
+      "sharegpt"), "predictor_data trains a length predictor; length_predictor 'oracle'"),
+    (("--strategy", "disaggregated", "--length-predictor", "classifier", "--predictor-data",
+      "m.npz", "--predictor-accuracy", "0.5"),
+     "predictor_accuracy sets the oracle's accuracy; length_predictor is 'classifier'"),
 ])
 def test_a_setting_the_deployment_has_no_use_for_is_refused(
         model_dir: str, argv: tuple[str, ...], message: str,
