@@ -187,6 +187,10 @@ def test_odd_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                  "--scrape-metrics", str(tmp_path / "m.jsonl")]) == 2
     assert "--scrape-metrics scrapes a live server's /metrics; target 'sim' has none" in \
         capsys.readouterr().err
+    assert main(["bench", "--target", "sim", "--rate", "1", "--num-requests", "3",
+                 "--scrape-interval", "2"]) == 2  # it was ignored
+    assert "--scrape-interval is the period of --scrape-metrics; add --scrape-metrics FILE" in \
+        capsys.readouterr().err
     bad = tmp_path / "bad.npz"
     bad.write_text("not a classifier")  # numpy spoke of pickles and allow_pickle
     assert main(["predictor", "eval", "--data", "sharegpt", "--model", str(bad)]) == 2

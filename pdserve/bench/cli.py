@@ -197,8 +197,8 @@ def _add_common(p: argparse.ArgumentParser, multi: bool = False) -> None:
                    help="append the server's Prometheus /metrics, scraped during every run, to "
                         "FILE as JSON lines (pdserve's or vLLM's; `pdserve calibrate "
                         "--metrics-log FILE` fits a device to them)")
-    c.add_argument("--scrape-interval", type=positive, default=0.5, metavar="SECONDS",
-                   help="seconds between scrapes with --scrape-metrics (default: %(default)s)")
+    c.add_argument("--scrape-interval", type=positive, default=None, metavar="SECONDS",
+                   help="seconds between scrapes with --scrape-metrics (default: 0.5)")
     c.add_argument("--max-failed", type=share_or_zero, default=0.0, metavar="SHARE",
                    help="exit 1 when more than this share of a run's requests fail (an HTTP "
                         "error, a dropped stream; not an SLO miss) (default: %(default)s)")

@@ -124,6 +124,10 @@ def make_target(spec: str, args: Any, name: str | None = None) -> Target:
     """``http(s)://...`` → :class:`HttpTarget` configured from ``args`` (``model``,
     ``api_key``, ``max_concurrency``, ``timeout``, ``num_gpus``, ``no_timeline``,
     ``no_progress``); a registered name → its factory."""
+    if (getattr(args, "scrape_interval", None) is not None
+            and getattr(args, "scrape_metrics", None) is None):  # else ignored
+        raise ValueError("--scrape-interval is the period of --scrape-metrics; add "
+                         "--scrape-metrics FILE")
     if spec.startswith(("http://", "https://")):
         return HttpTarget(
             spec, getattr(args, "model", None), getattr(args, "api_key", None),
@@ -132,7 +136,7 @@ def make_target(spec: str, args: Any, name: str | None = None) -> Target:
             request_timeline=not getattr(args, "no_timeline", False),
             progress=not getattr(args, "no_progress", False),
             scrape_metrics=getattr(args, "scrape_metrics", None),
-            scrape_interval=getattr(args, "scrape_interval", 0.5))
+            scrape_interval=getattr(args, "scrape_interval", None) or 0.5)
     if spec in _FACTORIES:
         if getattr(args, "scrape_metrics", None) is not None:  # else never written
             raise ValueError(f"--scrape-metrics scrapes a live server's /metrics; target "
