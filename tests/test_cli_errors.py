@@ -218,3 +218,16 @@ def test_calibrate_resolves_a_profile_name(tmp_path: Path) -> None:
 def test_a_compare_target_needs_a_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", "--target", "=sim", "--rate", "1", "--num-requests", "3"]) == 2
     assert "every target needs a name (NAME=URL), got ['']" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--tp", "2"], "--tp acts with --step-log or --timelines or --metrics-log; give one"),
+    (["--quick"], "--quick acts with --measure; give one"),
+    (["--splitwise-hardware", "h100-80gb"], "--splitwise-hardware acts with --splitwise"),
+])
+def test_a_calibrate_flag_without_the_flag_it_acts_with_is_refused(
+        capsys: pytest.CaptureFixture[str], flags: list[str], says: str) -> None:
+    # each was ignored: a profile-only fit with --tp 2 fitted what it fits without it
+    assert main(["calibrate", "--hardware", "A100-80GB", "--model", "opt-13b", "--profile",
+                 "distserve_profiler-a100-80g.distserve", *flags]) == 2
+    assert says in one_error_line(capsys)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.config import ModelConfig
-from pdserve.flags import output_file, subcommand
+from pdserve.flags import nonnegative, output_file, positive_int, subcommand
 from pdserve.sim.aic_latency import AicModel, aic_version, allreduce_table, database_version
 from pdserve.sim.analytic import AnalyticModel
 from pdserve.sim.hardware import DeviceSpec, Efficiency, load_hardware, save_hardware
@@ -518,7 +518,29 @@ def _step_errors(cal: Calibration, ms: Sequence[Measurement]) -> dict[str, Any]:
     return out
 
 
+_LOGS = ("step_log", "timelines", "metrics_log")
+# flags that only act beside others: (flag, the flags it needs, its value without them)
+_DEPENDENT = (("tp", _LOGS, 1), ("dtype", _LOGS, "float16"),
+              ("splitwise_hardware", ("splitwise",), "a100-80gb"),
+              ("vidur_min_bytes", ("vidur",), 0.0), ("device", ("measure",), "cpu"),
+              ("threads", ("measure",), 1), ("quick", ("measure",), False),
+              ("save_samples", ("measure",), None))
+
+
+def _resolve_dependent(args: argparse.Namespace) -> None:
+    """Refuse a flag given without the flags it acts with (it would be ignored); fill in the
+    defaults of the others."""
+    for name, needs, default in _DEPENDENT:
+        v = getattr(args, name, None)
+        if v is None or v is False:
+            setattr(args, name, default)
+        elif not any(getattr(args, n, None) for n in needs):
+            flags = " or ".join(f"--{n.replace('_', '-')}" for n in needs)
+            raise ValueError(f"--{name.replace('_', '-')} acts with {flags}; give one")
+
+
 def run(args: argparse.Namespace) -> int:
+    _resolve_dependent(args)
     base = load_hardware(args.hardware)
     models = args.model if isinstance(args.model, list) else [args.model] if args.model else []
     args.models, args.model = models, models[-1] if models else None
@@ -661,20 +683,26 @@ def register(subparsers: Any) -> None:
                    help="Prometheus scrapes of a one-instance server, pdserve's or vLLM's "
                         "(`pdserve bench --scrape-metrics` JSON lines; needs --model; "
                         "repeatable): decode steps from steady intervals, the mean prefill")
-    p.add_argument("--tp", type=int, default=1,
-                   help="with --step-log/--timelines/--metrics-log: the instance's TP")
-    p.add_argument("--dtype", default="float16",
-                   help="with --step-log/--timelines/--metrics-log: the model's dtype")
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="with --step-log/--timelines/--metrics-log: the instance's TP "
+                        "(default: 1)")
+    p.add_argument("--dtype", default=None,
+                   help="with --step-log/--timelines/--metrics-log: the model's dtype "
+                        "(default: float16)")
     p.add_argument("--splitwise", help="SplitwiseSim perf_model.csv")
-    p.add_argument("--splitwise-hardware", default="a100-80gb",
-                   help="its hardware column (a100-80gb, h100-80gb, h100-80gb-pcap)")
+    p.add_argument("--splitwise-hardware", default=None,
+                   help="its hardware column (a100-80gb, h100-80gb, h100-80gb-pcap; default: "
+                        "a100-80gb)")
     p.add_argument("--vidur", help="directory with Vidur's H100 profiles")
-    p.add_argument("--vidur-min-bytes", type=float, default=0.0)
+    p.add_argument("--vidur-min-bytes", type=nonnegative, default=None,
+                   help="with --vidur: skip its samples under this many bytes (default: 0)")
     p.add_argument("--measure", metavar="MODEL_DIR",
                    help="measure this model's executor here (pdserve profile's grid)")
-    p.add_argument("--device", default="cpu", help="with --measure: cpu or cuda[:N]")
+    p.add_argument("--device", default=None,
+                   help="with --measure: cpu or cuda[:N] (default: cpu)")
     p.add_argument("--quick", action="store_true", help="with --measure: the quick grid")
-    p.add_argument("--threads", type=int, default=1, help="with --measure on CPU")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="with --measure on CPU (default: 1)")
     p.add_argument("--save-samples", help="with --measure: also write the raw samples here")
     p.add_argument("--aic-system", metavar="SYSTEM",
                    help="fit to aiconfigurator's kernel-sum steps on this system (h100_sxm, "
