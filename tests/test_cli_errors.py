@@ -231,3 +231,12 @@ def test_a_calibrate_flag_without_the_flag_it_acts_with_is_refused(
     assert main(["calibrate", "--hardware", "A100-80GB", "--model", "opt-13b", "--profile",
                  "distserve_profiler-a100-80g.distserve", *flags]) == 2
     assert says in one_error_line(capsys)
+
+
+def test_an_aic_backend_without_an_aic_system_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # simulate priced the analytic roofline and dropped the backend; plan refused it already
+    assert main(["simulate", "--rate", "1", "--num-requests", "3", "--aic-backend",
+                 "sglang"]) == 2
+    assert "aic_backend 'sglang' (--aic-backend) picks the kernel database's backend: give " \
+           "aic_system (--aic-system) too" in capsys.readouterr().err

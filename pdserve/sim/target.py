@@ -116,6 +116,9 @@ class SimulationConfig:
             object.__setattr__(self, "profile", resolve_profile(self.profile))
         if self.hardware is not None:
             get_device(self.hardware)  # a clear error for an unknown name
+        if self.aic_system is None and self.aic_backend != SimulationConfig.aic_backend:
+            raise ValueError(f"aic_backend {self.aic_backend!r} (--aic-backend) picks the "
+                             f"kernel database's backend: give aic_system (--aic-system) too")
         if self.aic_system is not None:
             aic_version()  # a clear error (pip install 'pdserve[aic]') when it is absent
             if self.aic_backend not in BACKENDS:
