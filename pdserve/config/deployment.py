@@ -344,7 +344,8 @@ class ClusterConfig:
         _require(self.flip == "none" or strategy == "disaggregated",
                  f"flip {self.flip!r} flips prefill and decode instances (TetriInfer); this "
                  f"deployment is {strategy}")
-        _require(self.decode_router == "least_load" or strategy == "disaggregated",
+        _require(self.decode_router == ClusterConfig.decode_router
+                 or strategy == "disaggregated",
                  f"decode_router {self.decode_router!r} routes to decode instances; this "
                  f"deployment is {strategy} (prefill_router routes its requests)")
         if self.gpus_per_node is not None:
@@ -428,14 +429,14 @@ class ClusterConfig:
                               f"{', '.join(f.name for f in fields(sub))}")
             flat = {key: d.pop(key) for key, (g, _) in FLAT_KEYS.items()
                     if g == group and key in d}
-            if group == "macro":  # (the SLOs are also what a run is judged on)
-                flat_macro = sorted(set(flat) - {"slo_ttft", "slo_tpot"})
             nested.update({FLAT_KEYS[key][1]: v for key, v in flat.items()})
             d[group] = sub(**nested)
-            idle = sorted(k for k in flat if k.startswith("mitosis_"))
-            _require(not idle or group != "macro" or d[group].mitosis,  # given, and ignored
-                     f"{', '.join(idle)}: settings of mitosis scaling, which is off; add "
-                     f"mitosis (--mitosis)")
+            if group == "macro":  # (the SLOs are also what a run is judged on)
+                flat_macro = sorted(set(flat) - {"slo_ttft", "slo_tpot"})
+                idle = sorted(k for k in flat if k.startswith("mitosis_"))
+                _require(not idle or d[group].mitosis,  # given, and ignored
+                         f"{', '.join(idle)}: settings of mitosis scaling, which is off; add "
+                         f"mitosis (--mitosis)")
         engine = d.pop("engine", None) or {}
         if isinstance(engine, EngineConfig):
             d.setdefault("model", engine.model)

@@ -169,10 +169,9 @@ async def serve(config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000
     try:  # a pool that cannot hold one request of max_model_len: refused, as vLLM does
         for st in runtime.instance_status():
             spec = config.role(st.role)
-            blocks = st.num_kv_blocks if st.stats is None else st.stats.num_kv_blocks
-            if blocks is None or spec is None:
+            if st.num_kv_blocks is None or spec is None:
                 continue
-            lanes = lane_blocks(blocks, spec.pp)
+            lanes = lane_blocks(st.num_kv_blocks, spec.pp)
             check_pool_holds_a_request(
                 min(n for _, n in lanes), config.engine_config(spec).cache.block_size,
                 runtime.max_model_len, f"instance {st.instance_id}'s KV pool"
